@@ -1,0 +1,56 @@
+"""deltastore: keep remote inference engines' weights in step with a trainer by shipping only
+the bytes that changed.
+
+>>> import deltastore as ds
+>>> store = ds.VersionStore("/shared/run1")                  # or memory://, s3://, gs://
+>>> pub = ds.DeltaPublisher(store, base_checkpoint="/ckpt/hf")
+>>> pub.seed()                                               # version 0, publishes nothing
+>>> pub.publish(model.named_parameters())                    # weight_v000001
+>>> ds.pull_weights("/nvme/ckpt", "/shared/run1", 1, base_dir="/ckpt/hf")
+"""
+
+from deltastore.errors import (
+    ApplyError,
+    ConfigError,
+    DeltastoreError,
+    FormatError,
+    HookError,
+    IntegrityError,
+    NameMismatchError,
+    OutOfOrderError,
+    PublishError,
+    StoreError,
+    StreamError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
+from deltastore.format import VersionIndex
+from deltastore.publish import DeltaPublisher, PublishResult
+from deltastore.pull import PullResult, pull_weights, verify_local
+from deltastore.storage import VersionStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApplyError",
+    "ConfigError",
+    "DeltaPublisher",
+    "DeltastoreError",
+    "FormatError",
+    "HookError",
+    "IntegrityError",
+    "NameMismatchError",
+    "OutOfOrderError",
+    "PublishError",
+    "PublishResult",
+    "PullResult",
+    "StoreError",
+    "StreamError",
+    "VersionConflictError",
+    "VersionIndex",
+    "VersionNotFoundError",
+    "VersionStore",
+    "__version__",
+    "pull_weights",
+    "verify_local",
+]

@@ -1,0 +1,58 @@
+"""Bytes in, bytes out: delta encodings, zstd framing and checksums, looked up by name."""
+
+from __future__ import annotations
+
+from deltastore.codecs.base import ByteArray, Checksum, EncodedDelta, Encoding
+from deltastore.codecs.checksums import Adler32Checksum, Blake3Checksum, Xxh3Checksum
+from deltastore.codecs.compression import COMPRESSION_NAME, compress, decompress
+from deltastore.codecs.encodings import OverwriteEncoding, XorEncoding
+from deltastore.errors import ConfigError
+
+ENCODINGS: dict[str, Encoding] = {e.name: e for e in (XorEncoding(), OverwriteEncoding())}
+CHECKSUMS: dict[str, Checksum] = {
+    c.name: c for c in (Xxh3Checksum(), Blake3Checksum(), Adler32Checksum())
+}
+
+
+def get_encoding(name: str) -> Encoding:
+    """The encoding registered as ``name``; :class:`ConfigError` lists the known ones."""
+    try:
+        return ENCODINGS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown delta encoding {name!r}; known encodings: {', '.join(sorted(ENCODINGS))}"
+        ) from None
+
+
+def get_checksum(name: str) -> Checksum:
+    """The checksum registered as ``name``; :class:`ConfigError` lists the known ones."""
+    try:
+        return CHECKSUMS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown checksum {name!r}; known checksums: {', '.join(sorted(CHECKSUMS))}"
+        ) from None
+
+
+def check_compression(name: str | None) -> None:
+    """Refuse a compression format other than the reference's zstd."""
+    if name != COMPRESSION_NAME:
+        raise ConfigError(
+            f"unknown compression format {name!r}; known compression formats: {COMPRESSION_NAME}"
+        )
+
+
+__all__ = [
+    "CHECKSUMS",
+    "COMPRESSION_NAME",
+    "ENCODINGS",
+    "ByteArray",
+    "Checksum",
+    "EncodedDelta",
+    "Encoding",
+    "check_compression",
+    "compress",
+    "decompress",
+    "get_checksum",
+    "get_encoding",
+]

@@ -1,0 +1,72 @@
+"""The error tree of deltastore.
+
+Every error raised on purpose by deltastore derives from :class:`DeltastoreError`. Classes also
+derive from the closest built-in (``ValueError``, ``OSError``, ``KeyError``) so callers that
+already catch those keep working. Messages name the version, tensor or path at fault and say
+what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class DeltastoreError(Exception):
+    """Root of every error deltastore raises on purpose."""
+
+
+class ConfigError(DeltastoreError, ValueError):
+    """A setting is invalid: an unknown codec name, a missing path, a bad argument."""
+
+
+class FormatError(DeltastoreError, ValueError):
+    """A published or local file does not follow the version format (index, shard, header)."""
+
+
+class IntegrityError(DeltastoreError):
+    """Bytes do not match the digest that was published for them."""
+
+
+class StoreError(DeltastoreError, OSError):
+    """The version store could not be read or written."""
+
+
+class VersionNotFoundError(StoreError, KeyError):
+    """A version that was asked for is not committed in the store."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class VersionConflictError(StoreError):
+    """Another writer claimed or committed the same version first."""
+
+
+class TransientStoreError(StoreError):
+    """A store operation failed in a way that may succeed on retry (5xx, throttling, reset)."""
+
+
+class PublishError(DeltastoreError):
+    """Publishing a version failed; nothing was committed and the snapshot did not advance."""
+
+
+class ApplyError(DeltastoreError):
+    """Applying a version to a local checkpoint failed."""
+
+
+class OutOfOrderError(ApplyError):
+    """A delta does not build on the version the local checkpoint holds."""
+
+
+class NameMismatchError(ApplyError):
+    """Published tensor names or sizes do not match the local checkpoint (wrong base)."""
+
+
+class StreamError(DeltastoreError):
+    """A store holds a different stream than the one the caller continues."""
+
+
+class LockTimeoutError(DeltastoreError, TimeoutError):
+    """The per-host lock of a local checkpoint could not be taken in time."""
+
+
+class HookError(DeltastoreError):
+    """A hook could not be loaded, or raised while running."""

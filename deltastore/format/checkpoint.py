@@ -1,0 +1,64 @@
+"""A Hugging Face safetensors checkpoint directory, read through its headers only."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from deltastore.errors import ConfigError, FormatError
+from deltastore.format.names import INDEX_NAME
+from deltastore.format.safetensors_io import TensorEntry, read_header_file
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """Where one tensor of a checkpoint lives on disk."""
+
+    file: str
+    """Absolute path of the safetensors file."""
+    entry: TensorEntry
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    """The safetensors files of a checkpoint directory, sorted by name.
+
+    When the directory has an HF index, only the files it maps are used (stray files are
+    ignored); otherwise every ``*.safetensors`` file is.
+    """
+    if not os.path.isdir(directory):
+        raise ConfigError(f"checkpoint directory {directory!r} does not exist")
+    index_path = os.path.join(directory, INDEX_NAME)
+    if os.path.exists(index_path):
+        with open(index_path, "rb") as fh:
+            try:
+                weight_map = json.load(fh).get("weight_map", {})
+            except (ValueError, AttributeError) as exc:
+                raise FormatError(f"{index_path} is not a valid index: {exc}") from None
+        names = sorted(set(weight_map.values()))
+    else:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    if not names:
+        raise ConfigError(f"checkpoint directory {directory!r} holds no *.safetensors files")
+    for name in names:
+        if not isinstance(name, str) or "/" in name or name.startswith("."):
+            raise FormatError(f"{index_path} maps to {name!r}, not a plain file name")
+    return [os.path.join(directory, n) for n in names]
+
+
+def scan_checkpoint(directory: str) -> dict[str, CheckpointTensor]:
+    """Tensor name → file and byte range for every tensor of a checkpoint directory.
+
+    Raises :class:`FormatError` when a name appears in two files.
+    """
+    tensors: dict[str, CheckpointTensor] = {}
+    for path in checkpoint_files(directory):
+        header = read_header_file(path)
+        for name, entry in header.tensors.items():
+            if name in tensors:
+                raise FormatError(
+                    f"tensor {name!r} appears in both {tensors[name].file} and {path}; the "
+                    "checkpoint is ambiguous"
+                )
+            tensors[name] = CheckpointTensor(path, entry)
+    return tensors

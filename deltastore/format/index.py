@@ -1,0 +1,175 @@
+"""The version index: ``model.safetensors.index.json``.
+
+Reference keys (``version``, ``base_version``, ``delta_encoding``, ``compression_format``,
+``checksum_format``) are what reference readers use; deltastore adds its own keys (``stream_id``,
+totals, ``commit_token``) that reference readers ignore. An index without ``delta_encoding`` is
+an ordinary full checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltastore.errors import FormatError
+from deltastore.format.names import check_shard_file_name, format_version, parse_version
+
+REFERENCE_KEYS = (
+    "version",
+    "base_version",
+    "delta_encoding",
+    "compression_format",
+    "checksum_format",
+)
+OWN_INT_KEYS = ("total_bytes", "changed_bytes", "wire_bytes", "tensor_count")
+FORMAT_NAME = "deltastore/1"
+
+
+@dataclass(frozen=True)
+class VersionIndex:
+    """The parsed index of one published version."""
+
+    version: int
+    weight_map: dict[str, str]
+    """Tensor name → shard file name inside the version directory."""
+    base_version: int | None = None
+    """Version a delta builds on; None on a full version that records none."""
+    encoding: str | None = None
+    """Delta encoding; None means a full checkpoint."""
+    compression: str | None = None
+    checksum: str | None = None
+    """Checksum algorithm of the per-tensor digests in the shard metadata."""
+    stream_id: str | None = None
+    """Identity of the publisher's stream, fixed at seed; None for foreign publishers."""
+    commit_token: str | None = None
+    """Unique token of the writer that committed this index (lost-ack detection)."""
+    totals: dict[str, int] = field(default_factory=dict)
+    """deltastore's byte totals: total_bytes, changed_bytes, wire_bytes, tensor_count."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Any other metadata keys, kept verbatim."""
+
+    @property
+    def is_delta(self) -> bool:
+        return self.encoding is not None
+
+    @property
+    def kind(self) -> str:
+        return "delta" if self.is_delta else "full"
+
+    def shards(self) -> dict[str, list[str]]:
+        """Shard file → tensor names the index maps to it, both in sorted order."""
+        by_shard: dict[str, list[str]] = defaultdict(list)
+        for name, shard in sorted(self.weight_map.items()):
+            by_shard[shard].append(name)
+        return dict(sorted(by_shard.items()))
+
+    def to_json(self) -> bytes:
+        """Serialise with the reference key spellings (6-digit version strings)."""
+        metadata: dict[str, Any] = dict(self.extra)
+        metadata["version"] = format_version(self.version)
+        if self.base_version is not None:
+            metadata["base_version"] = format_version(self.base_version)
+        if self.encoding is not None:
+            metadata["delta_encoding"] = self.encoding
+        if self.compression is not None:
+            metadata["compression_format"] = self.compression
+        if self.checksum is not None:
+            metadata["checksum_format"] = self.checksum
+        metadata["format"] = metadata.get("format", FORMAT_NAME)
+        if self.stream_id is not None:
+            metadata["stream_id"] = self.stream_id
+        if self.commit_token is not None:
+            metadata["commit_token"] = self.commit_token
+        metadata.update(self.totals)
+        body = {"metadata": metadata, "weight_map": dict(sorted(self.weight_map.items()))}
+        return (json.dumps(body, indent=2, sort_keys=False) + "\n").encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes, *, version: int, source: str = "index") -> VersionIndex:
+        """Parse and validate an index read from ``weight_v{version}``.
+
+        Raises :class:`FormatError` when the JSON is malformed, its version disagrees with the
+        directory it was read from, or a weight_map target is not a plain shard file name.
+        """
+        try:
+            body = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{source} is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise FormatError(f"{source} is not a JSON object")
+        metadata = body.get("metadata") or {}
+        weight_map = body.get("weight_map")
+        if not isinstance(metadata, dict):
+            raise FormatError(f"{source}: 'metadata' is not an object")
+        if not isinstance(weight_map, dict):
+            raise FormatError(f"{source}: 'weight_map' is missing or not an object")
+        for name in weight_map:
+            if not isinstance(name, str) or not name:
+                raise FormatError(f"{source}: weight_map has an invalid tensor name {name!r}")
+        for target in set(weight_map.values()):
+            check_shard_file_name(target, version=version)
+        extra = dict(metadata)
+        encoding = extra.pop("delta_encoding", None)
+        declared = extra.pop("version", None)
+        if declared is not None and parse_version(declared, what=f"{source} version") != version:
+            raise FormatError(
+                f"{source} declares version {declared!r} but lives in weight_v{version:06d}; "
+                "the store is inconsistent, republish that version"
+            )
+        if encoding is not None and declared is None:
+            raise FormatError(f"{source}: a delta index must carry its 'version'")
+        base_raw = extra.pop("base_version", None)
+        base_version = (
+            parse_version(base_raw, what=f"{source} base_version") if base_raw is not None else None
+        )
+        if encoding is not None:
+            if not isinstance(encoding, str):
+                raise FormatError(f"{source}: delta_encoding {encoding!r} is not a string")
+            if base_version is None:
+                raise FormatError(f"{source}: a delta index must carry its 'base_version'")
+            if base_version >= version:
+                raise FormatError(
+                    f"{source}: delta weight_v{version:06d} claims base version "
+                    f"{base_version:06d}, which is not older"
+                )
+        compression = extra.pop("compression_format", None)
+        checksum = extra.pop("checksum_format", None)
+        stream_id = extra.pop("stream_id", None)
+        commit_token = extra.pop("commit_token", None)
+        totals: dict[str, int] = {}
+        for key in OWN_INT_KEYS:
+            value = extra.pop(key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                totals[key] = value
+        return cls(
+            version=version,
+            weight_map=dict(weight_map),
+            base_version=base_version,
+            encoding=encoding,
+            compression=compression if isinstance(compression, str) else None,
+            checksum=checksum if isinstance(checksum, str) else None,
+            stream_id=stream_id if isinstance(stream_id, str) else None,
+            commit_token=commit_token if isinstance(commit_token, str) else None,
+            totals=totals,
+            extra=extra,
+        )
+
+
+def check_shard_names(
+    index: VersionIndex, shard: str, names_in_shard: set[str], *, source: str
+) -> None:
+    """Refuse a shard that holds other names than exactly those the index maps to it.
+
+    A half-visible listing or a foreign file in a version dir must not pass as a smaller update.
+    """
+    expected = {name for name, target in index.weight_map.items() if target == shard}
+    if names_in_shard != expected:
+        missing = sorted(expected - names_in_shard)[:5]
+        unexpected = sorted(names_in_shard - expected)[:5]
+        raise FormatError(
+            f"{source}: shard {shard} of weight_v{index.version:06d} does not hold exactly the "
+            f"tensors its index maps to it (missing {missing}, unexpected {unexpected}); "
+            "the version is corrupt or was written by two writers"
+        )

@@ -1,0 +1,211 @@
+"""Safetensors headers without the data: parse byte ranges, write files as a stream.
+
+Only the 8-byte length prefix and the JSON header are handled here. Parsing gives each tensor's
+absolute byte range in the file, so a reader can mmap or range-read one tensor without loading a
+shard. The writer streams tensors into any binary file object (a local file, an fsspec upload)
+and is dtype-blind: it takes the safetensors dtype string and raw bytes, so bf16 and float8 need
+no framework dtype objects and no whole-file buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import BinaryIO, Protocol
+
+from deltastore.errors import FormatError
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+"""Upper bound on a header's JSON; larger ones are refused as hostile before reading them."""
+
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives inside a safetensors file."""
+
+    name: str
+    dtype: str
+    """Safetensors dtype string, e.g. ``BF16``."""
+    shape: tuple[int, ...]
+    start: int
+    """Absolute byte offset of the tensor's first byte in the file."""
+    end: int
+    """Absolute byte offset one past its last byte."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed header: tensors in file order, the string metadata, and the data offset."""
+
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    data_start: int
+    """Absolute offset of the data section (8 + header length)."""
+    data_length: int | None
+    """Bytes of data the header accounts for."""
+
+
+class _Readable(Protocol):
+    def read(self, size: int = ..., /) -> bytes: ...
+
+
+def header_length(prefix: bytes, *, source: str = "safetensors file") -> int:
+    """Decode and bound-check the 8-byte little-endian header length."""
+    if len(prefix) < 8:
+        raise FormatError(f"{source} is truncated: {len(prefix)} bytes, not even a header length")
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length < 2 or length > MAX_HEADER_BYTES:
+        raise FormatError(
+            f"{source} declares a {length}-byte header (allowed 2..{MAX_HEADER_BYTES}); "
+            "it is corrupt or not a safetensors file"
+        )
+    return length
+
+
+def parse_header(
+    header_json: bytes, *, file_size: int | None = None, source: str = "safetensors file"
+) -> SafetensorsHeader:
+    """Parse the JSON header (without its 8-byte prefix) into absolute byte ranges.
+
+    ``file_size``, when known, is checked so a truncated shard is reported here rather than as
+    a short read later. Raises :class:`FormatError` on anything malformed.
+    """
+    try:
+        raw = json.loads(header_json.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{source} has an unreadable header: {exc}") from None
+    if not isinstance(raw, dict):
+        raise FormatError(f"{source} header is not a JSON object")
+    data_start = 8 + len(header_json)
+    metadata_raw = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata_raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata_raw.items()
+    ):
+        raise FormatError(f"{source} __metadata__ must map strings to strings")
+    tensors: dict[str, TensorEntry] = {}
+    data_end = 0
+    for name, spec in raw.items():
+        if not isinstance(spec, dict):
+            raise FormatError(f"{source}: entry {name!r} is not an object")
+        dtype = spec.get("dtype")
+        shape = spec.get("shape")
+        offsets = spec.get("data_offsets")
+        if dtype not in DTYPE_SIZES:
+            raise FormatError(f"{source}: tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise FormatError(f"{source}: tensor {name!r} has invalid shape {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise FormatError(f"{source}: tensor {name!r} has invalid data_offsets {offsets!r}")
+        expected = math.prod(shape) * DTYPE_SIZES[dtype]
+        if offsets[1] - offsets[0] != expected:
+            raise FormatError(
+                f"{source}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but "
+                f"{dtype}{shape} needs {expected}"
+            )
+        tensors[name] = TensorEntry(
+            name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1]
+        )
+        data_end = max(data_end, offsets[1])
+    if file_size is not None and data_start + data_end > file_size:
+        raise FormatError(
+            f"{source} is truncated: its header needs {data_start + data_end} bytes, "
+            f"the file has {file_size}"
+        )
+    return SafetensorsHeader(tensors, dict(metadata_raw), data_start, data_end)
+
+
+def read_header(
+    fileobj: _Readable, *, file_size: int | None = None, source: str = "safetensors file"
+) -> SafetensorsHeader:
+    """Read and parse the header from the start of an open binary file."""
+    length = header_length(fileobj.read(8), source=source)
+    header_json = fileobj.read(length)
+    if len(header_json) != length:
+        raise FormatError(f"{source} is truncated inside its {length}-byte header")
+    return parse_header(header_json, file_size=file_size, source=source)
+
+
+def read_header_file(path: str) -> SafetensorsHeader:
+    """Parse the header of a local safetensors file."""
+    import os
+
+    with open(path, "rb") as fh:
+        return read_header(fh, file_size=os.fstat(fh.fileno()).st_size, source=path)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """One tensor to write: name, safetensors dtype string, shape; its bytes come separately."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype not in DTYPE_SIZES:
+            raise FormatError(f"tensor {self.name!r}: unknown safetensors dtype {self.dtype!r}")
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+def build_header(tensors: Iterable[TensorLayout], metadata: Mapping[str, str]) -> bytes:
+    """The length-prefixed header for ``tensors`` laid out back to back in the given order."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for tensor in tensors:
+        size = tensor.nbytes
+        header[tensor.name] = {
+            "dtype": tensor.dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    # Pad with spaces to 8 bytes so the data section is aligned, as safetensors does.
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def write_safetensors(
+    out: BinaryIO,
+    tensors: list[tuple[TensorLayout, bytes | memoryview]],
+    metadata: Mapping[str, str] | None = None,
+) -> int:
+    """Stream a safetensors file into ``out``; returns the number of bytes written."""
+    for layout, data in tensors:
+        if len(memoryview(data).cast("B")) != layout.nbytes:
+            raise FormatError(
+                f"tensor {layout.name!r}: {len(memoryview(data).cast('B'))} bytes do not fit "
+                f"{layout.dtype}{list(layout.shape)}"
+            )
+    head = build_header([layout for layout, _ in tensors], metadata or {})
+    out.write(head)
+    written = len(head)
+    for _, data in tensors:
+        view = memoryview(data).cast("B")
+        out.write(view)
+        written += len(view)
+    return written

@@ -1,0 +1,90 @@
+"""Engine-side state files in ``<local_checkpoint>/.weight_sync/``.
+
+``state.json`` is the reference's ``{"version": "000007"}`` plus deltastore's own keys.
+``pending.json`` records a transition in progress so a crash can be repaired.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltastore.errors import FormatError
+from deltastore.format.names import format_version, parse_version
+
+
+@dataclass(frozen=True)
+class AppliedState:
+    """What a local checkpoint holds, as recorded in ``state.json``."""
+
+    version: int
+    stream_id: str | None = None
+    """Stream of the applied version; None for version 0 (the base) or a foreign publisher."""
+    source: str | None = None
+    """Store URL the version came from (informational)."""
+
+    def to_json(self) -> bytes:
+        body: dict[str, Any] = {"version": format_version(self.version)}
+        if self.stream_id is not None:
+            body["stream_id"] = self.stream_id
+        if self.source is not None:
+            body["source"] = self.source
+        return (json.dumps(body) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, source: str = "state.json") -> AppliedState:
+        try:
+            body = json.loads(data.decode("utf-8"))
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise FormatError(
+                f"{source} is unreadable ({exc}); the checkpoint will reseed"
+            ) from None
+        version = parse_version(body.get("version"), what=f"{source} version")
+        stream = body.get("stream_id")
+        src = body.get("source")
+        return cls(
+            version,
+            stream if isinstance(stream, str) else None,
+            src if isinstance(src, str) else None,
+        )
+
+
+@dataclass(frozen=True)
+class PendingTransition:
+    """A transition being made in place: from one applied version to another."""
+
+    from_version: int | None
+    to_version: int
+    stream_id: str | None = None
+    from_stream_id: str | None = None
+    versions: list[int] = field(default_factory=list)
+    """The versions being applied, in order."""
+
+    def to_json(self) -> bytes:
+        body = {
+            "from": None if self.from_version is None else format_version(self.from_version),
+            "to": format_version(self.to_version),
+            "stream_id": self.stream_id,
+            "from_stream_id": self.from_stream_id,
+            "versions": [format_version(v) for v in self.versions],
+        }
+        return (json.dumps(body) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, source: str = "pending.json") -> PendingTransition:
+        try:
+            body = json.loads(data.decode("utf-8"))
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+            return cls(
+                None if body.get("from") is None else parse_version(body["from"]),
+                parse_version(body.get("to")),
+                body.get("stream_id"),
+                body.get("from_stream_id"),
+                [parse_version(v) for v in body.get("versions", [])],
+            )
+        except (UnicodeDecodeError, ValueError, TypeError) as exc:
+            raise FormatError(f"{source} is unreadable ({exc})") from None

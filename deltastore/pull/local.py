@@ -1,0 +1,207 @@
+"""The host-local checkpoint: per-host lock, applied state, pending record, seeding copies."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+
+import xxhash
+
+from deltastore.errors import ConfigError, FormatError, IntegrityError, LockTimeoutError
+from deltastore.format.names import INDEX_NAME, LOCK_NAME, PENDING_NAME, STATE_DIR, STATE_NAME
+from deltastore.format.state import AppliedState, PendingTransition
+
+log = logging.getLogger("deltastore.pull")
+
+_COPY_CHUNK = 16 * 1024**2
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``path`` through a fsynced sibling temp file and an atomic replace."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+
+
+def _reflink(src: str, dst: str) -> bool:
+    """Copy-on-write clone (FICLONE) where the filesystem supports it; False otherwise."""
+    ficlone = 0x40049409  # _IOW(0x94, 9, int) on Linux
+    try:
+        with open(src, "rb") as s, open(dst, "wb") as d:
+            fcntl.ioctl(d.fileno(), ficlone, s.fileno())
+        return True
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dst)
+        return False
+
+
+def copy_verified(src: str, dst: str) -> None:
+    """Copy a file (never a hard link: the source must stay untouched) and verify the content.
+
+    The source is hashed while it is copied and the copy is hashed again after an fsync, so a
+    short or corrupt copy is caught. Raises :class:`IntegrityError` on a mismatch.
+    """
+    tmp = f"{dst}.partial"
+    source_hash = xxhash.xxh3_128()
+    if _reflink(src, tmp):
+        with open(src, "rb") as fh:
+            while chunk := fh.read(_COPY_CHUNK):
+                source_hash.update(chunk)
+    else:
+        with open(src, "rb") as fin, open(tmp, "wb") as fout:
+            while chunk := fin.read(_COPY_CHUNK):
+                source_hash.update(chunk)
+                fout.write(chunk)
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+        copy_hash = xxhash.xxh3_128()
+        while chunk := fh.read(_COPY_CHUNK):
+            copy_hash.update(chunk)
+    if copy_hash.digest() != source_hash.digest():
+        os.unlink(tmp)
+        raise IntegrityError(f"copy of {src} to {dst} does not match its source; check the disk")
+    os.replace(tmp, dst)
+
+
+class LocalCheckpoint:
+    """A host-local HF checkpoint kept in step by :func:`pull_weights`."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.dir = os.path.abspath(os.fspath(directory))
+        self.state_dir = os.path.join(self.dir, STATE_DIR)
+        self.state_path = os.path.join(self.state_dir, STATE_NAME)
+        self.pending_path = os.path.join(self.state_dir, PENDING_NAME)
+
+    @contextlib.contextmanager
+    def lock(self, timeout_s: float = 3600.0) -> Iterator[None]:
+        """Hold the per-host ``flock``; co-located ranks serialise on it."""
+        os.makedirs(self.state_dir, exist_ok=True)
+        fd = os.open(os.path.join(self.state_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                    if time.monotonic() > deadline:
+                        raise LockTimeoutError(
+                            f"{self.dir} is locked by another pull for over {timeout_s:.0f} s"
+                        ) from None
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    # ------------------------------------------------------------------ state
+    def read_state(self) -> AppliedState | None:
+        """The applied state, or None when there is none (or it is unreadable)."""
+        try:
+            with open(self.state_path, "rb") as fh:
+                return AppliedState.from_json(fh.read(), source=self.state_path)
+        except FileNotFoundError:
+            return None
+        except FormatError as exc:
+            log.warning("%s; treating %s as holding nothing", exc, self.dir)
+            return None
+
+    def write_state(self, state: AppliedState) -> None:
+        os.makedirs(self.state_dir, exist_ok=True)
+        atomic_write(self.state_path, state.to_json())
+
+    def invalidate_state(self) -> None:
+        """Remove the state so a reference reader sees no version (it then reseeds)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.state_path)
+            fsync_dir(self.state_dir)
+
+    def read_pending(self) -> PendingTransition | None:
+        try:
+            with open(self.pending_path, "rb") as fh:
+                return PendingTransition.from_json(fh.read(), source=self.pending_path)
+        except FileNotFoundError:
+            return None
+        except FormatError as exc:
+            log.warning("%s; the checkpoint will be reseeded", exc)
+            return PendingTransition(None, 0)
+
+    def begin(self, pending: PendingTransition) -> None:
+        """Before the first in-place write: drop the state, then record the transition."""
+        os.makedirs(self.state_dir, exist_ok=True)
+        self.invalidate_state()
+        atomic_write(self.pending_path, pending.to_json())
+
+    def finish(self, state: AppliedState) -> None:
+        """After the data is durable: write the new state, then clear the pending record."""
+        self.write_state(state)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.pending_path)
+            fsync_dir(self.state_dir)
+
+    # ---------------------------------------------------------------- seeding
+    def weight_files(self) -> list[str]:
+        """Names of the local safetensors files and index (what a reseed replaces)."""
+        if not os.path.isdir(self.dir):
+            return []
+        return sorted(
+            n for n in os.listdir(self.dir) if n.endswith(".safetensors") or n == INDEX_NAME
+        )
+
+    def clear_weights(self) -> None:
+        for name in self.weight_files():
+            os.unlink(os.path.join(self.dir, name))
+
+    def seed_from_base(self, base_dir: str) -> None:
+        """Replace the local weights with a verified copy of ``base_dir`` (never modified)."""
+        base_dir = os.path.abspath(base_dir)
+        if not os.path.isdir(base_dir):
+            raise ConfigError(f"base directory {base_dir!r} does not exist")
+        if base_dir == self.dir:
+            raise ConfigError(
+                f"local checkpoint {self.dir} is the base model path itself; deltas would "
+                "modify the user's model. Pass a separate host-local directory"
+            )
+        self.clear_weights()
+        for name in sorted(os.listdir(base_dir)):
+            src = os.path.join(base_dir, name)
+            if name == STATE_DIR or not os.path.isfile(src):
+                continue
+            copy_verified(src, os.path.join(self.dir, name))
+        fsync_dir(self.dir)
+
+    def copy_missing_extras(self, base_dir: str | None) -> None:
+        """Copy non-weight files (config, tokenizer) from the base that the local dir lacks."""
+        if base_dir is None or not os.path.isdir(base_dir):
+            return
+        for name in sorted(os.listdir(base_dir)):
+            src = os.path.join(base_dir, name)
+            dst = os.path.join(self.dir, name)
+            if (
+                name != STATE_DIR
+                and os.path.isfile(src)
+                and not name.endswith(".safetensors")
+                and name != INDEX_NAME
+                and not os.path.exists(dst)
+            ):
+                shutil.copyfile(src, dst)
