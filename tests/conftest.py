@@ -1,0 +1,91 @@
+"""Shared fixtures: small HF safetensors checkpoints built from real files.
+
+``make_checkpoint(directory, tensors, shards=1)`` writes a checkpoint the way HF tools do
+(``safetensors.torch.save_file`` per shard, plus ``model.safetensors.index.json`` when sharded).
+``small_model`` is a handful of tiny tensors covering every dtype deltastore must treat
+byte-blindly (bf16, fp16, fp32, float8_e4m3fn, int8, bool) including a 0-d and an empty one;
+``base_dir`` is a temp directory holding it as a two-shard checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+# gcsfs picks its filesystem class when first imported; the experimental one probes every
+# bucket over gRPC and retries for about a minute against an emulator. Must precede any import
+# of gcsfs anywhere in the test session.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def make_checkpoint(
+    directory: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], shards: int = 1
+) -> Path:
+    """Write ``tensors`` as an HF safetensors checkpoint in ``directory`` and return its path.
+
+    With ``shards == 1`` the checkpoint is a single ``model.safetensors``; otherwise the
+    tensors are dealt round-robin (in name order) into ``model-0000i-of-0000n.safetensors``
+    files (1-based, HF style) and an index maps each name to its file. Tensors are made
+    contiguous and cloned so that views of one storage can be saved together.
+    """
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    if shards <= 1:
+        save_file(
+            {n: tensors[n].contiguous().clone() for n in names}, str(root / "model.safetensors")
+        )
+        return root
+    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(shards)]
+    for i, name in enumerate(names):
+        groups[i % shards][name] = tensors[name].contiguous().clone()
+    weight_map: dict[str, str] = {}
+    for i, group in enumerate(groups):
+        file_name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(group, str(root / file_name))
+        weight_map.update({name: file_name for name in group})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (root / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    return root
+
+
+def small_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A few small tensors of mixed dtypes, deterministic for ``seed``.
+
+    Covers bf16, fp16, fp32, float8_e4m3fn, int8 and bool, a 0-d scalar and an empty tensor.
+    """
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(32, 16, generator=g).to(torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16, generator=g).half(),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(24, 16, generator=g),
+        "model.layers.0.mlp.fp8_weight": torch.randn(8, 16, generator=g).to(torch.float8_e4m3fn),
+        "model.layers.0.quant.scale_int8": torch.randint(
+            -128, 128, (64,), generator=g, dtype=torch.int8
+        ),
+        "model.layers.0.mask": torch.rand(5, 7, generator=g) > 0.5,
+        "model.norm.eps": torch.tensor(1e-5, dtype=torch.float32),
+        "model.empty_bias": torch.zeros(0, dtype=torch.bfloat16),
+    }
+
+
+@pytest.fixture
+def small_model() -> dict[str, torch.Tensor]:
+    """A dict of small mixed-dtype tensors (see ``small_tensors``)."""
+    return small_tensors()
+
+
+@pytest.fixture
+def base_dir(tmp_path: Path, small_model: dict[str, torch.Tensor]) -> Path:
+    """A temp directory holding ``small_model`` as a two-shard HF checkpoint."""
+    return make_checkpoint(tmp_path / "base", small_model, shards=2)
