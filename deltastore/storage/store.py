@@ -372,6 +372,8 @@ class VersionStore:
             return None
 
         if self.is_local:
+            # An empty delta (nothing changed) has no shard, so its directory may not exist yet.
+            os.makedirs(self.version_path(version), exist_ok=True)
             # The shards were fsynced when written; make their names durable with the index.
             _fsync_dir(self.version_path(version))
         if not self._create_with_token(path, index.to_json(), index.commit_token, read_token):
