@@ -1,0 +1,109 @@
+"""``deltastore publish``: publish the change between two checkpoint directories."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from deltastore.cli import add_storage_option_flag, parse_storage_options
+from deltastore.codecs import CHECKSUMS, ENCODINGS, get_checksum
+from deltastore.errors import ConfigError, IntegrityError, PublishError
+from deltastore.format.checkpoint import scan_checkpoint
+from deltastore.publish import DeltaPublisher, Snapshot
+from deltastore.pull.chain import resolve_chain
+from deltastore.storage import VersionStore
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "publish",
+        help="publish the change from checkpoint PREV to checkpoint NEW as version latest+1",
+        description=(
+            "Publish version latest+1 (1 on an empty store) holding the change from PREV (the "
+            "state of the latest version) to NEW. Continues the latest version's stream and "
+            "refuses a PREV that contradicts any digest the chain records."
+        ),
+    )
+    p.add_argument("--store", required=True, help="store URL: a directory, memory://, s3://, gs://")
+    p.add_argument(
+        "--prev", required=True, help="checkpoint dir holding the latest version's state"
+    )
+    p.add_argument("--new", required=True, help="checkpoint dir holding the state to publish")
+    p.add_argument("--encoding", default="xor", choices=sorted(ENCODINGS))
+    p.add_argument("--checksum", default="xxh3-128", choices=sorted(CHECKSUMS))
+    p.add_argument(
+        "--full", action="store_true", help="publish a full checkpoint (resets the chain)"
+    )
+    p.add_argument("--workers", type=int, default=None, help="encode threads (default: cores, ≤8)")
+    add_storage_option_flag(p)
+    p.set_defaults(func=run)
+
+
+def check_prev_against_chain(store: VersionStore, prev_dir: str) -> int:
+    """Refuse a PREV whose tensors contradict a digest recorded on the latest version's chain.
+
+    Returns the number of tensors checked. A wrong PREV would silently corrupt every later
+    version, so every digest the chain records (full version metadata, then newer deltas) is
+    compared with PREV's bytes.
+    """
+    latest = store.latest()
+    if latest == 0:
+        return 0
+    chain = resolve_chain(store, latest)
+    recorded: dict[str, tuple[str, str, int]] = {}
+    sources = ([chain.start_index] if chain.start_index is not None else []) + chain.deltas
+    for index in sources:
+        for shard in index.shards():
+            header = store.read_shard_header(index.version, shard)
+            for name in header.tensors:
+                digest = header.metadata.get(name)
+                if digest is not None and index.checksum:
+                    recorded[name] = (index.checksum, digest, index.version)
+    tensors = scan_checkpoint(prev_dir)
+    for name, (algorithm, digest, version) in sorted(recorded.items()):
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise ConfigError(
+                f"--prev {prev_dir} lacks tensor {name!r}, which weight_v{version:06d} records"
+            )
+        with open(tensor.file, "rb") as fh:
+            fh.seek(tensor.entry.start)
+            actual = get_checksum(algorithm).hexdigest(fh.read(tensor.entry.nbytes))
+        if actual != digest:
+            raise IntegrityError(
+                f"--prev {prev_dir} is not the state of weight_v{latest:06d}: tensor {name!r} "
+                f"differs from the digest weight_v{version:06d} records; pass the checkpoint "
+                "the latest version describes (or `deltastore pull` it first)"
+            )
+    return len(recorded)
+
+
+def run(args: argparse.Namespace) -> int:
+    store = VersionStore(args.store, parse_storage_options(args.storage_option))
+    prev, new = os.path.abspath(args.prev), os.path.abspath(args.new)
+    checked = check_prev_against_chain(store, prev)
+    publisher = DeltaPublisher(
+        store, prev, encoding=args.encoding, checksum=args.checksum, workers=args.workers
+    )
+    publisher.seed(continue_latest=True)
+    assert publisher.snapshot is not None
+    target = Snapshot.from_checkpoint(new)
+    missing = sorted(set(publisher.snapshot) - set(target))
+    if missing:
+        raise PublishError(f"--new {new} lacks tensors of --prev: {missing[:5]}")
+    for name, tensor in target.tensors.items():
+        base = publisher.snapshot.tensors.get(name)
+        if base is not None and (base.dtype, base.shape) != (tensor.dtype, tensor.shape):
+            raise PublishError(
+                f"tensor {name!r} is {tensor.dtype}{list(tensor.shape)} in --new but "
+                f"{base.dtype}{list(base.shape)} in --prev"
+            )
+    result = publisher.publish(
+        ((name, t.data) for name, t in target.tensors.items()), full=args.full
+    )
+    print(
+        f"published weight_v{result.version:06d} ({result.kind}) to {store.url}: "
+        f"{result.tensors_changed} tensors changed, density {result.density:.4%}, "
+        f"{result.wire_bytes} wire bytes; --prev checked against {checked} recorded digests"
+    )
+    return 0

@@ -1,0 +1,49 @@
+"""``deltastore pull``: bring a host-local checkpoint to a published version."""
+
+from __future__ import annotations
+
+import argparse
+
+from deltastore.cli import add_storage_option_flag, parse_storage_options
+from deltastore.errors import ConfigError
+from deltastore.pull import pull_weights
+from deltastore.storage import VersionStore
+
+
+def parse_target(value: str) -> int | str:
+    if value == "latest":
+        return value
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"--version must be a number or 'latest', not {value!r}")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "pull",
+        help="apply published versions to a host-local checkpoint, verified",
+        description=(
+            "Bring --local to --version, creating it from --base when it does not exist. A "
+            "directory without a state file is treated as holding nothing and reseeded."
+        ),
+    )
+    p.add_argument("--store", required=True, help="store URL")
+    p.add_argument("--local", required=True, help="host-local checkpoint dir (patched in place)")
+    p.add_argument("--base", required=True, help="the engine's base model dir (version 0)")
+    p.add_argument("--version", required=True, type=parse_target, help="N or 'latest'")
+    p.add_argument("--workers", type=int, default=4, help="apply threads")
+    add_storage_option_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    store = VersionStore(args.store, parse_storage_options(args.storage_option))
+    target = args.version
+    if target == "latest":
+        store.refresh()
+        target = store.latest()
+    if not isinstance(target, int):
+        raise ConfigError(f"bad --version {args.version!r}")
+    result = pull_weights(args.local, store, target, base_dir=args.base, workers=args.workers)
+    print(f"{args.local}: {result.message}")
+    return 0
