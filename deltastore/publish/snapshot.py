@@ -108,6 +108,10 @@ def tensor_bytes(name: str, tensor: Any) -> ByteArray:
         if t.device.type != "cpu":
             t = t.to("cpu")
         t = t.contiguous().reshape(-1)
+        # torch calls a 0- or 1-element view with stride != 1 contiguous and keeps its stride,
+        # which .view(uint8) then rejects: copy it into a fresh stride-1 tensor.
+        if t.stride(0) != 1:
+            t = t.clone(memory_format=torch.contiguous_format)
         return t.view(torch.uint8).numpy()
     raise PublishError(
         f"tensor {name!r} is a {type(tensor).__name__}; pass a torch.Tensor or numpy.ndarray"
