@@ -46,10 +46,13 @@ class OverwriteEncoding(Encoding):
     idempotent = True
 
     def check_size(self, nbytes: int, *, tensor: str) -> None:
-        if nbytes > _U32_LIMIT:
+        # u32 positions address bytes 0..2**32-1, and the u32 count must hold the number of
+        # changed bytes, which can be the whole tensor: 2**32 bytes is already one too many.
+        if nbytes >= _U32_LIMIT:
             raise ConfigError(
                 f"tensor {tensor!r} has {nbytes} bytes: the overwrite encoding's u32 byte "
-                "positions cannot address more than 4 GiB; publish it with encoding='xor'"
+                "positions and count cannot describe a tensor of 4 GiB or more; publish it "
+                "with encoding='xor'"
             )
 
     def encode(self, old: ByteArray, new: ByteArray) -> EncodedDelta:

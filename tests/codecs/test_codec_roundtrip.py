@@ -1,6 +1,6 @@
 """Property tests: tensor bytes → encode → zstd → decompress → apply gives the new bytes back.
 
-Every encoding × checksum is run over the dtypes the reference must carry byte-blindly (bf16,
+Every encoding x checksum is run over the dtypes the reference must carry byte-blindly (bf16,
 fp16, fp32, float8, int8, uint8, bool), shapes including 0-d, empty and 1-element, and
 non-contiguous views (transposed, sliced), which go through the publisher's ``tensor_bytes``.
 The expected bytes of a view are derived independently of torch, from the parent's raw bytes
