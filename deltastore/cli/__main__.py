@@ -1,0 +1,3 @@
+from deltastore.cli import main
+
+raise SystemExit(main())

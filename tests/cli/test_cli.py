@@ -1,0 +1,150 @@
+"""The ``deltastore`` command, run as a real subprocess on real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import checkpoint_bytes, make_checkpoint
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def deltastore(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the installed CLI entry point (``python -m deltastore.cli``) and capture its output."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "deltastore.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"deltastore {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+        "layer.0.weight": torch.randn(32, 32, generator=g).to(torch.bfloat16),
+        "layer.0.bias": torch.randn(32, generator=g),
+        "norm.weight": torch.ones(32, dtype=torch.float16),
+    }
+
+
+def _step(tensors: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+    out = {name: t.clone() for name, t in tensors.items()}
+    out["layer.0.weight"].view(-1)[k : k + 3] += 1
+    out["layer.0.bias"][k] -= 0.5
+    return out
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> list[Path]:
+    """Three successive checkpoints: base (v0), v1, v2."""
+    states = [_model(0)]
+    for k in (1, 2):
+        states.append(_step(states[-1], k))
+    return [make_checkpoint(tmp_path / f"ckpt{i}", s) for i, s in enumerate(states)]
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+def test_publish_pull_ls_verify(tmp_path: Path, checkpoints: list[Path], encoding: str) -> None:
+    store = str(tmp_path / "store")
+    base, v1, v2 = (str(c) for c in checkpoints)
+    out = deltastore(
+        "publish", "--store", store, "--prev", base, "--new", v1, "--encoding", encoding
+    )
+    assert "weight_v000001" in out.stdout
+    deltastore("publish", "--store", store, "--prev", v1, "--new", v2, "--encoding", encoding,
+               "--checksum", "blake3")  # fmt: skip
+
+    listing = json.loads(deltastore("ls", store, "--json").stdout)["versions"]
+    assert [row["version"] for row in listing] == [1, 2]
+    assert [row["base_version"] for row in listing] == [0, 1]
+    assert {row["kind"] for row in listing} == {"delta"}
+    assert {row["encoding"] for row in listing} == {encoding}
+    assert all(row["tensors"] == 2 and row["wire_bytes"] > 0 for row in listing)
+    assert "000002" in deltastore("ls", store).stdout
+
+    local = tmp_path / "host"
+    deltastore(
+        "pull", "--store", store, "--local", str(local), "--base", base, "--version", "latest"
+    )
+    assert checkpoint_bytes(local) == checkpoint_bytes(v2)
+    assert (
+        deltastore("verify", "--store", store, "--local", str(local), "--base", base).returncode
+        == 0
+    )
+
+    # The local bytes are at v2, so verifying them against v1 must fail, by digest.
+    bad = deltastore("verify", "--store", store, "--local", str(local), "--base", base,
+                     "--version", "1", check=False)  # fmt: skip
+    assert bad.returncode != 0 and "do not match" in bad.stderr
+
+    deltastore("pull", "--store", store, "--local", str(local), "--base", base, "--version", "1")
+    assert checkpoint_bytes(local) == checkpoint_bytes(v1)
+
+
+def test_publish_refuses_prev_that_contradicts_the_chain(
+    tmp_path: Path, checkpoints: list[Path]
+) -> None:
+    store = str(tmp_path / "store")
+    base, v1, v2 = (str(c) for c in checkpoints)
+    deltastore("publish", "--store", store, "--prev", base, "--new", v1)
+    # PREV must be the state of v1; passing the base again would corrupt v2 and later versions.
+    proc = deltastore("publish", "--store", store, "--prev", base, "--new", v2, check=False)
+    assert proc.returncode == 1
+    assert "weight_v000001" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert json.loads(deltastore("ls", store, "--json").stdout)["versions"][-1]["version"] == 1
+
+
+def test_pull_creates_local_dir_and_reseeds_dir_without_state(
+    tmp_path: Path, checkpoints: list[Path]
+) -> None:
+    store = str(tmp_path / "store")
+    base, v1, _ = (str(c) for c in checkpoints)
+    deltastore("publish", "--store", store, "--prev", base, "--new", v1)
+    # A directory with weights but no state file holds "nothing": it is reseeded from the base.
+    local = tmp_path / "host"
+    shutil.copytree(v1, local)
+    with open(next(local.glob("*.safetensors")), "r+b") as fh:
+        fh.seek(-1, os.SEEK_END)
+        fh.write(b"\x7f")
+    deltastore("pull", "--store", store, "--local", str(local), "--base", base, "--version", "1")
+    assert checkpoint_bytes(local) == checkpoint_bytes(v1)
+
+
+def test_errors_are_one_line_unless_debug(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope")
+    proc = deltastore("pull", "--store", str(tmp_path / "store"), "--local", str(tmp_path / "h"),
+                      "--base", missing, "--version", "3", check=False)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("deltastore pull: error:") and "weight_v000003" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    debug = deltastore("--debug", "pull", "--store", str(tmp_path / "store"), "--local",
+                       str(tmp_path / "h"), "--base", missing, "--version", "3", check=False)  # fmt: skip
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+    bad_encoding = deltastore("publish", "--store", "x", "--prev", "a", "--new", "b",
+                              "--encoding", "lz4", check=False)  # fmt: skip
+    assert bad_encoding.returncode == 2 and "invalid choice" in bad_encoding.stderr
+
+
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    proc = deltastore("demo", "--size", "8", "--steps", "2", "--workdir", str(tmp_path / "demo"))
+    assert "000002" in proc.stdout and "verified on both hosts" in proc.stdout
+    rows = json.loads(deltastore("ls", str(tmp_path / "demo" / "store"), "--json").stdout)
+    assert [r["version"] for r in rows["versions"]] == [1, 2]
+    # Every step of the demo changes a small, non-zero fraction of the model.
+    assert all(0 < r["wire_bytes"] for r in rows["versions"])
