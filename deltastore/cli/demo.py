@@ -86,7 +86,8 @@ def _store_url(args: argparse.Namespace, workdir: str) -> Iterator[tuple[str, di
             from deltastore.testing.servers import start_moto_s3
         except ImportError as exc:  # moto is an optional dependency
             raise ConfigError(
-                f"--backend s3 needs the embedded S3 server: pip install 'deltastore[emulators]' ({exc})"
+                "--backend s3 needs the embedded S3 server: "
+                f"pip install 'deltastore[emulators]' ({exc})"
             ) from None
         with start_moto_s3() as server:
             server.make_bucket("deltastore-demo")

@@ -132,8 +132,9 @@ def test_errors_are_one_line_unless_debug(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert proc.stderr.startswith("deltastore pull: error:") and "weight_v000003" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
-    debug = deltastore("--debug", "pull", "--store", str(tmp_path / "store"), "--local",
-                       str(tmp_path / "h"), "--base", missing, "--version", "3", check=False)  # fmt: skip
+    store, host = str(tmp_path / "store"), str(tmp_path / "h")
+    debug = deltastore("--debug", "pull", "--store", store, "--local", host,
+                       "--base", missing, "--version", "3", check=False)  # fmt: skip
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
     bad_encoding = deltastore("publish", "--store", "x", "--prev", "a", "--new", "b",
@@ -147,4 +148,4 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     rows = json.loads(deltastore("ls", str(tmp_path / "demo" / "store"), "--json").stdout)
     assert [r["version"] for r in rows["versions"]] == [1, 2]
     # Every step of the demo changes a small, non-zero fraction of the model.
-    assert all(0 < r["wire_bytes"] for r in rows["versions"])
+    assert all(r["wire_bytes"] > 0 for r in rows["versions"])
