@@ -149,3 +149,23 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert [r["version"] for r in rows["versions"]] == [1, 2]
     # Every step of the demo changes a small, non-zero fraction of the model.
     assert all(r["wire_bytes"] > 0 for r in rows["versions"])
+
+
+def test_inspect_shows_payloads_and_digests(tmp_path: Path, checkpoints: list[Path]) -> None:
+    store = str(tmp_path / "store")
+    base, v1, _ = (str(c) for c in checkpoints)
+    deltastore("publish", "--store", store, "--prev", base, "--new", v1, "--checksum", "adler32")
+    info = json.loads(deltastore("inspect", store, "1", "--json").stdout)
+    assert info["kind"] == "delta" and info["checksum"] == "adler32"
+    (tensors,) = info["shards"].values()
+    assert set(tensors) == {"layer.0.weight", "layer.0.bias"}
+    assert all(t["dtype"] == "U8" and len(t["digest"]) == 8 for t in tensors.values())
+    missing = deltastore("inspect", store, "9", check=False)
+    assert missing.returncode == 1 and "weight_v000009" in missing.stderr
+
+
+def test_bench_prints_ratios(tmp_path: Path) -> None:
+    out = deltastore("bench", "--size", "4", "--steps", "1").stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    delta_wire, full_wire, ratio = (float(x) for x in rows["wire"][2:5])
+    assert 0 < delta_wire < full_wire and abs(ratio - delta_wire / full_wire) < 1e-3
