@@ -59,7 +59,7 @@ def golden_store(tmp_path: Path) -> Path:
 
 def test_regenerating_gives_identical_bytes(tmp_path: Path):
     committed = _files(GOLDEN)
-    assert len(committed) == 11, sorted(committed)
+    assert len(committed) == 10, sorted(committed)
     regenerated = _files(gen.generate(tmp_path / "out"))
     assert sorted(regenerated) == sorted(committed)
     changed = [name for name in committed if committed[name] != regenerated[name]]
