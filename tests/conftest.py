@@ -4,7 +4,9 @@
 (``safetensors.torch.save_file`` per shard, plus ``model.safetensors.index.json`` when sharded).
 ``small_model`` is a handful of tiny tensors covering every dtype deltastore must treat
 byte-blindly (bf16, fp16, fp32, float8_e4m3fn, int8, bool) including a 0-d and an empty one;
-``base_dir`` is a temp directory holding it as a two-shard checkpoint.
+``base_dir`` is a temp directory holding it as a two-shard checkpoint. ``checkpoint_bytes`` and
+``raw_bytes`` read tensors back as raw bytes, for byte-exact comparisons; ``perturb`` makes a
+sparse, deterministic "training step" change.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -59,6 +62,22 @@ def make_checkpoint(
     return root
 
 
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    """The raw little-endian storage bytes of a tensor in row-major order (any dtype, any view)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def checkpoint_bytes(directory: str | os.PathLike[str]) -> dict[str, bytes]:
+    """Name → raw bytes of every tensor in every ``*.safetensors`` file of ``directory``."""
+    out: dict[str, bytes] = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                assert name not in out, f"{name} appears twice in {directory}"
+                out[name] = raw_bytes(fh.get_tensor(name))
+    return out
+
+
 def small_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     """A few small tensors of mixed dtypes, deterministic for ``seed``.
 
@@ -77,6 +96,22 @@ def small_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
         "model.norm.eps": torch.tensor(1e-5, dtype=torch.float32),
         "model.empty_bias": torch.zeros(0, dtype=torch.bfloat16),
     }
+
+
+def perturb(tensors: Mapping[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """A copy of ``tensors`` where two of them (chosen by ``step``) have a few bytes changed.
+
+    Byte-level and dtype-blind like the codecs (bool bytes stay 0/1); deterministic for
+    ``step``, and different steps change different tensors and positions.
+    """
+    out = {name: t.clone() for name, t in tensors.items()}
+    names = sorted(n for n, t in out.items() if t.numel())
+    for name in {names[step % len(names)], names[(3 * step + 1) % len(names)]}:
+        flat = out[name].reshape(-1).view(torch.uint8)
+        mask = 1 if out[name].dtype == torch.bool else 0x5A
+        for i in range(3):
+            flat[(7 * step + 13 * i) % flat.numel()] ^= mask
+    return out
 
 
 @pytest.fixture
