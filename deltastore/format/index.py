@@ -134,6 +134,9 @@ class VersionIndex:
                     f"{source}: delta weight_v{version:06d} claims base version "
                     f"{base_version:06d}, which is not older"
                 )
+        if extra.get("format") == FORMAT_NAME:
+            # to_json writes it back; keeping it in `extra` would make a round trip unequal.
+            del extra["format"]
         compression = extra.pop("compression_format", None)
         checksum = extra.pop("checksum_format", None)
         stream_id = extra.pop("stream_id", None)

@@ -111,6 +111,8 @@ def test_our_reader_parses_the_golden_store():
         assert index.checksum == checksum
         assert index.stream_id == gen.STREAM_ID
         assert VersionIndex.from_json(index.to_json(), version=version) == index
+        raw = (GOLDEN / "store" / f"weight_v{version:06d}" / INDEX_NAME).read_bytes()
+        assert index.to_json() == raw, "the index no longer round-trips byte for byte"
         changed = {
             n
             for n in gen.state(version)
