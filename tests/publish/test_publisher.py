@@ -1,0 +1,316 @@
+"""DeltaPublisher on a local store: what it commits, what it refuses, and when it advances.
+
+The snapshot (the trainer's idea of what engines hold) must advance only once a version is
+committed (TRAPS 2, 9): a failed commit leaves it and the version counter where they were, so
+the next publish reuses the number and still diffs against what engines really hold. A failed
+post-write hook happens after the commit, so there the version stands and the snapshot moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import deltastore as ds
+from deltastore.errors import (
+    ConfigError,
+    HookError,
+    PublishError,
+    StreamError,
+    VersionConflictError,
+)
+from deltastore.format.names import INDEX_NAME
+from deltastore.publish import METRIC_KEYS
+from tests.conftest import checkpoint_bytes, perturb, raw_bytes
+
+Model = dict[str, torch.Tensor]
+
+
+def _publisher(tmp_path: Path, base_dir: Path, **kwargs: Any) -> ds.DeltaPublisher:
+    publisher = ds.DeltaPublisher(ds.VersionStore(tmp_path / "store"), base_dir, **kwargs)
+    publisher.seed()
+    return publisher
+
+
+def _changed_bytes(old: Model, new: Model) -> int:
+    return sum(
+        int(
+            np.count_nonzero(
+                np.frombuffer(raw_bytes(old[n]), np.uint8)
+                != np.frombuffer(raw_bytes(new[n]), np.uint8)
+            )
+        )
+        for n in old
+    )
+
+
+def _pull_bytes(
+    tmp_path: Path, store: ds.VersionStore, version: int, base_dir: Path
+) -> dict[str, bytes]:
+    host = tmp_path / f"check-host-{version}"
+    ds.pull_weights(host, store, version, base_dir=base_dir)
+    return checkpoint_bytes(host)
+
+
+# ------------------------------------------------------------------ metrics
+def test_metrics_exist_from_construction_and_are_cleared(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    publisher = ds.DeltaPublisher(str(tmp_path / "store"), base_dir)
+    metrics = publisher.pop_metrics()
+    assert set(metrics) == set(METRIC_KEYS)
+    assert {"density", "changed_bytes", "total_bytes", "wire_bytes"} <= set(metrics)
+    assert any(k.endswith("_s") for k in metrics)
+    assert all(v == 0 for v in metrics.values())
+
+    publisher.seed()
+    new = perturb(small_model, 1)
+    result = publisher.publish(new.items())
+    metrics = publisher.pop_metrics()
+    total = sum(len(raw_bytes(t)) for t in small_model.values())
+    assert metrics["total_bytes"] == total == result.total_bytes
+    assert metrics["changed_bytes"] == _changed_bytes(small_model, new) == result.changed_bytes > 0
+    assert metrics["density"] == pytest.approx(metrics["changed_bytes"] / total)
+    shard_sizes = sum(
+        p.stat().st_size for p in (tmp_path / "store" / "weight_v000001").glob("*.safetensors")
+    )
+    assert metrics["wire_bytes"] == result.wire_bytes == shard_sizes
+    assert metrics["publish_s"] > 0 and metrics["version"] == 1
+    assert all(v == 0 for v in publisher.pop_metrics().values()), "pop_metrics clears"
+
+
+# ------------------------------------------------------------ configuration
+def test_unknown_codec_names_fail_at_construction(tmp_path: Path, base_dir: Path):
+    with pytest.raises(ConfigError, match="overwrite"):
+        ds.DeltaPublisher(str(tmp_path / "store"), base_dir, encoding="bsdiff")
+    with pytest.raises(ConfigError, match="blake3"):
+        ds.DeltaPublisher(str(tmp_path / "store"), base_dir, checksum="sha1")
+    with pytest.raises(ConfigError, match="base checkpoint"):
+        ds.DeltaPublisher(str(tmp_path / "store"), tmp_path / "missing")
+    assert not (tmp_path / "store").exists() or ds.VersionStore(tmp_path / "store").versions() == []
+
+
+def test_seed_publishes_nothing_and_publish_needs_seed(tmp_path: Path, base_dir: Path):
+    publisher = ds.DeltaPublisher(str(tmp_path / "store"), base_dir)
+    with pytest.raises(PublishError, match="seed"):
+        publisher.publish([])
+    publisher.seed()
+    assert publisher.store.versions() == []
+
+
+def test_seed_on_a_store_with_versions_needs_a_decision(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    _publisher(tmp_path, base_dir).publish(perturb(small_model, 1).items())
+    restarted = ds.DeltaPublisher(str(tmp_path / "store"), base_dir)
+    with pytest.raises(StreamError, match="weight_v000001"):
+        restarted.seed()
+    fresh = ds.DeltaPublisher(str(tmp_path / "store"), base_dir, new_stream=True)
+    fresh.seed()
+    result = fresh.publish(perturb(small_model, 2).items())
+    assert result.version == 2, "a new stream continues the numbering, never restarts at v1"
+    assert fresh.store.index(2).stream_id != fresh.store.index(1).stream_id
+
+
+# ---------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (("model.layers.9.unknown", torch.zeros(3)), "model.layers.9.unknown"),
+        (
+            ("model.layers.0.mlp.up_proj.weight", torch.zeros(24, 15)),
+            "model.layers.0.mlp.up_proj.weight",
+        ),
+        (("model.layers.0.mlp.up_proj.weight", torch.zeros(24, 16, dtype=torch.int32)), "is I32"),
+        (("model.layers.0.mlp.up_proj.weight", torch.zeros(16, 24)), "shape"),
+        (("model.embed_tokens.weight", [1.0, 2.0]), "list"),
+    ],
+    ids=["unknown-name", "wrong-size", "wrong-dtype", "wrong-shape", "not-a-tensor"],
+)
+def test_bad_tensors_are_refused_by_name_and_nothing_moves(
+    tmp_path: Path, base_dir: Path, small_model: Model, bad, match: str
+):
+    publisher = _publisher(tmp_path, base_dir)
+    new = perturb(small_model, 1)
+    # A good, changed tensor first: it must not leak into the snapshot when the call fails.
+    good = [(n, t) for n, t in new.items() if raw_bytes(t) != raw_bytes(small_model[n])]
+    with pytest.raises(PublishError, match=match):
+        publisher.publish([*good, bad])
+    assert publisher.store.versions() == []
+    result = publisher.publish(new.items())
+    assert result.version == 1
+    assert result.changed_bytes == _changed_bytes(small_model, new)
+    assert _pull_bytes(tmp_path, publisher.store, 1, base_dir) == {
+        n: raw_bytes(t) for n, t in new.items()
+    }
+
+
+def test_a_tensor_passed_twice_is_refused(tmp_path: Path, base_dir: Path, small_model: Model):
+    publisher = _publisher(tmp_path, base_dir)
+    name = "model.norm.eps"
+    with pytest.raises(PublishError, match=name):
+        publisher.publish([(name, small_model[name]), (name, small_model[name])])
+
+
+def test_committing_an_existing_version_conflicts(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    store = ds.VersionStore(tmp_path / "store")
+    first = ds.DeltaPublisher(store, base_dir)
+    second = ds.DeltaPublisher(ds.VersionStore(tmp_path / "store"), base_dir)
+    first.seed()
+    second.seed()
+    first.publish(perturb(small_model, 1).items())
+    index_bytes = (tmp_path / "store" / "weight_v000001" / INDEX_NAME).read_bytes()
+    with pytest.raises(VersionConflictError, match="weight_v000001"):
+        second.publish(perturb(small_model, 2).items())
+    assert (tmp_path / "store" / "weight_v000001" / INDEX_NAME).read_bytes() == index_bytes
+    # Directly: a second commit of a committed version with another token conflicts...
+    index = store.index(1)
+    with pytest.raises(VersionConflictError):
+        store.commit(1, dataclasses.replace(index, commit_token="someone-else"))
+    # ...while the same token (the writer's own commit, acknowledgement lost) stands.
+    store.commit(1, index)
+    assert store.versions() == [1]
+
+
+# ------------------------------------------------------------ what it writes
+def test_inputs_of_any_layout_and_type(tmp_path: Path, base_dir: Path, small_model: Model):
+    """Non-contiguous torch views, numpy arrays and raw uint8 bytes publish the same bytes."""
+    publisher = _publisher(tmp_path, base_dir)
+    new = perturb(small_model, 2)
+    up = "model.layers.0.mlp.up_proj.weight"
+    embed = "model.embed_tokens.weight"
+    new[up] = new[up] + 1
+    new[embed] = new[embed] * 2
+    inputs: list[tuple[str, Any]] = []
+    for name, t in new.items():
+        if name == up:
+            inputs.append((name, t.t().contiguous().t()))  # a transposed (non-contiguous) view
+            assert not inputs[-1][1].is_contiguous()
+        elif name == "model.layers.0.self_attn.q_proj.weight":
+            inputs.append((name, t.numpy()))
+        elif name == embed:
+            inputs.append((name, np.frombuffer(raw_bytes(t), np.uint8)))  # dtype-blind bytes
+        else:
+            inputs.append((name, t))
+    result = publisher.publish(inputs)
+    assert result.changed_bytes == _changed_bytes(small_model, new)
+    assert _pull_bytes(tmp_path, publisher.store, 1, base_dir) == {
+        n: raw_bytes(t) for n, t in new.items()
+    }
+
+
+def test_empty_step_and_full_version(tmp_path: Path, base_dir: Path, small_model: Model):
+    publisher = _publisher(tmp_path, base_dir, encoding="overwrite", checksum="adler32")
+    store = publisher.store
+    empty = publisher.publish(small_model.items())
+    assert (empty.version, empty.kind, empty.tensors_changed, empty.wire_bytes) == (
+        1,
+        "delta",
+        0,
+        0,
+    )
+    assert store.index(1).weight_map == {} and store.index(1).base_version == 0
+    none_passed = publisher.publish([])
+    assert none_passed.version == 2 and store.index(2).weight_map == {}
+
+    new = perturb(small_model, 3)
+    full = publisher.publish([next(iter(new.items()))], full=True)
+    index = store.index(3)
+    assert (full.kind, index.kind, index.base_version, index.encoding) == (
+        "full",
+        "full",
+        None,
+        None,
+    )
+    assert set(index.weight_map) == set(small_model), "a full version holds every tensor"
+    assert index.checksum == "adler32"
+    after = publisher.publish(new.items())
+    assert after.version == 4 and store.index(4).base_version == 3
+    assert _pull_bytes(tmp_path, store, 4, base_dir) == {n: raw_bytes(t) for n, t in new.items()}
+
+
+def test_post_write_hook_gets_the_reference_arguments(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    calls: list[tuple[Any, str, Any]] = []
+
+    def hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
+        assert os.path.exists(os.path.join(version_dir, INDEX_NAME))
+        calls.append((args, version_dir, rollout_engines))
+
+    args, engines = object(), ["engine-0"]
+    publisher = ds.DeltaPublisher(
+        str(tmp_path / "store"), base_dir, post_write=hook, args=args, rollout_engines=engines
+    )
+    publisher.seed()
+    publisher.publish(perturb(small_model, 1).items())
+    assert calls == [(args, publisher.store.version_url(1), engines)]
+
+
+# ------------------------------------------------- snapshot advances only on success
+def test_failing_post_write_hook_commits_and_advances(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    def hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
+        raise RuntimeError("mount refused the upload")
+
+    publisher = ds.DeltaPublisher(str(tmp_path / "store"), base_dir, post_write=hook)
+    publisher.seed()
+    v1 = perturb(small_model, 1)
+    with pytest.raises(HookError, match="weight_v000001") as info:
+        publisher.publish(v1.items())
+    assert "mount refused the upload" in str(info.value)
+    assert publisher.store.versions() == [1]
+    assert publisher.pop_metrics()["version"] == 1
+    v2 = perturb(v1, 2)
+    publisher.store.post_write = None
+    result = publisher.publish(v2.items())
+    assert (result.version, result.base_version) == (2, 1)
+    assert result.changed_bytes == _changed_bytes(v1, v2), "the snapshot advanced to v1"
+    assert _pull_bytes(tmp_path, publisher.store, 2, base_dir) == {
+        n: raw_bytes(t) for n, t in v2.items()
+    }
+
+
+class FlakyCommitStore(ds.VersionStore):
+    """A store whose next ``fail`` commits raise, as a lost connection would."""
+
+    fail = 0
+
+    def commit(self, version: int, index: ds.VersionIndex) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise OSError("connection reset while writing the index")
+        super().commit(version, index)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_failed_commit_does_not_advance(
+    tmp_path: Path, base_dir: Path, small_model: Model, full: bool
+):
+    store = FlakyCommitStore(tmp_path / "store")
+    publisher = ds.DeltaPublisher(store, base_dir, encoding="xor")
+    publisher.seed()
+    v1 = perturb(small_model, 1)
+    store.fail = 1
+    with pytest.raises(PublishError, match="weight_v000001") as info:
+        publisher.publish(v1.items(), full=full)
+    assert "connection reset" in str(info.value)
+    assert store.versions() == []
+    assert not (tmp_path / "store" / "weight_v000001").exists(), "the aborted files are removed"
+    assert all(v == 0 for v in publisher.pop_metrics().values())
+
+    # The same number is reused and the diff is still against the base (nothing advanced).
+    v1b = perturb(v1, 5)
+    result = publisher.publish(v1b.items())
+    assert (result.version, result.base_version) == (1, 0)
+    assert result.changed_bytes == _changed_bytes(small_model, v1b)
+    assert _pull_bytes(tmp_path, store, 1, base_dir) == {n: raw_bytes(t) for n, t in v1b.items()}
