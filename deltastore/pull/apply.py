@@ -1,4 +1,12 @@
-"""Applying published versions to a local checkpoint: deltas in place, full versions by copy."""
+"""Applying published versions to a local checkpoint: deltas in place, full versions by copy.
+
+A run of deltas is applied in **one pass per tensor** (catch-up): each changed tensor's payload
+is read once per version, XOR payloads are folded together and XORed into the tensor once,
+overwrite payloads are applied in order on a copy; the result is verified against the final
+version's digest *before* it is written. So whatever happens, each tensor on disk is either at
+the version the run starts from, at the version it ends at, or (a write torn by a crash)
+neither; :mod:`deltastore.pull.repair` relies on exactly that.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +15,10 @@ import contextlib
 import logging
 import mmap
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import xxhash
@@ -22,7 +32,6 @@ from deltastore.codecs import (
     get_checksum,
     get_encoding,
 )
-from deltastore.codecs.encodings import OverwriteEncoding
 from deltastore.errors import (
     ApplyError,
     ConfigError,
@@ -42,16 +51,75 @@ from deltastore.storage import VersionStore
 log = logging.getLogger("deltastore.pull")
 
 _COPY_CHUNK = 16 * 1024**2
+_T = TypeVar("_T")
+
+
+class PutBackError(ApplyError):
+    """A failed apply could not put back the tensors it had written: the checkpoint is dirty
+    (its pending record stays, and the next pull repairs it)."""
 
 
 @dataclass
 class ApplyStats:
-    """Counters of one apply: what was read and written."""
+    """Counters of one pull: what was read and written."""
 
     tensors: int = 0
+    """Tensors written (applied, restored or copied)."""
+    payloads: int = 0
+    """Delta payloads read (one per changed tensor per version)."""
     bytes_read: int = 0
+    """Bytes read from the store."""
     bytes_written: int = 0
     versions: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Digest:
+    """A published digest of a tensor's full bytes, with the algorithm that made it."""
+
+    checksum: Checksum
+    hex: str
+
+    def matches(self, data: ByteArray | bytes | memoryview) -> bool:
+        return self.checksum.hexdigest(data) == self.hex
+
+
+@dataclass(frozen=True)
+class Payload:
+    """Where one version's zstd frame for one tensor lies in the store."""
+
+    version: int
+    shard: str
+    start: int
+    end: int
+    encoding: Encoding
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class TensorHistory:
+    """The payloads of one tensor along a run of deltas, and its digest after each."""
+
+    name: str
+    payloads: list[Payload] = field(default_factory=list)
+    digests: dict[int, Digest] = field(default_factory=dict)
+    """Version → digest of the tensor's bytes at that version (only versions that change it)."""
+
+    def after(self, version: int) -> list[Payload]:
+        """Payloads still to apply on the tensor's bytes at ``version``."""
+        return [p for p in self.payloads if p.version > version]
+
+    def digest_at(self, version: int) -> Digest | None:
+        """Digest at ``version`` if a delta ≤ ``version`` in this history changed the tensor."""
+        known = [v for v in self.digests if v <= version]
+        return self.digests[max(known)] if known else None
+
+    @property
+    def final(self) -> Digest:
+        return self.digests[self.payloads[-1].version]
 
 
 def codecs_of(index: VersionIndex) -> tuple[Encoding, Checksum]:
@@ -93,17 +161,65 @@ def read_delta_headers(store: VersionStore, index: VersionIndex) -> dict[str, Sa
     return headers
 
 
+def collect_history(
+    store: VersionStore, deltas: Sequence[VersionIndex]
+) -> dict[str, TensorHistory]:
+    """Read each delta's shard headers once: every changed tensor's payloads and digests."""
+    history: dict[str, TensorHistory] = {}
+    for index in deltas:
+        where = f"weight_v{index.version:06d}"
+        encoding, checksum = codecs_of(index)
+        for shard, header in read_delta_headers(store, index).items():
+            for name, entry in header.tensors.items():
+                digest = _check_digest(checksum, header.metadata.get(name), name=name, where=where)
+                tensor = history.setdefault(name, TensorHistory(name))
+                tensor.payloads.append(
+                    Payload(index.version, shard, entry.start, entry.end, encoding)
+                )
+                tensor.digests[index.version] = Digest(checksum, digest)
+    return history
+
+
+def check_contiguous(deltas: Sequence[VersionIndex], applied_version: int) -> None:
+    """Refuse a run of deltas that does not build, link by link, on ``applied_version``."""
+    current = applied_version
+    for index in deltas:
+        if index.base_version != current:
+            raise OutOfOrderError(
+                f"out-of-order delta: local checkpoint at v{current:06d}, "
+                f"weight_v{index.version:06d} builds on v{index.base_version or 0:06d}"
+            )
+        current = index.version
+
+
+def check_local_names(
+    history: dict[str, TensorHistory], tensors: dict[str, CheckpointTensor], local_dir: str
+) -> None:
+    """Every changed tensor must exist locally with a size its encodings can address."""
+    for name, tensor in history.items():
+        target = tensors.get(name)
+        if target is None:
+            raise NameMismatchError(
+                f"weight_v{tensor.payloads[0].version:06d} changes tensor {name!r}, which the "
+                f"local checkpoint {local_dir} does not have; it was published against another base"
+            )
+        for payload in tensor.payloads:
+            payload.encoding.check_size(target.entry.nbytes, tensor=name)
+
+
 class _MappedFiles:
     """Writable mmaps of the local safetensors files, opened lazily and flushed together."""
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}
+        self._lock = threading.Lock()
 
     def view(self, tensor: CheckpointTensor) -> ByteArray:
-        if tensor.file not in self._maps:
-            fd = os.open(tensor.file, os.O_RDWR)
-            self._maps[tensor.file] = (fd, mmap.mmap(fd, 0))
-        mm = self._maps[tensor.file][1]
+        with self._lock:
+            if tensor.file not in self._maps:
+                fd = os.open(tensor.file, os.O_RDWR)
+                self._maps[tensor.file] = (fd, mmap.mmap(fd, 0))
+            mm = self._maps[tensor.file][1]
         return np.frombuffer(
             mm, dtype=np.uint8, count=tensor.entry.nbytes, offset=tensor.entry.start
         )
@@ -131,6 +247,188 @@ def mapped_files() -> Iterator[_MappedFiles]:
         files.close()
 
 
+def read_payloads(
+    store: VersionStore, payloads: Sequence[Payload], stats: ApplyStats | None
+) -> list[bytes]:
+    """The compressed frames of ``payloads``, one ranged read each."""
+    frames = [store.read_range(p.version, p.shard, p.start, p.end) for p in payloads]
+    if stats is not None:
+        stats.payloads += len(frames)
+        stats.bytes_read += sum(len(f) for f in frames)
+    return frames
+
+
+def _decompress(payload: Payload, frame: bytes, nbytes: int, name: str) -> bytes:
+    return decompress(
+        frame,
+        max_size=payload.encoding.max_payload_size(nbytes),
+        exact_size=nbytes if payload.encoding.name == "xor" else None,
+        what=f"weight_v{payload.version:06d} payload of tensor {name!r}",
+    )
+
+
+def fold_apply(
+    current: ByteArray, payloads: Sequence[Payload], frames: Sequence[bytes], name: str
+) -> ByteArray:
+    """``current`` with ``payloads`` applied in order, as a new array (``current`` untouched).
+
+    Consecutive XOR payloads are folded (XORed together) and XORed into the tensor once.
+    """
+    nbytes = current.size
+    result: ByteArray | None = None
+    fold: ByteArray | None = None
+
+    def flush_fold() -> None:
+        nonlocal result, fold
+        if fold is not None:
+            if result is None:
+                result = np.bitwise_xor(current, fold)
+            else:
+                np.bitwise_xor(result, fold, out=result)
+            fold = None
+
+    for payload, frame in zip(payloads, frames):
+        raw = _decompress(payload, frame, nbytes, name)
+        if payload.encoding.name == "xor":
+            data = np.frombuffer(raw, dtype=np.uint8)
+            if fold is None:
+                fold = data.copy()
+            else:
+                np.bitwise_xor(fold, data, out=fold)
+        else:
+            flush_fold()
+            if result is None:
+                result = current.copy()
+            payload.encoding.apply(result, raw, tensor=name)
+    flush_fold()
+    return result if result is not None else current.copy()
+
+
+_Undo = tuple[str, object]
+
+
+def _undo_record(
+    view: ByteArray, result: ByteArray, payloads: Sequence[Payload], frames: list[bytes]
+) -> _Undo:
+    """What it takes to put a tensor back: its XOR frames (small), else the bytes it changes."""
+    if all(p.encoding.name == "xor" for p in payloads):
+        return ("xor", frames)
+    positions = np.flatnonzero(view != result)
+    return ("bytes", (positions, view[positions].copy()))
+
+
+def _undo(view: ByteArray, undo: _Undo, payloads: Sequence[Payload], name: str) -> None:
+    kind, data = undo
+    if kind == "xor":
+        assert isinstance(data, list)
+        # XOR is an involution: applying the same fold again restores the old bytes.
+        view[:] = fold_apply(view, payloads, data, name)
+    else:
+        assert isinstance(data, tuple)
+        positions: ByteArray = data[0]
+        old: ByteArray = data[1]
+        view[positions] = old
+
+
+def run_pool(
+    jobs: Sequence[_T], fn: Callable[[_T], None], workers: int, *, name: str = "deltastore-apply"
+) -> None:
+    """Run ``fn`` on every job in a thread pool; stop starting jobs after the first error."""
+    failed = threading.Event()
+    errors: list[BaseException] = []
+
+    def guarded(job: _T) -> None:
+        if failed.is_set():
+            return
+        try:
+            fn(job)
+        except BaseException as exc:
+            failed.set()
+            errors.append(exc)
+
+    if workers <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            guarded(job)
+    else:
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix=name) as pool:
+            list(pool.map(guarded, jobs))
+    if errors:
+        raise errors[0]
+
+
+def apply_chain(
+    store: VersionStore,
+    deltas: Sequence[VersionIndex],
+    local: LocalCheckpoint,
+    applied_version: int,
+    *,
+    workers: int = 4,
+    tensors: dict[str, CheckpointTensor] | None = None,
+    stats: ApplyStats | None = None,
+) -> None:
+    """Apply a run of deltas in place, one pass per changed tensor, verified before writing.
+
+    ``deltas`` must build link by link on ``applied_version`` (else :class:`OutOfOrderError`);
+    a tensor named by a delta must exist locally (else :class:`NameMismatchError`). Each
+    changed tensor's result is checked against the digest of the last delta that changes it;
+    on any failure the tensors already written are put back, so the checkpoint still holds
+    ``applied_version`` when the error is raised. The data is flushed (msync + fsync) before
+    returning; the caller records the state.
+    """
+    if not deltas:
+        return
+    check_contiguous(deltas, applied_version)
+    history = collect_history(store, deltas)
+    local_tensors = tensors if tensors is not None else scan_checkpoint(local.dir)
+    check_local_names(history, local_tensors, local.dir)
+    last = f"weight_v{deltas[-1].version:06d}"
+
+    with mapped_files() as files:
+        written: list[tuple[TensorHistory, CheckpointTensor, _Undo]] = []
+        written_lock = threading.Lock()
+
+        def apply_one(tensor: TensorHistory) -> None:
+            target = local_tensors[tensor.name]
+            frames = read_payloads(store, tensor.payloads, stats)
+            view = files.view(target)
+            result = fold_apply(view, tensor.payloads, frames, tensor.name)
+            if not tensor.final.matches(result):
+                raise IntegrityError(
+                    f"{last}: tensor {tensor.name!r} does not match its published "
+                    f"{tensor.final.checksum.name} digest after applying "
+                    f"v{tensor.payloads[0].version:06d}..v{tensor.payloads[-1].version:06d} "
+                    f"(want {tensor.final.hex}); the delta is corrupt or the local checkpoint "
+                    f"is not at v{applied_version:06d}. Nothing of this tensor was written"
+                )
+            undo = _undo_record(view, result, tensor.payloads, frames)
+            with written_lock:
+                written.append((tensor, target, undo))
+            view[:] = result
+            if stats is not None:
+                stats.tensors += 1
+                stats.bytes_written += target.entry.nbytes
+
+        try:
+            run_pool(sorted(history.values(), key=lambda t: t.name), apply_one, workers)
+        except BaseException as exc:
+            try:
+                for tensor, target, undo in written:
+                    _undo(files.view(target), undo, tensor.payloads, tensor.name)
+                files.flush()
+            except Exception as putback:
+                raise PutBackError(
+                    f"{last}: applying failed ({exc}) and putting back the {len(written)} "
+                    f"tensors already written failed too ({putback}); the next pull repairs "
+                    f"{local.dir}"
+                ) from exc
+            if written:
+                log.warning("%s: put back %d tensors already written", last, len(written))
+            raise
+        files.flush()
+    if stats is not None:
+        stats.versions.extend(d.version for d in deltas)
+
+
 def apply_delta(
     store: VersionStore,
     index: VersionIndex,
@@ -141,112 +439,10 @@ def apply_delta(
     tensors: dict[str, CheckpointTensor] | None = None,
     stats: ApplyStats | None = None,
 ) -> None:
-    """Apply one delta version in place, verifying every tensor before it is written.
-
-    Refuses (:class:`OutOfOrderError`) a delta that does not build on ``applied_version``, and
-    (:class:`NameMismatchError`) one naming a tensor the local checkpoint lacks or sizes
-    differently. A tensor whose result does not match its published digest is never written;
-    tensors already written by this call are reverted before the error is raised, so the
-    checkpoint still holds ``applied_version``. The caller flushes and records state.
-    """
-    where = f"weight_v{index.version:06d}"
-    if index.base_version != applied_version:
-        raise OutOfOrderError(
-            f"out-of-order delta: local checkpoint at v{applied_version:06d}, {where} builds on "
-            f"v{index.base_version:06d}"
-        )
-    encoding, checksum = codecs_of(index)
-    headers = read_delta_headers(store, index)
-    local_tensors = tensors if tensors is not None else scan_checkpoint(local.dir)
-    jobs = []
-    for shard, header in headers.items():
-        for name, entry in header.tensors.items():
-            target = local_tensors.get(name)
-            if target is None:
-                raise NameMismatchError(
-                    f"{where} changes tensor {name!r}, which the local checkpoint {local.dir} "
-                    "does not have; it was published against another base"
-                )
-            digest = _check_digest(checksum, header.metadata.get(name), name=name, where=where)
-            encoding.check_size(target.entry.nbytes, tensor=name)
-            jobs.append((name, shard, entry.start, entry.end, target, digest))
-
-    with mapped_files() as files:
-        applied: list[tuple[str, CheckpointTensor, bytes | tuple[ByteArray, ByteArray]]] = []
-
-        def apply_one(job: tuple[str, str, int, int, CheckpointTensor, str]) -> None:
-            name, shard, start, end, target, digest = job
-            frame = store.read_range(index.version, shard, start, end)
-            nbytes = target.entry.nbytes
-            payload = decompress(
-                frame,
-                max_size=encoding.max_payload_size(nbytes),
-                exact_size=nbytes if encoding.name == "xor" else None,
-                what=f"{where} payload of tensor {name!r}",
-            )
-            view = files.view(target)
-            result = view.copy()
-            encoding.apply(result, payload, tensor=name)
-            actual = checksum.hexdigest(result)
-            if actual != digest:
-                raise IntegrityError(
-                    f"{where}: tensor {name!r} does not match its published {checksum.name} "
-                    f"digest after applying (got {actual}, want {digest}); the delta is "
-                    "corrupt or the local checkpoint is not at "
-                    f"v{applied_version:06d}. Nothing of this tensor was written"
-                )
-            undo: bytes | tuple[ByteArray, ByteArray]
-            if isinstance(encoding, OverwriteEncoding):
-                positions, _ = encoding.decode(payload, nbytes, tensor=name)
-                undo = (positions.copy(), view[positions].copy())
-            else:
-                undo = frame
-            view[:] = result
-            applied.append((name, target, undo))
-            if stats is not None:
-                stats.tensors += 1
-                stats.bytes_read += len(frame)
-                stats.bytes_written += nbytes
-
-        try:
-            with cf.ThreadPoolExecutor(
-                max(1, workers), thread_name_prefix="deltastore-apply"
-            ) as pool:
-                futures = [pool.submit(apply_one, job) for job in jobs]
-                errors = []
-                for future in futures:
-                    try:
-                        future.result()
-                    except BaseException as exc:
-                        errors.append(exc)
-                if errors:
-                    raise errors[0]
-        except BaseException:
-            _revert(applied, files, encoding, where)
-            files.flush()
-            raise
-        files.flush()
-    if stats is not None:
-        stats.versions.append(index.version)
-
-
-def _revert(
-    applied: list[tuple[str, CheckpointTensor, bytes | tuple[ByteArray, ByteArray]]],
-    files: _MappedFiles,
-    encoding: Encoding,
-    where: str,
-) -> None:
-    """Undo the tensors this apply already wrote (xor again, or restore overwritten bytes)."""
-    for name, target, undo in applied:
-        view = files.view(target)
-        if isinstance(undo, tuple):
-            positions, old_values = undo
-            view[positions] = old_values
-        else:
-            payload = decompress(undo, max_size=view.size, exact_size=view.size, what=name)
-            encoding.apply(view, payload, tensor=name)
-    if applied:
-        log.warning("%s: reverted %d tensors already written", where, len(applied))
+    """Apply one delta version in place (see :func:`apply_chain`)."""
+    apply_chain(
+        store, [index], local, applied_version, workers=workers, tensors=tensors, stats=stats
+    )
 
 
 def seed_from_full(
@@ -323,6 +519,22 @@ def full_digests(
     return digests
 
 
+def hash_tensor(tensor: CheckpointTensor, checksum: Checksum) -> str:
+    """Digest of a tensor's bytes in a checkpoint file (read through a read-only mmap)."""
+    if tensor.entry.nbytes == 0:
+        return checksum.hexdigest(b"")
+    with open(tensor.file, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            view = memoryview(mm)[tensor.entry.start : tensor.entry.end]
+            try:
+                return checksum.hexdigest(view)
+            finally:
+                view.release()
+        finally:
+            mm.close()
+
+
 def verify_tensors(
     local_tensors: dict[str, CheckpointTensor],
     expected: dict[str, tuple[Checksum, str]],
@@ -337,18 +549,7 @@ def verify_tensors(
 
     def check(name: str) -> str | None:
         checksum, digest = expected[name]
-        tensor = local_tensors[name]
-        with open(tensor.file, "rb") as fh:
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            try:
-                view = memoryview(mm)[tensor.entry.start : tensor.entry.end]
-                try:
-                    actual = checksum.hexdigest(view)
-                finally:
-                    view.release()
-            finally:
-                mm.close()
-        return None if actual == digest else name
+        return None if hash_tensor(local_tensors[name], checksum) == digest else name
 
     with cf.ThreadPoolExecutor(max(1, workers)) as pool:
         bad = [n for n in pool.map(check, sorted(expected)) if n is not None]
@@ -362,7 +563,14 @@ __all__ = [
     "ApplyError",
     "ApplyStats",
     "DeltastoreError",
+    "Digest",
+    "Payload",
+    "PutBackError",
+    "TensorHistory",
+    "apply_chain",
     "apply_delta",
+    "collect_history",
+    "fold_apply",
     "seed_from_full",
     "verify_tensors",
 ]

@@ -1,12 +1,22 @@
-"""Resolving which published versions lead to a target: follow base_version links back."""
+"""Resolving which published versions lead to a target, and planning how to get there.
+
+:func:`resolve_chain` follows ``base_version`` links back from the target to a full version or
+the base; :func:`plan_pull` decides, from what the local checkpoint holds, whether to do
+nothing, catch up along the chain, or reseed from the chain's start (and how many bytes each
+would move).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 from deltastore.errors import FormatError, OutOfOrderError, VersionNotFoundError
 from deltastore.format.index import VersionIndex
+from deltastore.format.state import AppliedState
 from deltastore.storage import VersionStore
+
+log = logging.getLogger("deltastore.pull")
 
 
 @dataclass(frozen=True)
@@ -98,3 +108,102 @@ def check_builds_on(index: VersionIndex, applied_version: int) -> None:
             f"out-of-order delta: local checkpoint at v{applied_version:06d}, "
             f"weight_v{index.version:06d} builds on v{index.base_version:06d}"
         )
+
+
+def version_bytes(store: VersionStore, index: VersionIndex) -> int:
+    """Bytes a reader moves to fetch a version: its shards (from the index totals if recorded)."""
+    recorded = index.totals.get("wire_bytes")
+    if recorded is not None:
+        return recorded
+    return sum(store.file_size(index.version, shard) for shard in index.shards())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one pull brings the local checkpoint to ``target``."""
+
+    action: str
+    """``noop``, ``catchup`` (deltas on top of the local version) or ``reseed``."""
+    target: int
+    start: int
+    """Version the deltas build on: the local version (catch-up) or the chain's start (reseed)."""
+    deltas: list[VersionIndex] = field(default_factory=list)
+    bytes_to_move: int = 0
+    """Bytes read from the store (a reseed from the base also copies the base locally)."""
+    reason: str = ""
+    alternative_bytes: int | None = None
+    """What the other way (reseed vs catch-up) would have moved, when both were possible."""
+
+    @property
+    def versions(self) -> list[int]:
+        return [d.version for d in self.deltas]
+
+    def describe(self) -> str:
+        if self.action == "noop":
+            return f"already at v{self.target:06d}"
+        source = "the base" if self.start == 0 else f"full version v{self.start:06d}"
+        head = (
+            f"catch up v{self.start:06d} -> v{self.target:06d}"
+            if self.action == "catchup"
+            else f"reseed from {source}, then to v{self.target:06d}"
+        )
+        versions = self.versions
+        span = f"v{versions[0]:06d}..v{versions[-1]:06d}" if versions else "none"
+        text = f"{head}: {len(versions)} delta(s) ({span}), {self.bytes_to_move} bytes to move"
+        if self.alternative_bytes is not None:
+            other = "reseeding" if self.action == "catchup" else "catching up"
+            text += f" ({other} would move {self.alternative_bytes})"
+        return f"{text}; {self.reason}" if self.reason else text
+
+
+def _reseed_bytes(store: VersionStore, chain: Chain) -> int:
+    start = version_bytes(store, chain.start_index) if chain.start_index is not None else 0
+    return start + sum(version_bytes(store, d) for d in chain.deltas)
+
+
+def plan_pull(store: VersionStore, chain: Chain, state: AppliedState | None) -> Plan:
+    """Decide how to reach ``chain.target`` from ``state`` (None: nothing verified locally).
+
+    A state on the chain (same stream) catches up with the deltas after it, unless reseeding
+    from the chain's start would move fewer bytes. Anything else (no state, a version of
+    another stream, a backward target) reseeds from the base or the newest full version on
+    the chain and replays: never a silent no-op.
+    """
+    target = chain.target
+    reseed = Plan("reseed", target, chain.start, list(chain.deltas))
+    if state is None:
+        reason = "no verified local state"
+    else:
+        todo = chain.suffix_after(state.version)
+        expected_stream = chain.stream_at(state.version)
+        foreign = (
+            state.version != 0
+            and expected_stream is not None
+            and state.stream_id != expected_stream
+        )
+        if todo is None:
+            reason = f"local v{state.version:06d} is not on the chain of v{target:06d} " + (
+                "(backward target)" if state.version > target else "(another chain or stream)"
+            )
+        elif foreign:
+            reason = (
+                f"local v{state.version:06d} is of stream {state.stream_id}, the target's chain "
+                f"is stream {expected_stream}"
+            )
+        elif not todo:
+            return Plan("noop", target, state.version)
+        else:
+            catchup = sum(version_bytes(store, d) for d in todo)
+            reseed_bytes = _reseed_bytes(store, chain)
+            if chain.start_index is not None and reseed_bytes < catchup:
+                return Plan(
+                    "reseed",
+                    target,
+                    chain.start,
+                    list(chain.deltas),
+                    reseed_bytes,
+                    f"full version v{chain.start:06d} moves fewer bytes than the chain",
+                    catchup,
+                )
+            return Plan("catchup", target, state.version, todo, catchup, "", reseed_bytes)
+    return Plan("reseed", target, chain.start, reseed.deltas, _reseed_bytes(store, chain), reason)

@@ -6,48 +6,28 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from deltastore.codecs import Checksum, get_checksum
-from deltastore.errors import ConfigError, IntegrityError, NameMismatchError
+from deltastore.errors import ConfigError, DeltastoreError, IntegrityError, NameMismatchError
 from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.format.state import AppliedState, PendingTransition
 from deltastore.pull.apply import (
     ApplyStats,
-    apply_delta,
+    PutBackError,
+    apply_chain,
     full_digests,
     seed_from_full,
     verify_tensors,
 )
-from deltastore.pull.chain import Chain, resolve_chain
+from deltastore.pull.chain import Chain, plan_pull, resolve_chain
+from deltastore.pull.fanout import pull_in_group, resolve_group
 from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.repair import RepairSummary, repair_pending
+from deltastore.pull.result import PullResult
 from deltastore.storage import VersionStore
 
 log = logging.getLogger("deltastore.pull")
-
-
-@dataclass(frozen=True)
-class PullResult:
-    """What one :func:`pull_weights` call did."""
-
-    version: int
-    """The version the local checkpoint now holds (verified)."""
-    action: str
-    """``noop``, ``applied`` (deltas on top of what was there) or ``reseeded``."""
-    versions_applied: list[int] = field(default_factory=list)
-    tensors_applied: int = 0
-    bytes_read: int = 0
-    seconds: float = 0.0
-
-    @property
-    def message(self) -> str:
-        if self.action == "noop":
-            return f"already at v{self.version:06d}"
-        return (
-            f"{self.action} to v{self.version:06d} ({len(self.versions_applied)} version(s), "
-            f"{self.tensors_applied} tensors, {self.bytes_read} bytes read, {self.seconds:.2f} s)"
-        )
 
 
 def open_store(
@@ -72,17 +52,61 @@ def pull_weights(
     pre_read: Callable[[str, int], None] | None = None,
     workers: int = 4,
     lock_timeout_s: float = 3600.0,
+    process_group: Any = None,
 ) -> PullResult:
     """Bring ``local_checkpoint_dir`` to ``target_version`` of the store at ``source_dir``.
 
-    Under the per-host lock: version 0 resets to ``base_dir`` (copied and content-verified);
-    a checkpoint holding a version on the target's chain applies the remaining deltas in
-    place; anything else (no state, an interrupted transition, another stream, a backward
-    target) reseeds from the base or the newest full version on the chain and replays. Every
-    written tensor is verified against the published digest; the state file never names a
-    version whose bytes were not verified. Raises a :class:`DeltastoreError` subclass naming
-    the version and tensor at fault.
+    Under the per-host lock: an interrupted transition (a pending record) is repaired tensor
+    by tensor, or the checkpoint reseeds when the repair cannot be proven; then version 0
+    resets to ``base_dir`` (copied and content-verified, never modified); a checkpoint holding
+    a version on the target's chain catches up with the remaining deltas in one pass per
+    tensor; anything else (no state, another stream, a backward target) reseeds from the base
+    or the newest full version on the chain and replays. Every written tensor is verified
+    against the published digest; the state file never names a version whose bytes were not
+    verified and flushed.
+
+    ``process_group`` (a ``ProcessGroup``, ``"world"``, or ``"auto"`` for the default group
+    when torch.distributed is initialised) makes this a collective: every rank pulls into its
+    host's dir and the call succeeds only if every rank did (see :mod:`deltastore.pull.fanout`).
+
+    Raises a :class:`DeltastoreError` subclass naming the version and tensor at fault
+    (:class:`GroupPullError` listing every failed rank in a group pull).
     """
+    group = resolve_group(process_group)
+
+    def pull_here() -> PullResult:
+        return _pull_here(
+            local_checkpoint_dir,
+            source_dir,
+            target_version,
+            base_dir,
+            storage_options=storage_options,
+            pre_read=pre_read,
+            workers=workers,
+            lock_timeout_s=lock_timeout_s,
+        )
+
+    if group is None:
+        return pull_here()
+    return pull_in_group(
+        group,
+        pull_here,
+        local_dir=os.path.abspath(os.fspath(local_checkpoint_dir)),
+        target_version=target_version,
+    )
+
+
+def _pull_here(
+    local_checkpoint_dir: str | os.PathLike[str],
+    source_dir: VersionStore | str | os.PathLike[str],
+    target_version: int,
+    base_dir: str | os.PathLike[str] | None,
+    *,
+    storage_options: dict[str, Any] | None,
+    pre_read: Callable[[str, int], None] | None,
+    workers: int,
+    lock_timeout_s: float,
+) -> PullResult:
     started = time.perf_counter()
     if target_version < 0:
         raise ConfigError(f"target version {target_version} is negative")
@@ -98,95 +122,116 @@ def pull_weights(
     with local.lock(lock_timeout_s):
         state = local.read_state()
         pending = local.read_pending()
-        if pending is not None:
-            log.warning(
-                "%s: an interrupted transition to v%06d was found; reseeding",
-                local.dir,
-                pending.to_version,
-            )
-            state = None
         store.refresh(target_version if target_version > 0 else None)
         chain = resolve_chain(store, target_version)
-        todo = _plan(chain, state)
-        if todo is not None and not todo and state is not None:
-            return PullResult(state.version, "noop", seconds=time.perf_counter() - started)
-        action = "applied"
-        current = state.version if state is not None else None
-        if todo is None:
-            action = "reseeded"
-            local.begin(
-                PendingTransition(current, target_version, chain.stream_id, None, chain.versions())
+        repair: RepairSummary | None = None
+        if pending is not None:
+            state, repair = _recover(store, local, pending, state, chain, base, workers, stats)
+        plan = plan_pull(store, chain, state)
+        log.info("%s: plan: %s", local.dir, plan.describe())
+
+        def result(version: int, action: str) -> PullResult:
+            return PullResult(
+                version,
+                action,
+                stats.versions,
+                stats.tensors,
+                stats.bytes_read,
+                time.perf_counter() - started,
+                plan.describe(),
+                repair,
+                stats.payloads,
             )
-            _reseed(store, chain, local, base, stats)
-            current = chain.start
-            todo = chain.deltas
-            local.finish(
-                AppliedState(
-                    current, chain.start_index.stream_id if chain.start_index else None, store.url
+
+        if plan.action == "noop":
+            assert state is not None
+            return result(state.version, "noop" if repair is None else "repaired")
+        current = plan.start
+        if plan.action == "reseed":
+            if chain.start_index is None and base is None:
+                why = plan.reason or "the target builds on version 0"
+                raise ConfigError(
+                    f"{local.dir} must be reseeded from the base model ({why}) but no base_dir "
+                    "was given"
                 )
-            )
-        tensors = scan_checkpoint(local.dir)
-        for delta in todo:
-            assert current is not None
+            start_stream = chain.stream_at(chain.start)
             local.begin(
                 PendingTransition(
-                    current,
-                    delta.version,
-                    delta.stream_id,
-                    chain.stream_at(current),
-                    [delta.version],
+                    None, chain.start, start_stream, state.stream_id if state else None, []
+                )
+            )
+            _reseed(store, chain, local, base, stats)
+            local.finish(AppliedState(chain.start, start_stream, store.url))
+        if plan.deltas:
+            from_stream = chain.stream_at(current)
+            local.begin(
+                PendingTransition(
+                    current, target_version, chain.stream_id, from_stream, plan.versions
                 )
             )
             try:
-                apply_delta(
-                    store, delta, local, current, workers=workers, tensors=tensors, stats=stats
-                )
-            except BaseException:
-                # apply_delta reverted what it wrote: the bytes hold `current` again.
-                local.finish(AppliedState(current, chain.stream_at(current), store.url))
+                apply_chain(store, plan.deltas, local, current, workers=workers, stats=stats)
+            except PutBackError:
+                raise  # the pending record stays: the next pull repairs
+            except DeltastoreError:
+                # apply_chain put back what it wrote: the bytes hold `current` again.
+                local.finish(AppliedState(current, from_stream, store.url))
                 raise
-            current = delta.version
-            local.finish(AppliedState(current, delta.stream_id, store.url))
-    result = PullResult(
-        target_version,
-        action,
-        stats.versions,
-        stats.tensors,
-        stats.bytes_read,
-        time.perf_counter() - started,
-    )
-    log.info("%s: %s", local.dir, result.message)
-    return result
+            local.finish(AppliedState(target_version, chain.stream_id, store.url))
+    done = result(target_version, "reseeded" if plan.action == "reseed" else "applied")
+    log.info("%s: %s", local.dir, done.message)
+    return done
 
 
-def _plan(chain: Chain, state: AppliedState | None) -> list[Any] | None:
-    """Deltas to apply on the current state, or None when the checkpoint must reseed."""
-    if state is None:
-        return None
-    todo = chain.suffix_after(state.version)
-    if todo is None:
-        return None
-    expected_stream = chain.stream_at(state.version)
-    if state.version != 0 and expected_stream is not None and state.stream_id != expected_stream:
+def _recover(
+    store: VersionStore,
+    local: LocalCheckpoint,
+    pending: PendingTransition,
+    state: AppliedState | None,
+    chain: Chain,
+    base: str | None,
+    workers: int,
+    stats: ApplyStats,
+) -> tuple[AppliedState | None, RepairSummary | None]:
+    """Deal with an interrupted transition: the state to plan from (None: reseed)."""
+    if state is not None and state.version == pending.to_version:
+        # The crash fell between writing the new state and clearing the record: the data was
+        # flushed before the state was written, so the state stands.
+        local.finish(state)
+        return state, None
+    if pending.from_version is None:
+        log.warning("%s: an interrupted reseed was found; reseeding again", local.dir)
+        return None, None
+    repaired_state = AppliedState(pending.to_version, pending.stream_id, store.url)
+    if plan_pull(store, chain, repaired_state).action == "reseed":
         log.warning(
-            "local state v%06d is of stream %s, the target's chain is stream %s: reseeding",
-            state.version,
-            state.stream_id,
-            expected_stream,
+            "%s: an interrupted transition to v%06d was found, but v%06d does not lead to "
+            "v%06d: reseeding",
+            local.dir,
+            pending.to_version,
+            pending.to_version,
+            chain.target,
         )
-        return None
-    return todo
+        return None, None
+    try:
+        summary = repair_pending(store, local, pending, base, workers=workers, stats=stats)
+    except DeltastoreError as exc:
+        log.warning(
+            "%s: cannot repair the interrupted transition to v%06d (%s); reseeding",
+            local.dir,
+            pending.to_version,
+            exc,
+        )
+        return None, None
+    local.finish(repaired_state)
+    return repaired_state, summary
 
 
 def _reseed(
     store: VersionStore, chain: Chain, local: LocalCheckpoint, base: str | None, stats: ApplyStats
 ) -> None:
     if chain.start_index is None:
-        if base is None:
-            raise ConfigError(
-                f"{local.dir} must be reseeded from the base model (no verified state, or the "
-                f"target builds on version 0) but no base_dir was given"
-            )
+        assert base is not None
         log.info("%s: seeding from base %s", local.dir, base)
         local.seed_from_base(base)
     else:

@@ -1,0 +1,151 @@
+"""Client of ``deltastore serve`` (or any reference ``/pull_weights`` endpoint).
+
+:func:`pull_all` asks many hosts to pull one version concurrently and returns each host's typed
+reply; an unreachable host or a reply that is not ``{success, message}`` becomes a failed
+:class:`PullReply` saying so, never an exception that hides the other hosts' outcomes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from deltastore.errors import ConfigError, FormatError, StoreError
+from deltastore.pull.protocol import CheckpointStatus, PullReply, PullRequest
+
+
+@dataclass(frozen=True)
+class EndpointReply:
+    """One host's answer to a pull request."""
+
+    endpoint: str
+    reply: PullReply
+    status: int | None
+    """HTTP status; None when the endpoint could not be reached."""
+    seconds: float
+
+    @property
+    def success(self) -> bool:
+        return self.reply.success
+
+    def describe(self) -> str:
+        status = self.status if self.status is not None else "unreachable"
+        return f"{self.endpoint} [{status}]: {self.reply.message}"
+
+
+def normalize_endpoint(endpoint: str) -> str:
+    """``host:port`` → ``http://host:port`` (no trailing slash)."""
+    endpoint = endpoint.strip().rstrip("/")
+    if not endpoint:
+        raise ConfigError("an endpoint is empty; pass http://HOST:PORT")
+    if "://" not in endpoint:
+        endpoint = f"http://{endpoint}"
+    return endpoint
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def pull_one(
+    endpoint: str, request: PullRequest, *, token: str | None = None, timeout_s: float = 3600.0
+) -> EndpointReply:
+    """POST one pull request; never raises for a failed or unreachable host."""
+    url = normalize_endpoint(endpoint)
+    started = time.perf_counter()
+    http = urllib.request.Request(
+        f"{url}/pull_weights", data=request.to_json(), headers=_headers(token), method="POST"
+    )
+    status: int | None
+    try:
+        with urllib.request.urlopen(http, timeout=timeout_s) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read()
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return EndpointReply(
+            url,
+            PullReply(False, f"{url} is unreachable: {reason}"),
+            None,
+            time.perf_counter() - started,
+        )
+    try:
+        reply = PullReply.from_json(body)
+    except FormatError as exc:
+        reply = PullReply(False, f"HTTP {status} from {url}: {exc}")
+    if reply.success and status != 200:
+        reply = PullReply(False, f"HTTP {status} from {url} with success=true: {reply.message}")
+    return EndpointReply(url, reply, status, time.perf_counter() - started)
+
+
+def pull_all(
+    endpoints: Sequence[str],
+    target_version: int,
+    *,
+    local_checkpoint_dir: str | Mapping[str, str],
+    source_dir: str,
+    token: str | None = None,
+    timeout_s: float = 3600.0,
+    max_parallel: int | None = None,
+) -> list[EndpointReply]:
+    """Ask every endpoint to pull ``target_version`` concurrently; replies in endpoint order.
+
+    ``local_checkpoint_dir`` is one path for every host, or a mapping endpoint → path.
+    Check ``all(r.success for r in replies)``; each failed reply's message names its host.
+    """
+    if not endpoints:
+        raise ConfigError("pull_all needs at least one endpoint")
+
+    def request_for(endpoint: str) -> PullRequest:
+        if isinstance(local_checkpoint_dir, str):
+            directory = local_checkpoint_dir
+        else:
+            try:
+                directory = local_checkpoint_dir[endpoint]
+            except KeyError:
+                raise ConfigError(f"no local_checkpoint_dir given for {endpoint}") from None
+        return PullRequest(directory, source_dir, target_version)
+
+    requests = [request_for(e) for e in endpoints]
+    with cf.ThreadPoolExecutor(max_parallel or len(endpoints)) as pool:
+        futures = [
+            pool.submit(pull_one, e, r, token=token, timeout_s=timeout_s)
+            for e, r in zip(endpoints, requests)
+        ]
+        return [f.result() for f in futures]
+
+
+def fetch_state(
+    endpoint: str, local_checkpoint_dir: str, *, token: str | None = None, timeout_s: float = 30.0
+) -> CheckpointStatus:
+    """``GET /state`` of one host's local checkpoint.
+
+    Raises :class:`StoreError` when the host is unreachable or refuses (401/403/400).
+    """
+    url = normalize_endpoint(endpoint)
+    query = urllib.parse.urlencode({"local_checkpoint_dir": local_checkpoint_dir})
+    http = urllib.request.Request(f"{url}/state?{query}", headers=_headers(token))
+    try:
+        with urllib.request.urlopen(http, timeout=timeout_s) as response:
+            return CheckpointStatus.from_json(response.read())
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        try:
+            message = PullReply.from_json(body).message
+        except FormatError:
+            message = body.decode("utf-8", "replace")[:200]
+        raise StoreError(f"{url}/state answered HTTP {exc.code}: {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise StoreError(f"{url} is unreachable: {getattr(exc, 'reason', exc)}") from None
+
+
+__all__ = ["EndpointReply", "fetch_state", "normalize_endpoint", "pull_all", "pull_one"]

@@ -1,0 +1,154 @@
+"""The ``/pull_weights`` wire types, shared by the server and every client.
+
+One typed request and one typed reply, parsed strictly: a reply without ``success`` and
+``message`` is a :class:`FormatError` naming what was received, never an "unknown error"
+(TRAPS #24). The request and reply are the reference engine endpoint's:
+``POST /pull_weights {local_checkpoint_dir, source_dir, target_version}`` answered by
+``{success, message}`` with HTTP 200 on success, 400 on failure.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from deltastore.errors import FormatError
+from deltastore.format.state import AppliedState, PendingTransition
+
+
+def _load_object(data: bytes | str | Mapping[str, Any], what: str) -> Mapping[str, Any]:
+    if isinstance(data, Mapping):
+        return data
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"{what} is not JSON ({exc}): {str(data)[:200]!r}") from None
+    if not isinstance(body, dict):
+        raise FormatError(f"{what} is not a JSON object: {str(data)[:200]!r}")
+    return body
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """``POST /pull_weights`` body."""
+
+    local_checkpoint_dir: str
+    source_dir: str
+    """A local directory or a store URL (``s3://``, ``gs://``, ...)."""
+    target_version: int
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "local_checkpoint_dir": self.local_checkpoint_dir,
+                "source_dir": self.source_dir,
+                "target_version": self.target_version,
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str | Mapping[str, Any]) -> PullRequest:
+        """Parse a request; :class:`FormatError` names the missing or mistyped field."""
+        body = _load_object(data, "the request")
+        fields = {}
+        for key in ("local_checkpoint_dir", "source_dir"):
+            value = body.get(key)
+            if not isinstance(value, str) or not value:
+                raise FormatError(f"the request needs {key!r} as a non-empty string")
+            fields[key] = value
+        raw = body.get("target_version")
+        if isinstance(raw, str) and raw.isdigit():
+            raw = int(raw)
+        if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
+            raise FormatError(f"the request needs 'target_version' as an integer >= 0, got {raw!r}")
+        return cls(fields["local_checkpoint_dir"], fields["source_dir"], raw)
+
+
+@dataclass(frozen=True)
+class PullReply:
+    """``{success, message}``: the reply of ``POST /pull_weights``."""
+
+    success: bool
+    message: str
+
+    @property
+    def http_status(self) -> int:
+        return 200 if self.success else 400
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"success": self.success, "message": self.message}
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict()).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str | Mapping[str, Any]) -> PullReply:
+        """Parse a reply; :class:`FormatError` when ``success``/``message`` are not there."""
+        body = _load_object(data, "the reply")
+        success, message = body.get("success"), body.get("message")
+        if not isinstance(success, bool) or not isinstance(message, str):
+            raise FormatError(
+                "the reply lacks a boolean 'success' and a string 'message': "
+                f"{json.dumps(dict(body))[:200]}"
+            )
+        return cls(success, message)
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """``GET /state``: what a host's local checkpoint records."""
+
+    local_checkpoint_dir: str
+    version: int | None
+    """The applied version; None when the state is missing (never pulled, or mid-transition)."""
+    stream_id: str | None
+    pending: dict[str, Any] | None
+    """The interrupted or in-progress transition: ``from``, ``to``, ``versions``, streams."""
+    busy: bool = False
+    """True while this server runs a pull for that directory."""
+
+    @classmethod
+    def of(
+        cls,
+        directory: str,
+        state: AppliedState | None,
+        pending: PendingTransition | None,
+        busy: bool = False,
+    ) -> CheckpointStatus:
+        pending_body = json.loads(pending.to_json()) if pending is not None else None
+        return cls(
+            directory,
+            state.version if state is not None else None,
+            state.stream_id if state is not None else None,
+            pending_body,
+            busy,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "local_checkpoint_dir": self.local_checkpoint_dir,
+            "version": self.version,
+            "stream_id": self.stream_id,
+            "pending": self.pending,
+            "busy": self.busy,
+        }
+
+    @classmethod
+    def from_json(cls, data: bytes | str | Mapping[str, Any]) -> CheckpointStatus:
+        body = _load_object(data, "the state reply")
+        directory, version = body.get("local_checkpoint_dir"), body.get("version")
+        if not isinstance(directory, str) or not (version is None or isinstance(version, int)):
+            raise FormatError(f"not a state reply: {json.dumps(dict(body))[:200]}")
+        stream, pending = body.get("stream_id"), body.get("pending")
+        return cls(
+            directory,
+            version,
+            stream if isinstance(stream, str) else None,
+            pending if isinstance(pending, dict) else None,
+            bool(body.get("busy", False)),
+        )
+
+
+__all__ = ["CheckpointStatus", "PullReply", "PullRequest"]

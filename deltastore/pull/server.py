@@ -1,0 +1,274 @@
+"""``deltastore serve``: the reference ``/pull_weights`` endpoint as a small aiohttp server.
+
+One server per engine host. ``POST /pull_weights {local_checkpoint_dir, source_dir,
+target_version}`` pulls into that host-local dir from the store (the engine's model path,
+``--base``, is version 0) and answers ``{success, message}`` with 200 or 400; ``GET /state``
+reports what a local dir holds; ``GET /healthz`` answers while pulls run (they run in threads).
+
+Safety: binds 127.0.0.1 by default; an optional bearer token (401 without it); request paths
+must lie under an ``--allow`` root (403 otherwise), and with no ``--allow`` the server refuses
+to bind anything but loopback; a local dir that is, holds or lies inside the base is refused
+(the user's model is never modified); requests for one local dir run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import functools
+import hmac
+import ipaddress
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from deltastore.errors import ConfigError, DeltastoreError, FormatError
+from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.protocol import CheckpointStatus, PullReply, PullRequest
+from deltastore.pull.pull import pull_weights
+
+log = logging.getLogger("deltastore.serve")
+
+PreReadHook = Callable[[str, int], None]
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _local_path(path: str) -> str:
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+def _under(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one ``deltastore serve`` process."""
+
+    base_dir: str
+    """The engine's model path: version 0, copied when a local dir is seeded, never modified."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    """0 picks a free port (the bound URL is reported once listening)."""
+    allow: tuple[str, ...] = ()
+    """Roots request paths must lie under: directories, or URL prefixes (``s3://bucket/``)."""
+    token: str | None = None
+    """Bearer token every request but ``/healthz`` must carry; None: no token."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    pre_read: PreReadHook | None = None
+    workers: int = 4
+    """Apply threads per pull."""
+    max_parallel_pulls: int = 4
+    """Pulls of different local dirs that may run at once."""
+
+    def check(self) -> None:
+        """Refuse unsafe or broken settings before anything binds (:class:`ConfigError`)."""
+        if not os.path.isdir(self.base_dir):
+            raise ConfigError(f"--base {self.base_dir!r} is not a directory (the engine's model)")
+        if not self.allow and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to serve on {self.host} without --allow: any host that can reach it "
+                "could make this one write anywhere. Pass --allow DIR (repeatable) or bind "
+                "127.0.0.1"
+            )
+        if self.token is not None and not self.token.strip():
+            raise ConfigError("the token is empty; put a secret in --token-file")
+
+
+class PathPolicy:
+    """Which request paths the server accepts."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.base = os.path.realpath(config.base_dir)
+        self.dirs = tuple(os.path.realpath(_local_path(a)) for a in config.allow if not _is_url(a))
+        self.urls = tuple(a.rstrip("/") for a in config.allow if _is_url(a))
+        self.open = not config.allow
+
+    def local_dir(self, path: str) -> str:
+        """The real path of a request's local dir; :class:`PermissionError` if not allowed."""
+        if _is_url(path) or not os.path.isabs(_local_path(path)):
+            raise FormatError(f"local_checkpoint_dir {path!r} must be an absolute local path")
+        real = os.path.realpath(_local_path(path))
+        if real == self.base or _under(real, self.base) or _under(self.base, real):
+            raise PermissionError(
+                f"local_checkpoint_dir {path!r} is, holds or lies inside the base model "
+                f"{self.base}; the base is never modified: pass a separate host-local dir"
+            )
+        if not self.open and not any(_under(real, root) for root in self.dirs):
+            raise PermissionError(f"{path!r} is not under an allowed root {list(self.dirs)}")
+        return real
+
+    def source(self, source: str) -> str:
+        """A request's source (dir or URL), checked against the allowed roots."""
+        if self.open:
+            return source
+        if _is_url(source):
+            if any(source == u or source.startswith(u + "/") for u in self.urls):
+                return source
+            raise PermissionError(f"source {source!r} is not under an allowed URL {self.urls}")
+        path = _local_path(source)
+        real = os.path.realpath(path)
+        if not os.path.isabs(path) or not any(_under(real, root) for root in self.dirs):
+            raise PermissionError(f"source {source!r} is not under an allowed root {self.dirs}")
+        return real
+
+
+class PullServer:
+    """The request handlers and their shared state (per-dir locks, the pull threads)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        config.check()
+        self.config = config
+        self.policy = PathPolicy(config)
+        self.locks: dict[str, asyncio.Lock] = {}
+        self.busy: set[str] = set()
+        self.executor = cf.ThreadPoolExecutor(
+            config.max_parallel_pulls, thread_name_prefix="deltastore-pull"
+        )
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth])
+        app.router.add_post("/pull_weights", self.pull_weights)
+        app.router.add_get("/state", self.state)
+        app.router.add_get("/healthz", self.healthz)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _close(self, _app: web.Application) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown, True)
+
+    @web.middleware
+    async def _auth(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        token = self.config.token
+        if token is not None and request.path != "/healthz":
+            header = request.headers.get("Authorization", "")
+            given = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                reply = PullReply(False, "missing or wrong bearer token (Authorization: Bearer)")
+                return web.json_response(reply.to_dict(), status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    @staticmethod
+    def _reply(reply: PullReply, status: int | None = None) -> web.Response:
+        return web.json_response(reply.to_dict(), status=status or reply.http_status)
+
+    async def healthz(self, _request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "pulls_running": len(self.busy)})
+
+    async def state(self, request: web.Request) -> web.Response:
+        path = request.query.get("local_checkpoint_dir")
+        if not path:
+            return self._reply(PullReply(False, "pass ?local_checkpoint_dir=ABSOLUTE_PATH"))
+        try:
+            real = self.policy.local_dir(path)
+        except FormatError as exc:
+            return self._reply(PullReply(False, str(exc)))
+        except PermissionError as exc:
+            return self._reply(PullReply(False, str(exc)), 403)
+        local = LocalCheckpoint(real)
+        status = CheckpointStatus.of(
+            path, local.read_state(), local.read_pending(), busy=real in self.busy
+        )
+        return web.json_response(status.to_dict())
+
+    async def pull_weights(self, request: web.Request) -> web.Response:
+        try:
+            body = PullRequest.from_json(await request.read())
+            local_dir = self.policy.local_dir(body.local_checkpoint_dir)
+            source = self.policy.source(body.source_dir)
+        except FormatError as exc:
+            return self._reply(PullReply(False, str(exc)))
+        except PermissionError as exc:
+            return self._reply(PullReply(False, str(exc)), 403)
+        lock = self.locks.setdefault(local_dir, asyncio.Lock())
+        async with lock:  # one pull per local dir at a time; the flock covers other processes
+            self.busy.add(local_dir)
+            try:
+                reply = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, functools.partial(self._pull, local_dir, source, body)
+                )
+            finally:
+                self.busy.discard(local_dir)
+        log.info(
+            "pull %s v%06d from %s: %s",
+            local_dir,
+            body.target_version,
+            source,
+            "ok" if reply.success else reply.message,
+        )
+        return self._reply(reply)
+
+    def _pull(self, local_dir: str, source: str, body: PullRequest) -> PullReply:
+        try:
+            result = pull_weights(
+                local_dir,
+                source,
+                body.target_version,
+                self.config.base_dir,
+                storage_options=self.config.storage_options or None,
+                pre_read=self.config.pre_read,
+                workers=self.config.workers,
+            )
+        except (DeltastoreError, OSError) as exc:
+            return PullReply(False, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a bug must still answer {success, message}
+            log.exception("pull of %s failed unexpectedly", local_dir)
+            return PullReply(False, f"unexpected {type(exc).__name__}: {exc}")
+        return PullReply(True, result.message)
+
+
+async def serve_async(
+    config: ServerConfig,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM); ``ready(url)`` once listening."""
+    server = PullServer(config)
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+        if ready is not None:
+            ready(url)
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def serve(config: ServerConfig, ready: Callable[[str], None] | None = None) -> None:
+    """Blocking :func:`serve_async`."""
+    asyncio.run(serve_async(config, ready))
+
+
+__all__ = ["PathPolicy", "PullServer", "ServerConfig", "is_loopback", "serve", "serve_async"]
