@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
@@ -191,7 +191,7 @@ def build_header(tensors: Iterable[TensorLayout], metadata: Mapping[str, str]) -
 
 def write_safetensors(
     out: BinaryIO,
-    tensors: list[tuple[TensorLayout, bytes | memoryview]],
+    tensors: Sequence[tuple[TensorLayout, bytes | memoryview]],
     metadata: Mapping[str, str] | None = None,
 ) -> int:
     """Stream a safetensors file into ``out``; returns the number of bytes written."""

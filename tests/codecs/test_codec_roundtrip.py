@@ -111,7 +111,7 @@ def cases(draw: st.DrawFn) -> Case:
         for pos, value in changes:
             new_raw[pos] = value
     if dtype == torch.bool:  # a bool byte is 0 or 1
-        old_raw, new_raw = old_raw & 1, new_raw & 1
+        old_raw, new_raw = (old_raw & 1).astype(np.uint8), (new_raw & 1).astype(np.uint8)
     old, old_expected = _view(old_raw, shape, dtype, layout)
     new, new_expected = _view(new_raw, shape, dtype, layout)
     return Case(dtype, layout, old, new, old_expected, new_expected)
