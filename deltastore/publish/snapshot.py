@@ -1,17 +1,31 @@
-"""The trainer's snapshot: the bytes of the last published state of every tensor."""
+"""The trainer's snapshot: the bytes of the last published state of every tensor.
+
+A :class:`Snapshot` knows every tensor of the model (dtype, shape, size) and *where its bytes can
+be read back* (a :class:`TensorSource`: a byte range of the base checkpoint, or of a full
+version in the store, plus the delta payloads to apply on top, plus the digest the result must
+have). It loads a tensor's bytes on first use. A single-process publisher loads everything at
+``seed()``; in a collective publish each rank only ever loads the tensors it is passed, so a
+rank's memory holds its own share of the model, not the whole model.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+import concurrent.futures as cf
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from deltastore.codecs import ByteArray
-from deltastore.errors import ConfigError, PublishError
+from deltastore.codecs import ByteArray, decompress, get_checksum, get_encoding
+from deltastore.errors import ConfigError, IntegrityError, PublishError
 from deltastore.format.checkpoint import checkpoint_files
 from deltastore.format.safetensors_io import read_header_file
+from deltastore.publish.device import host_bytes
+from deltastore.storage import VersionStore
+
+_READ_CHUNK = 64 * 1024**2
 
 
 @dataclass
@@ -23,46 +37,226 @@ class SnapshotTensor:
     data: ByteArray
 
 
-class Snapshot:
-    """Name → :class:`SnapshotTensor`, in the base checkpoint's order."""
+@dataclass(frozen=True)
+class PayloadRef:
+    """A delta payload (one zstd frame) inside a published shard."""
 
-    def __init__(self, tensors: dict[str, SnapshotTensor]) -> None:
-        self.tensors = tensors
+    version: int
+    shard: str
+    start: int
+    """Absolute byte offset of the frame in the shard file."""
+    end: int
+    encoding: str
 
-    @classmethod
-    def from_checkpoint(cls, directory: str) -> Snapshot:
-        """Read every tensor's bytes from a safetensors checkpoint directory (one read per file)."""
-        tensors: dict[str, SnapshotTensor] = {}
-        for path in checkpoint_files(directory):
-            header = read_header_file(path)
-            length = header.data_length or 0
-            buffer = np.empty(length, dtype=np.uint8)
-            with open(path, "rb") as fh:
-                fh.seek(header.data_start)
-                if fh.readinto(memoryview(buffer)) != length:
-                    raise ConfigError(f"{path} is truncated")
-            for name, entry in header.tensors.items():
-                if name in tensors:
-                    raise ConfigError(f"tensor {name!r} appears twice in checkpoint {directory}")
-                lo, hi = entry.start - header.data_start, entry.end - header.data_start
-                tensors[name] = SnapshotTensor(entry.dtype, entry.shape, buffer[lo:hi])
-        return cls(tensors)
 
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
+@dataclass(frozen=True)
+class TensorSource:
+    """How to read one tensor's bytes back: a starting range, then deltas, then a digest check.
+
+    The start is either ``file`` (a local base checkpoint file) or ``full_version`` + ``shard``
+    (a full version in the store); ``offset`` is the absolute byte offset of the tensor there.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int
+    file: str | None = None
+    full_version: int | None = None
+    shard: str | None = None
+    deltas: tuple[PayloadRef, ...] = field(default_factory=tuple)
+    checksum: str | None = None
+    digest: str | None = None
+    """Expected digest of the bytes after the deltas (None: trusted, e.g. the base)."""
+
+    def describe(self) -> str:
+        start = self.file if self.file is not None else f"weight_v{self.full_version:06d}"
+        chain = "".join(f" + v{d.version:06d}" for d in self.deltas)
+        return f"{start}{chain}"
+
+
+class _TensorView(Mapping[str, SnapshotTensor]):
+    """``snapshot.tensors``: every tensor by name, loading its bytes on access."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
 
     def __getitem__(self, name: str) -> SnapshotTensor:
-        return self.tensors[name]
+        return self._snapshot[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
+        return iter(self._snapshot)
 
     def __len__(self) -> int:
-        return len(self.tensors)
+        return len(self._snapshot)
+
+
+class Snapshot:
+    """Name → :class:`SnapshotTensor` in the base checkpoint's order, loaded on first access.
+
+    ``store`` is needed only for sources that point into a store (full versions, deltas).
+    Loading is thread-safe.
+    """
+
+    def __init__(self, sources: dict[str, TensorSource], store: VersionStore | None = None) -> None:
+        self.sources = sources
+        self.store = store
+        self._loaded: dict[str, ByteArray] = {}
+        self._lock = threading.Lock()
+
+    # --------------------------------------------------------------- building
+    @classmethod
+    def describe_checkpoint(cls, directory: str) -> dict[str, TensorSource]:
+        """Sources for every tensor of a safetensors checkpoint directory (headers only)."""
+        sources: dict[str, TensorSource] = {}
+        for path in checkpoint_files(directory):
+            header = read_header_file(path)
+            for name, entry in header.tensors.items():
+                if name in sources:
+                    raise ConfigError(f"tensor {name!r} appears twice in checkpoint {directory}")
+                sources[name] = TensorSource(
+                    entry.dtype, entry.shape, entry.nbytes, entry.start, file=path
+                )
+        return sources
+
+    @classmethod
+    def from_checkpoint(cls, directory: str, *, lazy: bool = False) -> Snapshot:
+        """The tensors of a safetensors checkpoint directory; read now (one read per file)
+        unless ``lazy``."""
+        snapshot = cls(cls.describe_checkpoint(directory))
+        if not lazy:
+            for path in checkpoint_files(directory):
+                header = read_header_file(path)
+                length = header.data_length or 0
+                buffer = np.empty(length, dtype=np.uint8)
+                with open(path, "rb") as fh:
+                    fh.seek(header.data_start)
+                    if fh.readinto(memoryview(buffer)) != length:
+                        raise ConfigError(f"{path} is truncated")
+                for name, entry in header.tensors.items():
+                    lo, hi = entry.start - header.data_start, entry.end - header.data_start
+                    snapshot._loaded[name] = buffer[lo:hi]
+        return snapshot
+
+    # --------------------------------------------------------------- mapping
+    def __contains__(self, name: object) -> bool:
+        return name in self.sources
+
+    def __getitem__(self, name: str) -> SnapshotTensor:
+        source = self.sources[name]
+        return SnapshotTensor(source.dtype, source.shape, self.load(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    @property
+    def tensors(self) -> Mapping[str, SnapshotTensor]:
+        """Every tensor by name; accessing one loads its bytes."""
+        return _TensorView(self)
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.data.size for t in self.tensors.values())
+        """Bytes of the whole model (loaded or not)."""
+        return sum(s.nbytes for s in self.sources.values())
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes this snapshot holds in memory."""
+        with self._lock:
+            return sum(int(a.size) for a in self._loaded.values())
+
+    def is_loaded(self, name: str) -> bool:
+        with self._lock:
+            return name in self._loaded
+
+    def largest_tensor_bytes(self) -> int:
+        return max((s.nbytes for s in self.sources.values()), default=0)
+
+    # --------------------------------------------------------------- loading
+    def load(self, name: str) -> ByteArray:
+        """The tensor's bytes, read (and kept) on first access. Raises like :meth:`peek`."""
+        with self._lock:
+            data = self._loaded.get(name)
+        if data is not None:
+            return data
+        data = self.read(name)
+        with self._lock:
+            return self._loaded.setdefault(name, data)
+
+    def peek(self, name: str) -> ByteArray:
+        """The tensor's bytes without keeping them (loaded ones are returned as they are)."""
+        with self._lock:
+            data = self._loaded.get(name)
+        return data if data is not None else self.read(name)
+
+    def evict(self, name: str) -> None:
+        """Forget a tensor's bytes (its source must describe its current state)."""
+        with self._lock:
+            self._loaded.pop(name, None)
+
+    def set_source(self, name: str, source: TensorSource, *, keep_loaded: bool = False) -> None:
+        """Replace where a tensor is read from; drops bytes already loaded unless
+        ``keep_loaded`` (the new source then describes the same bytes)."""
+        with self._lock:
+            self.sources[name] = source
+            if not keep_loaded:
+                self._loaded.pop(name, None)
+
+    def load_all(self, workers: int = 4) -> None:
+        """Load every tensor now (each checked against its source's digest)."""
+        with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-load") as pool:
+            list(pool.map(self.load, list(self.sources)))
+
+    def read(self, name: str) -> ByteArray:
+        """Read a tensor from its source, apply its deltas and check its digest.
+
+        Raises :class:`IntegrityError` when the result does not match the recorded digest,
+        :class:`PublishError` when a store-backed source has no store.
+        """
+        source = self.sources[name]
+        data = np.empty(source.nbytes, dtype=np.uint8)
+        if source.file is not None:
+            with open(source.file, "rb") as fh:
+                fh.seek(source.offset)
+                if fh.readinto(memoryview(data)) != source.nbytes:
+                    raise ConfigError(f"{source.file} is truncated inside tensor {name!r}")
+        else:
+            store = self._need_store(name)
+            assert source.full_version is not None and source.shard is not None
+            for lo in range(0, source.nbytes, _READ_CHUNK):
+                hi = min(source.nbytes, lo + _READ_CHUNK)
+                chunk = store.read_range(
+                    source.full_version, source.shard, source.offset + lo, source.offset + hi
+                )
+                data[lo:hi] = np.frombuffer(chunk, dtype=np.uint8)
+        for ref in source.deltas:
+            store = self._need_store(name)
+            encoding = get_encoding(ref.encoding)
+            frame = store.read_range(ref.version, ref.shard, ref.start, ref.end)
+            payload = decompress(
+                frame,
+                max_size=encoding.max_payload_size(source.nbytes),
+                what=f"payload of tensor {name!r} in weight_v{ref.version:06d}/{ref.shard}",
+            )
+            encoding.apply(data, payload, tensor=name)
+        if source.digest is not None:
+            checksum = get_checksum(source.checksum or "xxh3-128")
+            actual = checksum.hexdigest(data)
+            if actual != source.digest:
+                raise IntegrityError(
+                    f"tensor {name!r} rebuilt from {source.describe()} has {checksum.name} "
+                    f"{actual}, the store records {source.digest}; the store or the base "
+                    "checkpoint does not match this stream"
+                )
+        return data
+
+    def _need_store(self, name: str) -> VersionStore:
+        if self.store is None:
+            raise PublishError(f"tensor {name!r} is read from a store but the snapshot has none")
+        return self.store
 
 
 _TORCH_DTYPES: dict[str, str] = {
@@ -88,41 +282,30 @@ def safetensors_dtype_of(tensor: Any) -> str | None:
     return _TORCH_DTYPES.get(str(dtype).removeprefix("torch."))
 
 
-def tensor_bytes(name: str, tensor: Any) -> ByteArray:
-    """The raw little-endian bytes of a CPU tensor/array as 1-D uint8 (contiguous first).
-
-    Non-contiguous tensors (transposed, sliced) are made contiguous so the bytes are the
-    tensor's logical row-major content, as safetensors stores it.
-    """
+def nbytes_of(name: str, tensor: Any) -> int:
+    """Byte size of a torch tensor or numpy array, without touching its data."""
     if isinstance(tensor, np.ndarray):
-        array = np.ascontiguousarray(tensor)
-        if array.dtype.byteorder == ">":
-            array = array.astype(array.dtype.newbyteorder("<"))
-        return array.reshape(-1).view(np.uint8)
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None  # type: ignore[assignment]
-    if torch is not None and isinstance(tensor, torch.Tensor):
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        t = t.contiguous().reshape(-1)
-        # torch calls a 0- or 1-element view with stride != 1 contiguous and keeps its stride,
-        # which .view(uint8) then rejects: copy it into a fresh stride-1 tensor.
-        if t.stride(0) != 1:
-            t = t.clone(memory_format=torch.contiguous_format)
-        return t.view(torch.uint8).numpy()
+        return int(tensor.nbytes)
+    numel = getattr(tensor, "numel", None)
+    element_size = getattr(tensor, "element_size", None)
+    if callable(numel) and callable(element_size):
+        return int(numel()) * int(element_size())
     raise PublishError(
         f"tensor {name!r} is a {type(tensor).__name__}; pass a torch.Tensor or numpy.ndarray"
     )
 
 
-def check_against_snapshot(name: str, tensor: Any, data: ByteArray, base: SnapshotTensor) -> None:
+def tensor_bytes(name: str, tensor: Any) -> ByteArray:
+    """The raw little-endian bytes of a tensor/array as 1-D uint8 (contiguous first; device
+    tensors are copied to the host)."""
+    return host_bytes(name, tensor)
+
+
+def check_layout(name: str, tensor: Any, nbytes: int, base: TensorSource) -> None:
     """Refuse a tensor whose byte size, dtype or shape differs from the base's."""
-    if data.size != base.data.size:
+    if nbytes != base.nbytes:
         raise PublishError(
-            f"tensor {name!r} has {data.size} bytes, the base has {base.data.size} "
+            f"tensor {name!r} has {nbytes} bytes, the base has {base.nbytes} "
             f"({base.dtype}{list(base.shape)}); a delta needs equal sizes"
         )
     dtype = safetensors_dtype_of(tensor)
@@ -136,3 +319,9 @@ def check_against_snapshot(name: str, tensor: Any, data: ByteArray, base: Snapsh
         raise PublishError(
             f"tensor {name!r} has shape {list(shape)}, the base has {list(base.shape)}"
         )
+
+
+def check_against_snapshot(name: str, tensor: Any, data: ByteArray, base: SnapshotTensor) -> None:
+    """Refuse a tensor whose byte size, dtype or shape differs from the base's."""
+    source = TensorSource(base.dtype, base.shape, int(base.data.size), 0)
+    check_layout(name, tensor, int(data.size), source)
