@@ -119,7 +119,7 @@ def cases(draw: st.DrawFn) -> Case:
 
 @pytest.mark.parametrize("checksum_name", sorted(CHECKSUMS))
 @pytest.mark.parametrize("encoding_name", sorted(ENCODINGS))
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(case=cases())
 def test_encode_compress_apply_roundtrip(encoding_name: str, checksum_name: str, case: Case):
     encoding = get_encoding(encoding_name)
