@@ -63,6 +63,14 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def _stop_by_deadline(deadline_s: float) -> tenacity.stop.stop_base:
+    """Stop before a wait would end past the deadline (older tenacity: stop after it)."""
+    stop_before = getattr(tenacity, "stop_before_delay", None)
+    if stop_before is not None:
+        return stop_before(deadline_s)  # type: ignore[no-any-return]
+    return tenacity.stop_after_delay(deadline_s)
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How a store retries a failed idempotent step."""
@@ -77,21 +85,24 @@ class RetryPolicy:
     """Injectable sleep (tests assert waits without waiting)."""
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``, retrying transient failures; ``what`` names the step in logs."""
+        """Run ``fn``, retrying transient failures; ``what`` names the step in logs.
+
+        The last error is re-raised unchanged once the attempts or the deadline are spent.
+        """
 
         def log_retry(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             log.warning(
-                "%s failed (attempt %d of %d): %s; retrying",
+                "%s failed (attempt %d of %d, retrying in %.2f s): %s",
                 what,
                 state.attempt_number,
                 self.attempts,
+                state.upcoming_sleep,
                 exc,
             )
 
         retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(self.attempts)
-            | tenacity.stop_after_delay(self.deadline_s),
+            stop=tenacity.stop_after_attempt(self.attempts) | _stop_by_deadline(self.deadline_s),
             wait=tenacity.wait_random_exponential(
                 multiplier=self.initial_wait_s, max=self.max_wait_s
             ),
@@ -100,7 +111,13 @@ class RetryPolicy:
             reraise=True,
             sleep=self.sleep or time.sleep,
         )
-        return retrying(fn)
+        try:
+            return retrying(fn)
+        except Exception as exc:
+            attempts = retrying.statistics.get("attempt_number", 1)
+            if is_transient(exc):
+                log.error("%s: giving up after %d attempt(s): %s", what, attempts, exc)
+            raise
 
 
 NO_RETRY = RetryPolicy(attempts=1)

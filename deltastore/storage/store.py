@@ -1,48 +1,80 @@
 """``VersionStore``: published versions on any fsspec filesystem.
 
 The store moves opaque bytes: it knows version directories, indexes and byte ranges, never
-codecs. Its protocols (ARCHITECTURE.md):
+codecs. Its protocols (ARCHITECTURE.md, OBJECT_STORES.md):
 
 * **Commit.** A create-only claim ``_claims/weight_vNNNNNN.json`` first, so a second writer of
   the same version never touches the winner's shards; then the shards; then the index,
   create-only and carrying a unique commit token. The index's existence is the commit. On
   ``FileExistsError`` the writer reads the index back: its own token means the acknowledgement
   was lost and the commit stands, another token is a :class:`VersionConflictError`.
-* **Listing.** Versions are listed by their indexes; shards without an index are invisible.
-* **Refresh.** :meth:`VersionStore.refresh` drops fsspec's listing caches and runs the
-  pre-read hook, so a reader sees versions other hosts committed.
+* **Fencing.** ``prune`` fences a stale uncommitted version with a create-only abort marker
+  ``_claims/weight_vNNNNNN.abort``. :meth:`VersionStore.commit` checks, before and after
+  writing the index, that the marker is absent and that the claim still holds its token, and
+  withdraws its index otherwise: of a zombie writer and a pruner, one of the two always sees
+  the other's write, so a fenced version is never left committed.
+* **Listing.** Versions are listed by their indexes (one recursive listing); shards without an
+  index, and versions with an abort marker, are invisible.
+* **Refresh.** Remote stores are opened without fsspec's listing cache (another host's commit
+  is then visible at once); :meth:`VersionStore.refresh` still drops any cache a caller turned
+  on, and runs the pre-read hook.
+* **Retries.** Each idempotent step (a read, a listing, a whole create-only write with its
+  read-back) is retried as a unit under one deadline for transient errors; permanent errors
+  fail at once as :class:`StoreError` / :class:`ConfigError` naming the URL and what to check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import io
 import json
 import logging
 import os
 import posixpath
 import threading
+import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import fsspec
 
 from deltastore.errors import (
     ConfigError,
+    DeltastoreError,
     FormatError,
     StoreError,
+    TransientStoreError,
     VersionConflictError,
     VersionNotFoundError,
 )
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
 from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
-from deltastore.storage.retry import RetryPolicy
+from deltastore.storage.retry import RetryPolicy, is_transient
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+    from deltastore.storage.prune import PruneReport
 
 log = logging.getLogger("deltastore.storage")
 
+T = TypeVar("T")
+
 CLAIMS_DIR = "_claims"
+CLAIM_SUFFIX = ".json"
+ABORT_SUFFIX = ".abort"
+PROBE_PREFIX = "_probe-"
+DEFAULT_BLOCK_SIZE = 8 * 1024**2
+"""Bytes buffered per open remote stream: one upload part, or one read-ahead block."""
+_S3_MIN_PART = 5 * 1024**2
+_GCS_CHUNK = 256 * 1024
+_REMOTE_PROTOCOLS = {"s3", "s3a", "gs", "gcs"}
+
 PostWriteHook = Callable[[str], None]
 """``post_write(version_dir_url)``: runs once a version's files are written."""
 PreReadHook = Callable[[str, int], None]
@@ -64,12 +96,70 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def modified_time(info: dict[str, Any]) -> float | None:
+    """Modification time (POSIX seconds) from an fsspec info dict of any backend, if any."""
+    for key in ("mtime", "LastModified", "updated", "created", "timeCreated"):
+        value = info.get(key)
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, _dt.datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def _json_field(data: bytes, *keys: str) -> str | None:
+    with contextlib.suppress(ValueError, AttributeError, UnicodeDecodeError):
+        value: Any = json.loads(data)
+        for key in keys:
+            value = value.get(key)
+        return value if isinstance(value, str) else None
+    return None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One object of a store listing."""
+
+    size: int
+    mtime: float | None
+    """Modification time in POSIX seconds (the server's clock on object stores)."""
+
+
+@dataclass(frozen=True)
+class StoreListing:
+    """Everything under a store's root, from one recursive listing."""
+
+    indexes: frozenset[int]
+    """Versions whose index exists (committed, unless also aborted)."""
+    aborted: dict[int, FileEntry]
+    """Versions with an abort marker (fenced or unpublished by prune)."""
+    claims: dict[int, FileEntry]
+    files: dict[int, dict[str, FileEntry]]
+    """Version → file name → entry, for every file inside a version directory."""
+    other: dict[str, FileEntry] = field(default_factory=dict)
+    """Store-internal leftovers under ``_claims/`` (probes, partial temp files): path → entry."""
+
+    @property
+    def committed(self) -> list[int]:
+        """Committed versions, ascending."""
+        return sorted(v for v in self.indexes if v not in self.aborted)
+
+
 class VersionStore:
     """Published versions under one root URL (a local path, ``memory://``, ``s3://``, ``gs://``).
 
-    ``storage_options`` go to fsspec unchanged. ``post_write`` and ``pre_read`` are optional hook
-    callables (see :data:`PostWriteHook`, :data:`PreReadHook`). Raises :class:`ConfigError` if
-    the URL's protocol has no installed fsspec implementation.
+    ``storage_options`` go to fsspec; for ``s3://`` and ``gs://`` the store adds
+    ``use_listings_cache=False`` unless the caller sets it, so a reader sees other hosts'
+    commits without a refresh. ``post_write`` and ``pre_read`` are optional hook callables (see
+    :data:`PostWriteHook`, :data:`PreReadHook`). ``block_size`` bounds the bytes buffered per
+    open remote stream (default 8 MiB; at least 5 MiB on S3, a multiple of 256 KiB on GCS).
+    Raises :class:`ConfigError` if the URL's protocol has no installed fsspec implementation
+    or an option is invalid. No request is sent until the store is used.
     """
 
     retry: RetryPolicy = RetryPolicy()
@@ -82,20 +172,30 @@ class VersionStore:
         post_write: PostWriteHook | None = None,
         pre_read: PreReadHook | None = None,
         retry: RetryPolicy | None = None,
+        block_size: int | None = None,
     ) -> None:
         url = os.fspath(url)
         if not url:
             raise ConfigError("store URL is empty; pass a directory, memory://, s3:// or gs:// URL")
         self.storage_options = dict(storage_options or {})
+        protocol = fsspec.core.split_protocol(url)[0]
+        self.is_remote = protocol in _REMOTE_PROTOCOLS
+        self._fs_url = url
+        self._fs_options = dict(self.storage_options)
+        if self.is_remote:
+            self._fs_options.setdefault("use_listings_cache", False)
+        self._fs_pid = -1
+        self._fs: AbstractFileSystem | None = None
         try:
-            self.fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
-        except (ImportError, ValueError) as exc:
-            raise ConfigError(
-                f"cannot open store {url!r}: {exc}. For s3:// install deltastore[s3], for gs:// "
-                "install deltastore[gcs]"
-            ) from None
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        self.is_local = "file" in protocols
+            fs, root = fsspec.core.url_to_fs(url, **self._fs_options)
+        except (ImportError, ValueError, TypeError) as exc:
+            extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}.get(protocol or "", "")
+            missing = extra and isinstance(exc, ImportError)
+            hint = f"; install deltastore[{extra}]" if missing else ""
+            raise ConfigError(f"cannot open store {url!r}: {exc}{hint}") from None
+        self._fs, self._fs_pid = fs, os.getpid()
+        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+        self.is_local = "file" in protocols or "local" in protocols
         self.is_memory = "memory" in protocols
         if self.is_local:
             root = os.path.abspath(root)
@@ -105,6 +205,26 @@ class VersionStore:
         self.pre_read = pre_read
         if retry is not None:
             self.retry = retry
+        self.block_size = self._check_block_size(block_size or DEFAULT_BLOCK_SIZE, protocols)
+        self.supports_exclusive_create: bool | None = (
+            True if (self.is_local or self.is_memory) else None
+        )
+        """Whether create-only writes are exclusive here; None until probed (first write)."""
+
+    def _check_block_size(self, size: int, protocols: tuple[str, ...]) -> int:
+        if "s3" in protocols and size < _S3_MIN_PART:
+            raise ConfigError(f"block_size {size} is below S3's 5 MiB minimum part size")
+        if "gs" in protocols and size % _GCS_CHUNK:
+            raise ConfigError(f"block_size {size} is not a multiple of 256 KiB, as GCS requires")
+        return size
+
+    @property
+    def fs(self) -> AbstractFileSystem:
+        """The fsspec filesystem; re-opened in a forked child (clients do not survive a fork)."""
+        if self._fs is None or self._fs_pid != os.getpid():
+            self._fs, _ = fsspec.core.url_to_fs(self._fs_url, **self._fs_options)
+            self._fs_pid = os.getpid()
+        return self._fs
 
     def __repr__(self) -> str:
         return f"VersionStore({self.url!r})"
@@ -123,8 +243,71 @@ class VersionStore:
     def file_path(self, version: int, name: str) -> str:
         return posixpath.join(self.version_path(version), name)
 
-    def _claim_path(self, version: int) -> str:
-        return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + ".json")
+    def claim_path(self, version: int) -> str:
+        """Path of a version's claim object."""
+        return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + CLAIM_SUFFIX)
+
+    def abort_path(self, version: int) -> str:
+        """Path of a version's abort marker (written by prune to fence or unpublish it)."""
+        return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + ABORT_SUFFIX)
+
+    # ----------------------------------------------------------------- errors
+    def _endpoint_hint(self) -> str:
+        options = self.storage_options
+        client = options.get("client_kwargs") or {}
+        endpoint = (
+            options.get("endpoint_url")
+            or (client.get("endpoint_url") if isinstance(client, dict) else None)
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or os.environ.get("STORAGE_EMULATOR_HOST")
+        )
+        return f"endpoint {endpoint}" if endpoint else "the default endpoint"
+
+    def _credential_hint(self) -> str:
+        if self.url.startswith("s3"):
+            return "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or storage options"
+        if self.url.startswith("gs"):
+            return "GOOGLE_APPLICATION_CREDENTIALS or the 'token' storage option"
+        return "file permissions"
+
+    def _translate(self, what: str, exc: Exception) -> DeltastoreError:
+        """Map a backend error to the error tree, naming the URL and what to check."""
+        text = str(exc)
+        if isinstance(exc, PermissionError) or "Forbidden" in text or "AccessDenied" in text:
+            return StoreError(
+                f"{what}: access denied on {self.url} ({exc}); check the credentials "
+                f"({self._credential_hint()}) and that they may read and write this prefix"
+            )
+        if is_transient(exc):
+            return TransientStoreError(
+                f"{what}: {self.url} kept failing with transient errors (last: {exc}) through "
+                f"{self.retry.attempts} attempts within {self.retry.deadline_s:.0f} s; check "
+                f"{self._endpoint_hint()} and the network, then retry"
+            )
+        return StoreError(
+            f"{what} on {self.url} failed: {type(exc).__name__}: {exc}; check the URL, the "
+            f"storage options and {self._endpoint_hint()}"
+        )
+
+    def _guard(self, what: str, fn: Callable[[], T]) -> T:
+        """Run one idempotent step with retries; translate what is left to the error tree.
+
+        ``FileNotFoundError`` and ``FileExistsError`` pass through: callers give them meaning.
+        """
+        try:
+            return self.retry.call(what, fn)
+        except (FileNotFoundError, FileExistsError, DeltastoreError):
+            raise
+        except Exception as exc:
+            raise self._translate(what, exc) from exc
+
+    def _missing_root(self) -> ConfigError:
+        bucket = self.root.lstrip("/").split("/", 1)[0]
+        return ConfigError(
+            f"bucket {bucket!r} of {self.url} does not exist or is not visible with these "
+            f"credentials; create it, or check the URL and {self._endpoint_hint()}"
+        )
 
     # ---------------------------------------------------------------- reading
     def refresh(self, version: int | None = None) -> None:
@@ -137,21 +320,60 @@ class VersionStore:
         if self.pre_read is not None and version is not None and version > 0:
             self.pre_read(self.url, version)
 
+    def listing(self) -> StoreListing:
+        """List everything under the root once (see :class:`StoreListing`).
+
+        Raises :class:`ConfigError` when the bucket of a remote store does not exist.
+        """
+
+        def find() -> dict[str, dict[str, Any]]:
+            found = self.fs.find(self.root, detail=True)
+            return dict(found) if isinstance(found, dict) else {}
+
+        try:
+            found = self._guard(f"listing {self.url}", find)
+        except FileNotFoundError:
+            if self.is_remote:
+                raise self._missing_root() from None
+            found = {}
+        prefix = self.root.rstrip("/") + "/"
+        indexes: set[int] = set()
+        aborted: dict[int, FileEntry] = {}
+        claims: dict[int, FileEntry] = {}
+        files: dict[int, dict[str, FileEntry]] = {}
+        other: dict[str, FileEntry] = {}
+        for path, info in found.items():
+            if info.get("type", "file") != "file":
+                continue
+            path = path if path.startswith(prefix) else "/" + path.lstrip("/")
+            if not path.startswith(prefix):
+                continue
+            rel = path[len(prefix) :]
+            entry = FileEntry(int(info.get("size") or 0), modified_time(info))
+            top, _, rest = rel.partition("/")
+            if top == CLAIMS_DIR:
+                version = None
+                for suffix, bucket in ((CLAIM_SUFFIX, claims), (ABORT_SUFFIX, aborted)):
+                    if rest.endswith(suffix) and "/" not in rest:
+                        version = parse_version_dir(rest[: -len(suffix)])
+                        if version is not None:
+                            bucket[version] = entry
+                            break
+                if version is None:
+                    other[path] = entry
+                continue
+            version = parse_version_dir(top)
+            if version is None or not rest or "/" in rest or version < 1:
+                continue
+            files.setdefault(version, {})[rest] = entry
+            if rest == INDEX_NAME:
+                indexes.add(version)
+        return StoreListing(frozenset(indexes), aborted, claims, files, other)
+
     def versions(self) -> list[int]:
-        """Committed versions, ascending. Directories without an index are not versions."""
-
-        def list_indexes() -> list[str]:
-            if not self.fs.exists(self.root):
-                return []
-            return list(self.fs.glob(posixpath.join(self.root, "weight_v*", INDEX_NAME)))
-
-        found = self.retry.call(f"listing {self.url}", list_indexes)
-        versions = []
-        for path in found:
-            number = parse_version_dir(posixpath.dirname(path))
-            if number is not None and number > 0:
-                versions.append(number)
-        return sorted(set(versions))
+        """Committed versions, ascending. Directories without an index are not versions, nor
+        are versions fenced or unpublished by prune."""
+        return self.listing().committed
 
     def latest(self) -> int:
         """The newest committed version, or 0 when nothing is published."""
@@ -172,7 +394,7 @@ class VersionStore:
 
     def _read_bytes(self, path: str, *, what: str, version: int | None = None) -> bytes:
         try:
-            return self.retry.call(f"reading {path}", lambda: self.fs.cat_file(path))
+            return bytes(self._guard(f"reading {path}", lambda: self.fs.cat_file(path)))
         except FileNotFoundError:
             if version is not None:
                 raise VersionNotFoundError(
@@ -182,9 +404,10 @@ class VersionStore:
             raise StoreError(f"{path} is missing in {self.url}") from None
 
     def file_size(self, version: int, name: str) -> int:
+        """Size in bytes of a file of a version, asked of the store (never a cached listing)."""
         path = self.file_path(version, name)
         try:
-            info = self.retry.call(f"stat {path}", lambda: self.fs.info(path))
+            info = self._guard(f"stat {path}", lambda: self.fs.info(path))
         except FileNotFoundError:
             raise VersionNotFoundError(
                 f"{name} of weight_v{version:06d} is missing in {self.url}; the version was "
@@ -193,10 +416,19 @@ class VersionStore:
         return int(info["size"])
 
     def read_range(self, version: int, name: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of a file of a version (one ranged request)."""
+        """Bytes ``[start, end)`` of a file of a version (one ranged request).
+
+        Raises :class:`VersionNotFoundError` if the file vanished (pruned mid-read: the caller
+        should re-resolve the version), :class:`FormatError` if it is shorter than ``end``.
+        """
+        if end <= start:
+            # An empty range: asked of S3 it would read the whole object (an invalid Range).
+            if end < start:
+                raise FormatError(f"read_range({name!r}, {start}, {end}): end before start")
+            return b""
         path = self.file_path(version, name)
         try:
-            data = self.retry.call(
+            data = self._guard(
                 f"reading {path}[{start}:{end}]",
                 lambda: self.fs.cat_file(path, start=start, end=end),
             )
@@ -225,20 +457,25 @@ class VersionStore:
 
     @contextlib.contextmanager
     def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
-        """A readable binary stream of a file of a version."""
+        """A readable binary stream of a file of a version (read-ahead of ``block_size``)."""
         path = self.file_path(version, name)
+        kwargs: dict[str, Any] = {} if self.is_local else {"block_size": self.block_size}
         try:
-            with self.fs.open(path, "rb") as fh:
-                yield fh
+            fh = self._guard(f"opening {path}", lambda: self.fs.open(path, "rb", **kwargs))
         except FileNotFoundError:
             raise VersionNotFoundError(
                 f"{name} of weight_v{version:06d} is missing in {self.url}"
             ) from None
+        with fh:
+            yield fh
 
     def list_files(self, version: int) -> list[str]:
         """Plain file names inside a version's directory."""
         path = self.version_path(version)
-        entries = self.retry.call(f"listing {path}", lambda: self.fs.ls(path, detail=True))
+        try:
+            entries = self._guard(f"listing {path}", lambda: self.fs.ls(path, detail=True))
+        except FileNotFoundError:
+            return []
         return sorted(
             posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file"
         )
@@ -267,12 +504,13 @@ class VersionStore:
                     raise FileExistsError(path)
                 self.fs.pipe_file(path, data)
         else:
+            # S3 If-None-Match: *, GCS ifGenerationMatch=0 (a simple upload: keep it small).
             self.fs.pipe_file(path, data, mode="create")
 
     def _create_with_token(
         self, path: str, data: bytes, token: str, read_token: Callable[[bytes], str | None]
     ) -> bool:
-        """Create-only write; True if ours stands (written now or earlier with a lost ack)."""
+        """Create-only write; True if ours stands (written now, or earlier with a lost ack)."""
 
         def attempt() -> bool:
             try:
@@ -283,12 +521,50 @@ class VersionStore:
                 try:
                     existing = self.fs.cat_file(path)
                 except FileNotFoundError:
-                    raise StoreError(
-                        f"{path} was reported as existing but cannot be read; retry"
+                    # Reported as existing, yet gone: removed meanwhile. Try again.
+                    raise TransientStoreError(
+                        f"{path} was reported as existing but cannot be read"
                     ) from None
                 return read_token(existing) == token
 
-        return self.retry.call(f"create-only write of {path}", attempt)
+        return self._guard(f"create-only write of {path}", attempt)
+
+    def check_exclusive_create(self) -> bool:
+        """Probe once whether create-only writes are exclusive on this backend.
+
+        Writes a probe object under ``_claims/`` twice, create-only, and expects the second
+        write to fail. Where it does not, concurrent writers of one version could both commit:
+        a warning says so and :attr:`supports_exclusive_create` becomes False. Raises
+        :class:`ConfigError` if the bucket does not exist, :class:`StoreError` if access is
+        denied.
+        """
+        if self.supports_exclusive_create is not None:
+            return self.supports_exclusive_create
+        token = new_token()
+        path = posixpath.join(self.root, CLAIMS_DIR, f"{PROBE_PREFIX}{token}")
+        body = json.dumps({"probe": True, "token": token}).encode()
+        try:
+            self._create_with_token(path, body, token, lambda b: _json_field(b, "token"))
+            try:
+                self._guard(f"probing {path}", lambda: self._create_only(path, b"second"))
+                exclusive = False
+            except FileExistsError:
+                exclusive = True
+        except FileNotFoundError:
+            raise self._missing_root() from None
+        finally:
+            with contextlib.suppress(Exception):
+                self.fs.rm(path)
+        self.supports_exclusive_create = exclusive
+        if not exclusive:
+            message = (
+                f"{self.url}: create-only writes are NOT exclusive on this backend (a second "
+                "create-only write of a probe object succeeded); two concurrent publishers "
+                "could both commit one version. Run exactly one publisher per store"
+            )
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return exclusive
 
     def claim(self, version: int, token: str) -> None:
         """Claim a version before writing any of its files.
@@ -296,36 +572,41 @@ class VersionStore:
         Raises :class:`VersionConflictError` if the version is committed or claimed by another
         writer (e.g. a zombie trainer and its replacement).
         """
-        if self.fs.exists(self.file_path(version, INDEX_NAME)):
+        self.check_exclusive_create()
+        if self._exists(self.file_path(version, INDEX_NAME)):
             raise VersionConflictError(
                 f"weight_v{version:06d} is already committed in {self.url}; publish the next "
                 "version instead (or resume the stream)"
             )
-        body = json.dumps({"version": version, "token": token}).encode()
-
-        def read_token(data: bytes) -> str | None:
-            with contextlib.suppress(ValueError, AttributeError):
-                return json.loads(data).get("token")
-            return None
-
-        if not self._create_with_token(self._claim_path(version), body, token, read_token):
+        body = json.dumps({"version": version, "token": token, "time": time.time()}).encode()
+        if not self._create_with_token(
+            self.claim_path(version), body, token, lambda b: _json_field(b, "token")
+        ):
             raise VersionConflictError(
                 f"weight_v{version:06d} in {self.url} is claimed by another writer; two "
                 "publishers target one store (stop the other, or resume the stream)"
             )
 
     def write_file(self, version: int, name: str, data: bytes | memoryview) -> None:
-        """Write one whole file of a claimed, uncommitted version."""
-        with self.open_write(version, name) as fh:
-            fh.write(data)
+        """Write one whole file of a claimed, uncommitted version (retried as a whole)."""
+        if self.is_local or self.is_memory:
+            with self.open_write(version, name) as fh:
+                fh.write(data)
+            return
+        if name == INDEX_NAME:
+            raise StoreError(f"{name} is written only by commit()")
+        path = self.file_path(version, name)
+        payload = bytes(data)
+        self._guard(f"writing {path}", lambda: self.fs.pipe_file(path, payload))
 
     @contextlib.contextmanager
     def open_write(self, version: int, name: str) -> Iterator[BinaryIO]:
         """A writable stream for one file of a claimed, uncommitted version.
 
         Locally the file is written to a sibling temp file, fsynced and renamed into place, so
-        a crash never leaves a complete-looking partial file. Remotely the upload completes on
-        close (multipart above the filesystem's block size).
+        a crash never leaves a complete-looking partial file. Remotely at most ``block_size``
+        bytes are buffered: larger files go up as a multipart (S3) or resumable (GCS) upload
+        that completes on close; if the caller raises, the upload is abandoned, never completed.
         """
         if name == INDEX_NAME:
             raise StoreError(f"{name} is written only by commit()")
@@ -348,39 +629,86 @@ class VersionStore:
             yield buffer
             self.fs.pipe_file(path, buffer.getvalue())
         else:
-            with self.fs.open(path, "wb") as fh:
-                yield fh
+            remote = self._guard(
+                f"opening {path} for writing",
+                lambda: self.fs.open(path, "wb", block_size=self.block_size),
+            )
+            try:
+                yield remote
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    remote.discard()
+                remote.closed = True  # closing would complete the partial upload
+                raise
+            try:
+                remote.close()
+            except (FileNotFoundError, DeltastoreError):
+                raise
+            except Exception as exc:
+                raise self._translate(f"uploading {path}", exc) from exc
+
+    def _exists(self, path: str) -> bool:
+        """Whether ``path`` exists, asked of the store (retried)."""
+        return bool(self._guard(f"checking {path}", lambda: self.fs.exists(path)))
+
+    def _check_fence(self, version: int, token: str) -> None:
+        """Refuse to (have) commit(ted) a version that is fenced or whose claim is not ours."""
+        abort = self.abort_path(version)
+        if self._exists(abort):
+            raise VersionConflictError(
+                f"weight_v{version:06d} in {self.url} is fenced by an abort marker ({abort}): "
+                "prune found its claim stale; this writer must not commit it. Publish the next "
+                "version instead"
+            )
+        claim = self.claim_path(version)
+        try:
+            data = self._guard(f"reading {claim}", lambda: self.fs.cat_file(claim))
+        except FileNotFoundError:
+            data = b""
+        if _json_field(data, "token") != token:
+            raise VersionConflictError(
+                f"weight_v{version:06d} in {self.url} is not claimed by this writer (claim "
+                f"{claim} missing or another writer's); claim(version, token) with the index's "
+                "commit_token before writing, and publish the next version"
+            )
 
     def commit(self, version: int, index: VersionIndex) -> None:
         """Publish a version by creating its index (create-only), once its shards are written.
 
-        The index must carry a ``commit_token``. Raises :class:`VersionConflictError` if
-        another writer committed this version first.
+        The index must carry the ``commit_token`` the version was claimed with. Raises
+        :class:`VersionConflictError` if another writer committed this version first, or the
+        version was fenced by prune (its index is then withdrawn).
         """
         if index.version != version or not index.commit_token:
             raise ConfigError("commit() needs the index of this version with a commit_token")
+        token = index.commit_token
         for shard in index.shards():
-            if not self.fs.exists(self.file_path(version, shard)):
+            if not self._exists(self.file_path(version, shard)):
                 raise StoreError(
                     f"cannot commit weight_v{version:06d}: shard {shard} is not written"
                 )
+        self._check_fence(version, token)
         path = self.file_path(version, INDEX_NAME)
-
-        def read_token(data: bytes) -> str | None:
-            with contextlib.suppress(ValueError, AttributeError):
-                return json.loads(data).get("metadata", {}).get("commit_token")
-            return None
-
         if self.is_local:
             # An empty delta (nothing changed) has no shard, so its directory may not exist yet.
             os.makedirs(self.version_path(version), exist_ok=True)
             # The shards were fsynced when written; make their names durable with the index.
             _fsync_dir(self.version_path(version))
-        if not self._create_with_token(path, index.to_json(), index.commit_token, read_token):
+        if not self._create_with_token(
+            path, index.to_json(), token, lambda b: _json_field(b, "metadata", "commit_token")
+        ):
             raise VersionConflictError(
                 f"weight_v{version:06d} was committed by another writer in {self.url}; this "
                 "writer's version was not published"
             )
+        try:
+            # A pruner may have fenced the version while the index was on its way: one of the
+            # two sees the other's write, and the one that sees it backs off.
+            self._check_fence(version, token)
+        except VersionConflictError:
+            with contextlib.suppress(Exception):
+                self.fs.rm(path)
+            raise
         if self.is_local:
             _fsync_dir(self.root)
         self.fs.invalidate_cache(self.version_path(version))
@@ -392,9 +720,17 @@ class VersionStore:
 
     def abort(self, version: int) -> None:
         """Remove an uncommitted version's files and claim (best effort, never a commit)."""
-        if self.fs.exists(self.file_path(version, INDEX_NAME)):
-            return
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(Exception):
+            if self.fs.exists(self.file_path(version, INDEX_NAME)):
+                return
+        with contextlib.suppress(Exception):
             self.fs.rm(self.version_path(version), recursive=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self._claim_path(version))
+        with contextlib.suppress(Exception):
+            self.fs.rm(self.claim_path(version))
+
+    # ------------------------------------------------------------------ prune
+    def prune(self, keep: int, *, grace_s: float = 3600.0, dry_run: bool = False) -> PruneReport:
+        """Remove old versions and garbage; see :func:`deltastore.storage.prune.prune`."""
+        from deltastore.storage.prune import prune
+
+        return prune(self, keep=keep, grace_s=grace_s, dry_run=dry_run)

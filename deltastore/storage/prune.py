@@ -1,0 +1,260 @@
+"""Pruning old versions and garbage from a :class:`VersionStore`, in two phases.
+
+Retention keeps the newest ``keep`` committed versions *and every version needed to reach
+them*: each kept version's ``base_version`` links are followed back to a full version or to
+the base (version 0), so a host can always rebuild any kept version from the newest full
+version at or below the oldest one kept. Nothing on a kept chain is ever removed.
+
+Deletion is two-phase, so a host in the middle of a pull is not cut off:
+
+1. **Unpublish**: an abort marker ``_claims/weight_vNNNNNN.abort`` is created, then the
+   version's index is removed. The version is no longer listed; its shards stay.
+2. **Delete**: on a later run, once the marker is older than ``grace_s``, the shards, the
+   claim and finally the marker go. A reader that loses a file mid-read gets
+   :class:`~deltastore.errors.VersionNotFoundError` telling it to re-resolve.
+
+Uncommitted leftovers (a claim and shards but no index: a crashed or zombie writer) older than
+``grace_s`` are first **fenced** with a create-only abort marker, so the writer can never
+commit them afterwards (``VersionStore.commit`` checks for it before and after writing its
+index), then deleted. With ``grace_s=0`` both phases happen in one run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from deltastore.errors import ConfigError, FormatError, VersionNotFoundError
+from deltastore.format.index import VersionIndex
+from deltastore.format.names import INDEX_NAME
+from deltastore.storage.store import FileEntry, StoreListing, VersionStore, new_token
+
+log = logging.getLogger("deltastore.storage")
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    """What a prune run found and did (or, with ``dry_run``, would do). Versions ascending."""
+
+    keep: tuple[int, ...]
+    """Committed versions that stay published (the newest ``keep`` and their chains)."""
+    unpublish: tuple[int, ...]
+    """Committed versions unpublished now (abort marker, then index removed; data stays)."""
+    fence: tuple[int, ...]
+    """Uncommitted versions older than the grace period, fenced now with an abort marker."""
+    delete: tuple[int, ...]
+    """Versions whose data is deleted now (unpublished or fenced, past the grace period)."""
+    waiting: tuple[int, ...]
+    """Unpublished or uncommitted versions still inside the grace period (left alone)."""
+    stray: tuple[str, ...]
+    """Store-internal leftovers (old probe objects, partial temp files) removed now."""
+    dry_run: bool
+    grace_s: float
+    committed_meanwhile: tuple[int, ...] = ()
+    """Versions that were committed while being fenced: left published."""
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.unpublish or self.fence or self.delete or self.stray)
+
+    def lines(self) -> list[str]:
+        """A human-readable summary, one line per category."""
+        verb = "would" if self.dry_run else "did"
+
+        def fmt(versions: tuple[int, ...]) -> str:
+            return ", ".join(f"v{v:06d}" for v in versions) or "none"
+
+        lines = [
+            f"keep ({len(self.keep)}): {fmt(self.keep)}",
+            f"{verb} unpublish ({len(self.unpublish)}): {fmt(self.unpublish)}",
+            f"{verb} fence stale uncommitted ({len(self.fence)}): {fmt(self.fence)}",
+            f"{verb} delete data ({len(self.delete)}): {fmt(self.delete)}",
+            f"waiting for the {self.grace_s:g} s grace period ({len(self.waiting)}): "
+            f"{fmt(self.waiting)}",
+        ]
+        if self.stray:
+            lines.append(f"{verb} remove {len(self.stray)} stray internal object(s)")
+        if self.committed_meanwhile:
+            lines.append(f"committed while fencing, kept: {fmt(self.committed_meanwhile)}")
+        return lines
+
+
+def needed_versions(
+    store: VersionStore, roots: list[int], committed: set[int]
+) -> tuple[set[int], dict[int, VersionIndex]]:
+    """Every version on the chains of ``roots``: each one's ``base_version`` links followed
+    back to a full version or the base. A link to a version that is not committed ends the
+    walk with a warning (that chain is already broken; pull will say so)."""
+    needed: set[int] = set()
+    indexes: dict[int, VersionIndex] = {}
+    for root in roots:
+        version = root
+        while version not in needed:
+            if version not in committed:
+                log.warning(
+                    "%s: weight_v%06d needs weight_v%06d, which is not committed; its chain is "
+                    "broken",
+                    store.url,
+                    root,
+                    version,
+                )
+                break
+            needed.add(version)
+            try:
+                index = store.index(version)
+            except VersionNotFoundError:
+                break
+            indexes[version] = index
+            if not index.is_delta or not index.base_version:
+                break
+            version = index.base_version
+    return needed, indexes
+
+
+def _age(entry: FileEntry | None, now: float) -> float:
+    """Seconds since ``entry`` was last modified; infinite when the backend gives no time."""
+    if entry is None or entry.mtime is None:
+        return float("inf")
+    return now - entry.mtime
+
+
+def _newest(entries: list[FileEntry]) -> FileEntry | None:
+    dated = [e for e in entries if e.mtime is not None]
+    if not dated:
+        return entries[0] if entries else None
+    return max(dated, key=lambda e: e.mtime or 0.0)
+
+
+def plan(
+    store: VersionStore, keep: int, grace_s: float, listing: StoreListing, now: float
+) -> PruneReport:
+    """Decide what a prune run does, from one listing (nothing is changed)."""
+    committed = listing.committed
+    newest = committed[-keep:]
+    needed, _ = needed_versions(store, list(reversed(newest)), set(committed))
+    unpublish = [v for v in committed if v not in needed]
+    fence: list[int] = []
+    delete: list[int] = []
+    waiting: list[int] = []
+    uncommitted = (set(listing.files) | set(listing.claims) | set(listing.aborted)) - set(committed)
+    for version in sorted(uncommitted):
+        if version in listing.aborted:
+            # Unpublished or fenced by an earlier run: data goes once the marker is old.
+            if _age(listing.aborted[version], now) >= grace_s:
+                delete.append(version)
+            else:
+                waiting.append(version)
+            continue
+        activity = list(listing.files.get(version, {}).values())
+        if version in listing.claims:
+            activity.append(listing.claims[version])
+        if _age(_newest(activity), now) >= grace_s:
+            fence.append(version)
+            delete.append(version)
+        else:
+            waiting.append(version)
+    if grace_s <= 0:
+        delete.extend(unpublish)
+    stray = [path for path, entry in listing.other.items() if _age(entry, now) >= grace_s]
+    return PruneReport(
+        keep=tuple(sorted(needed)),
+        unpublish=tuple(unpublish),
+        fence=tuple(fence),
+        delete=tuple(sorted(set(delete))),
+        waiting=tuple(waiting),
+        stray=tuple(sorted(stray)),
+        dry_run=True,
+        grace_s=grace_s,
+    )
+
+
+def _write_marker(store: VersionStore, version: int, reason: str) -> str:
+    """Create the abort marker of ``version`` (create-only); returns the token it carries."""
+    token = new_token()
+    body = json.dumps(
+        {"version": version, "reason": reason, "token": token, "time": time.time()}
+    ).encode()
+
+    def read_token(data: bytes) -> str | None:
+        with contextlib.suppress(ValueError, AttributeError):
+            value = json.loads(data).get("token")
+            return value if isinstance(value, str) else None
+        return None
+
+    if not store._create_with_token(store.abort_path(version), body, token, read_token):
+        log.info("%s: weight_v%06d already carries an abort marker", store.url, version)
+    return token
+
+
+def _rm(store: VersionStore, path: str, *, recursive: bool = False) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        store._guard(f"deleting {path}", lambda: store.fs.rm(path, recursive=recursive))
+
+
+def prune(
+    store: VersionStore, *, keep: int, grace_s: float = 3600.0, dry_run: bool = False
+) -> PruneReport:
+    """Keep the newest ``keep`` committed versions and their chains; unpublish the rest, and
+    delete the data of versions unpublished or fenced more than ``grace_s`` seconds ago.
+
+    Uncommitted leftovers older than ``grace_s`` are fenced with an abort marker, then deleted.
+    ``dry_run`` changes nothing. Returns a :class:`PruneReport`. Raises :class:`ConfigError`
+    for ``keep < 1`` or a negative grace period.
+    """
+    if keep < 1:
+        raise ConfigError(f"prune keep={keep}: at least the latest version must be kept")
+    if grace_s < 0:
+        raise ConfigError(f"prune grace period {grace_s} s is negative")
+    store.refresh()
+    report = plan(store, keep, grace_s, store.listing(), time.time())
+    if dry_run:
+        return report
+    meanwhile: list[int] = []
+    for version in report.unpublish:
+        _write_marker(store, version, "pruned")
+        _rm(store, store.file_path(version, INDEX_NAME))
+        log.info("%s: unpublished weight_v%06d", store.url, version)
+    for version in report.fence:
+        token = _write_marker(store, version, "fenced")
+        # The writer may have committed between our listing and our marker: whoever of the
+        # two writes second sees the other's object and backs off (commit re-checks too).
+        if store._exists(store.file_path(version, INDEX_NAME)):
+            try:
+                store.index(version)
+            except (VersionNotFoundError, FormatError):
+                pass
+            else:
+                marker = store.abort_path(version)
+                with contextlib.suppress(FileNotFoundError):
+                    data = store.fs.cat_file(marker)
+                    if token.encode() in data:
+                        _rm(store, marker)
+                meanwhile.append(version)
+                log.warning("%s: weight_v%06d was committed while being fenced", store.url, version)
+                continue
+        log.info("%s: fenced stale uncommitted weight_v%06d", store.url, version)
+    for version in report.delete:
+        if version in meanwhile:
+            continue
+        # Index first: a half-finished delete must never leave an index without its shards.
+        _rm(store, store.file_path(version, INDEX_NAME))
+        _rm(store, store.version_path(version), recursive=True)
+        _rm(store, store.claim_path(version))
+        _rm(store, store.abort_path(version))
+        log.info("%s: deleted the data of weight_v%06d", store.url, version)
+    for path in report.stray:
+        _rm(store, path)
+    return PruneReport(
+        keep=report.keep,
+        unpublish=report.unpublish,
+        fence=tuple(v for v in report.fence if v not in meanwhile),
+        delete=tuple(v for v in report.delete if v not in meanwhile),
+        waiting=report.waiting,
+        stray=report.stray,
+        dry_run=False,
+        grace_s=grace_s,
+        committed_meanwhile=tuple(meanwhile),
+    )
