@@ -51,7 +51,7 @@ from deltastore.format.index import VersionIndex
 from deltastore.format.names import delta_shard_name, full_shard_name
 from deltastore.format.safetensors_io import TensorLayout, build_header
 from deltastore.publish.coordination import Coordinator, make_coordinator
-from deltastore.publish.device import HostStager
+from deltastore.publish.device import HostStager, StagerStats
 from deltastore.publish.lineage import Lineage, apply_lineage, rebuild_lineage
 from deltastore.publish.snapshot import (
     Snapshot,
@@ -330,6 +330,8 @@ class DeltaPublisher:
         self._last_holder: dict[str, int] = {}
         """Rank 0: the rank that last published each tensor (it holds the tensor's state)."""
         self._metrics: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
+        self.last_staging: StagerStats | None = None
+        """Host-staging counters of the last publish (pinned or not, peak bytes in flight)."""
 
     # ------------------------------------------------------------------ seed
     def seed(self, *, continue_latest: bool = False) -> None:
@@ -682,6 +684,7 @@ class DeltaPublisher:
                 raise
             finally:
                 stager.close()
+        self.last_staging = stager.stats
         metrics["copy_s"] += stager.stats.copy_wait_s
         metrics["diff_s"] = time.perf_counter() - diff_started
         return encoded, passed

@@ -1,0 +1,247 @@
+"""Collective publish on real gloo ranks: shard numbering, index completeness, replica dedup,
+divergent replicas, a failing rank, tensors moving between ranks, global metrics, hooks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors import safe_open
+
+import deltastore as ds
+from deltastore.format.names import INDEX_NAME
+from deltastore.storage import VersionStore
+from tests.distributed.harness import (
+    assert_checkpoint_equals,
+    base_tensors,
+    model_at,
+    run_ranks,
+    write_base,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYERS = [f"model.layers.{i}.weight" for i in range(8)]
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+FROZEN = "model.frozen.weight"
+NAMES = [*LAYERS, EMBED, NORM, FROZEN]
+
+# Step → tensors it changes. EMBED is replicated on ranks 1 and 3 (tied embeddings).
+CHANGES_4 = {
+    1: {LAYERS[0], LAYERS[1], LAYERS[3], EMBED, NORM},  # rank 2 changes nothing
+    2: set(),  # nothing changes: still a version
+    3: {LAYERS[2], LAYERS[0]},  # LAYERS[0] has moved to rank 2
+    4: {LAYERS[0], EMBED},  # ... and back to rank 0
+}
+
+
+def held_by(rank: int, step: int) -> list[str]:
+    """Tensors rank ``rank`` passes at ``step`` (of 4 ranks)."""
+    names = [n for i, n in enumerate(LAYERS) if i % 4 == rank]
+    if rank == 0:
+        names.append(NORM)
+    if rank in (1, 3):
+        names.append(EMBED)
+    if step == 3:
+        if rank == 0:
+            names.remove(LAYERS[0])
+        if rank == 2:
+            names.append(LAYERS[0])
+    return names
+
+
+def _four_ranks(rank: int, world: int, base: str, store_url: str, hooks: str) -> dict[str, Any]:
+    def hook(args: Any, version_dir: str, engines: Any) -> None:
+        with open(os.path.join(hooks, f"{args}-{os.path.basename(version_dir)}"), "w") as fh:
+            fh.write(version_dir)
+
+    tensors = base_tensors(NAMES)
+    pub = ds.DeltaPublisher(store_url, base, workers=2, post_write=hook, args=f"rank{rank}")
+    pub.seed()
+    out: dict[str, Any] = {"results": [], "metrics": [], "loaded": []}
+    for step in range(1, 5):
+        model = model_at(tensors, CHANGES_4, step)
+        result = pub.publish((n, model[n]) for n in held_by(rank, step))
+        out["results"].append(result)
+        out["metrics"].append(pub.pop_metrics())
+        assert pub.snapshot is not None
+        out["loaded"].append(sorted(n for n in NAMES if pub.snapshot.is_loaded(n)))
+    return out
+
+
+def _shard_names(path: Path) -> set[str]:
+    with safe_open(str(path), framework="pt") as fh:
+        return set(fh.keys())
+
+
+def test_four_ranks_numbering_completeness_dedup_and_moves(tmp_path: Path) -> None:
+    tensors = base_tensors(NAMES)
+    base = write_base(tmp_path / "base", tensors)
+    store_dir = tmp_path / "store"
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    outs = run_ranks(
+        4,
+        _four_ranks,
+        tmp_path / "ranks",
+        base=str(base),
+        store_url=str(store_dir),
+        hooks=str(hooks),
+    )
+    store = VersionStore(str(store_dir))
+    assert store.versions() == [1, 2, 3, 4]
+
+    expected_maps = {
+        # Ranks 0, 1 and 3 changed something: shards 0, 1, 2 of 3, gap-free (rank 2 has none).
+        # EMBED changed identically on ranks 1 and 3: the lowest rank (1) keeps it.
+        1: {
+            LAYERS[0]: "model-00000-of-00003.safetensors",
+            NORM: "model-00000-of-00003.safetensors",
+            LAYERS[1]: "model-00001-of-00003.safetensors",
+            EMBED: "model-00001-of-00003.safetensors",
+            LAYERS[3]: "model-00002-of-00003.safetensors",
+        },
+        2: {},
+        # Rank 2 holds LAYERS[0] now (never held before: it re-reads it from the store).
+        3: {
+            LAYERS[0]: "model-00000-of-00001.safetensors",
+            LAYERS[2]: "model-00000-of-00001.safetensors",
+        },
+        # LAYERS[0] is back on rank 0, whose copy went stale at v3.
+        4: {
+            LAYERS[0]: "model-00000-of-00002.safetensors",
+            EMBED: "model-00001-of-00002.safetensors",
+        },
+    }
+    stream_ids = set()
+    for version, expected in expected_maps.items():
+        index = store.index(version)
+        assert index.is_delta and index.base_version == version - 1
+        assert index.weight_map == expected, version
+        stream_ids.add(index.stream_id)
+        vdir = store_dir / f"weight_v{version:06d}"
+        files = sorted(os.listdir(vdir))
+        assert files == sorted({*expected.values(), INDEX_NAME})
+        wire = 0
+        for shard, names in index.shards().items():
+            assert _shard_names(vdir / shard) == set(names)
+            wire += (vdir / shard).stat().st_size
+        metrics = [o["metrics"][version - 1] for o in outs]
+        assert all(m == metrics[0] for m in metrics), "metrics differ across ranks"
+        assert metrics[0]["wire_bytes"] == wire == index.totals["wire_bytes"]
+        assert metrics[0]["tensors_changed"] == len(expected)
+        assert metrics[0]["world_size"] == 4
+        assert {o["results"][version - 1].version for o in outs} == {version}
+        for rank in range(4):
+            assert (hooks / f"rank{rank}-weight_v{version:06d}").exists()
+    assert len(stream_ids) == 1 and None not in stream_ids
+
+    # Each rank loads only what it is passed (and LAYERS[0] left rank 0's memory at v3).
+    assert outs[2]["loaded"][0] == sorted([LAYERS[2], LAYERS[6]])
+    assert LAYERS[0] not in outs[0]["loaded"][2]
+    assert LAYERS[0] in outs[2]["loaded"][2]
+
+    # A host applies v1 (the replicated EMBED once: XOR twice would revert it) and then v4.
+    local = tmp_path / "local"
+    ds.pull_weights(local, store, 1, base_dir=base)
+    assert_checkpoint_equals(local, model_at(tensors, CHANGES_4, 1))
+    result = ds.pull_weights(local, store, 4, base_dir=base)
+    assert result.versions_applied == [2, 3, 4]
+    assert_checkpoint_equals(local, model_at(tensors, CHANGES_4, 4))
+
+
+# ----------------------------------------------------------- failures: nothing is committed
+TWO = [LAYERS[0], LAYERS[1], EMBED]
+CHANGES_2 = {1: {LAYERS[0], LAYERS[1], EMBED}}
+
+
+class FlakyStore(VersionStore):
+    """A real local store whose shard writes fail while ``fail_writes`` is set."""
+
+    fail_writes = False
+
+    def open_write(self, version: int, name: str) -> Any:
+        if self.fail_writes:
+            raise OSError(f"injected write failure for {name}")
+        return super().open_write(version, name)
+
+
+def _store_state(root: Path) -> dict[str, list[str]]:
+    claims = root / "_claims"
+    return {
+        "dirs": sorted(p for p in os.listdir(root) if p.startswith("weight_v"))
+        if root.exists()
+        else [],
+        "claims": sorted(os.listdir(claims)) if claims.exists() else [],
+    }
+
+
+def _two_ranks_failing(rank: int, world: int, base: str, store_url: str) -> dict[str, Any]:
+    tensors = base_tensors(TWO)
+    store = FlakyStore(store_url)
+    pub = ds.DeltaPublisher(store, base, workers=2)
+    pub.seed()
+    good = model_at(tensors, CHANGES_2, 1)
+    mine = [LAYERS[rank], EMBED]
+    out: dict[str, Any] = {"errors": [], "states": []}
+
+    def attempt(pairs: list[tuple[str, Any]]) -> None:
+        try:
+            pub.publish(pairs)
+            out["errors"].append(None)
+        except ds.DeltastoreError as exc:
+            out["errors"].append((type(exc).__name__, str(exc)))
+        out["states"].append(_store_state(Path(store_url)))
+        out.setdefault("next", []).append(pub.next_version)
+
+    # 1. Divergent replica: rank 1's EMBED differs from rank 0's (which is unchanged).
+    diverged = good[EMBED].clone() if rank == 1 else tensors[EMBED]
+    attempt([(LAYERS[rank], good[LAYERS[rank]]), (EMBED, diverged)])
+    # 2. Rank 1 fails while writing its shard (after rank 0 claimed the version).
+    store.fail_writes = rank == 1
+    attempt([(n, good[n]) for n in mine])
+    store.fail_writes = False
+    # 3. Rank 1 fails in its diff: a tensor of the wrong shape.
+    bad = good[LAYERS[1]][:4] if rank == 1 else good[LAYERS[0]]
+    attempt([(LAYERS[rank], bad), (EMBED, good[EMBED])])
+    # 4. Everything right: commits as version 1 (failures did not move the counter).
+    attempt([(n, good[n]) for n in mine])
+    return out
+
+
+def test_two_ranks_divergent_replicas_and_failing_rank_commit_nothing(tmp_path: Path) -> None:
+    tensors = base_tensors(TWO)
+    base = write_base(tmp_path / "base", tensors)
+    store_dir = tmp_path / "store"
+    outs = run_ranks(
+        2, _two_ranks_failing, tmp_path / "ranks", base=str(base), store_url=str(store_dir)
+    )
+    for rank, out in enumerate(outs):
+        divergent, write_failed, diff_failed, ok = out["errors"]
+        assert divergent is not None and divergent[0] == "PublishError", rank
+        assert repr(EMBED) in divergent[1] and "ranks [0, 1]" in divergent[1]
+        assert write_failed is not None and write_failed[0] == "PublishError"
+        assert "failed on rank 1" in write_failed[1] and "injected write failure" in write_failed[1]
+        assert diff_failed is not None and diff_failed[0] == "PublishError"
+        assert "failed on rank 1" in diff_failed[1] and "512 bytes" in diff_failed[1]
+        assert ok is None
+        assert out["next"] == [1, 1, 1, 2]
+    # After each failure rank 0 saw no version directory and no claim left behind.
+    for state in outs[0]["states"][:3]:
+        assert state == {"dirs": [], "claims": []}
+    store = VersionStore(str(store_dir))
+    assert store.versions() == [1]
+    assert store.index(1).weight_map == {
+        LAYERS[0]: "model-00000-of-00002.safetensors",
+        EMBED: "model-00000-of-00002.safetensors",
+        LAYERS[1]: "model-00001-of-00002.safetensors",
+    }
+    local = tmp_path / "local"
+    ds.pull_weights(local, store, 1, base_dir=base)
+    assert_checkpoint_equals(local, model_at(tensors, CHANGES_2, 1))
+    body = json.loads((store_dir / "weight_v000001" / INDEX_NAME).read_text())
+    assert body["metadata"]["delta_encoding"] == "xor"

@@ -1,0 +1,148 @@
+"""The host-staging path (pinned-buffer pool, bytes-in-flight bound, pageable fallback) on CPU.
+
+``stage_host_tensors=True`` sends CPU tensors through the same buffer pool that CUDA tensors
+use, so the pool, the budget and the fallback are exercised without a GPU; the CUDA-only part
+(non-blocking copies, events) is checked by ``benchmarks/gpu_check.py`` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import deltastore as ds
+from deltastore.publish.device import HostStager
+from tests.conftest import checkpoint_bytes, make_checkpoint, raw_bytes
+
+MIB = 1 << 20
+
+
+def test_budget_bounds_bytes_in_flight_and_buffers_are_reused() -> None:
+    stager = HostStager(3 * MIB, stage_host_tensors=True)
+    tensors = [torch.full((MIB,), i, dtype=torch.uint8) for i in range(12)]
+    staged_queue: list = []
+    lock = threading.Lock()
+    seen: list[int] = []
+
+    def consumer() -> None:
+        done = 0
+        while done < len(tensors):
+            with lock:
+                item = staged_queue.pop(0) if staged_queue else None
+            if item is None:
+                time.sleep(0.001)
+                continue
+            time.sleep(0.005)  # a slow encode: the producer must wait for budget
+            seen.append(int(item.wait()[0]))
+            seen.append(stager.in_flight_bytes)
+            item.release()
+            done += 1
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    for i, t in enumerate(tensors):
+        staged = stager.stage(f"t{i}", t)
+        assert stager.in_flight_bytes <= 3 * MIB
+        with lock:
+            staged_queue.append(staged)
+    thread.join(10)
+    assert seen[0::2] == list(range(12))  # each buffer held its own tensor's bytes
+    assert max(seen[1::2]) <= 3 * MIB
+    assert stager.stats.peak_in_flight_bytes == 3 * MIB
+    assert stager.stats.budget_wait_s > 0
+    assert stager.stats.copied == 12
+    assert stager.stats.buffers_allocated <= 4  # reused, not one per tensor
+    assert stager.in_flight_bytes == 0
+
+
+def test_a_tensor_larger_than_the_budget_goes_alone() -> None:
+    stager = HostStager(MIB, stage_host_tensors=True)
+    small = stager.stage("small", torch.zeros(MIB // 2, dtype=torch.uint8))
+    done = threading.Event()
+
+    def stage_big() -> None:
+        big = stager.stage("big", torch.ones(4 * MIB, dtype=torch.uint8))
+        assert int(big.wait().sum()) == 4 * MIB
+        big.release()
+        done.set()
+
+    thread = threading.Thread(target=stage_big)
+    thread.start()
+    assert not done.wait(0.1)  # waits for the small one to be released
+    small.release()
+    thread.join(5)
+    assert done.is_set()
+    assert stager.stats.peak_in_flight_bytes == 4 * MIB
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback without CUDA")
+def test_pinning_failure_falls_back_to_pageable_buffers() -> None:
+    stager = HostStager(8 * MIB, pin_memory=True, stage_host_tensors=True)
+    t = torch.randn(64, 32).to(torch.bfloat16)
+    staged = stager.stage("t", t)
+    assert staged.wait().tobytes() == raw_bytes(t)
+    staged.release()
+    assert stager.stats.pinned is False
+    assert stager.stats.buffers_allocated == 1
+
+
+@pytest.mark.parametrize("through_pool", [False, True])
+def test_staged_bytes_of_every_layout(through_pool: bool) -> None:
+    stager = HostStager(64 * MIB, stage_host_tensors=through_pool)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(16, 24, generator=g)
+    cases = {
+        "transposed_bf16": base.to(torch.bfloat16).t(),
+        "sliced_fp32": base[::2, 3:17],
+        "bool": base > 0,
+        "fp8": base.to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, dtype=torch.bfloat16),
+    }
+    for name, t in cases.items():
+        staged = stager.stage(name, t)
+        assert staged.wait().tobytes() == raw_bytes(t), name
+        staged.release()
+    array = np.arange(30, dtype=">i4").reshape(5, 6).T
+    staged = stager.stage("numpy", array)
+    assert staged.wait().tobytes() == np.ascontiguousarray(array).astype("<i4").tobytes()
+    staged.release()
+    assert stager.in_flight_bytes == 0
+
+
+def test_publisher_through_the_buffer_pool_matches_the_direct_path(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(7)
+    model = {f"w{i}": torch.randn(256, 256, generator=g).to(torch.bfloat16) for i in range(6)}
+    base = make_checkpoint(tmp_path / "base", model)
+    new = {n: t.clone() for n, t in model.items()}
+    for i, t in enumerate(new.values()):
+        t[i] += 1.0
+    indexes = []
+    for pooled in (False, True):
+        store = ds.VersionStore(str(tmp_path / f"store-{pooled}"))
+        # A budget of ~1.5 tensors forces the producer to wait for the encode pool.
+        pub = ds.DeltaPublisher(
+            store,
+            base,
+            workers=2,
+            stage_host_tensors=pooled,
+            max_inflight_bytes=3 * 128 * 1024 // 2,
+        )
+        pub.seed()
+        # Transposed views: the staged bytes must be the logical (row-major) content.
+        pub.publish((n, t.t().contiguous().t()) for n, t in new.items())
+        assert pub.last_staging is not None
+        assert pub.last_staging.copied == (6 if pooled else 0)
+        assert pub.last_staging.peak_in_flight_bytes <= (MIB if pooled else 3 * 128 * 1024 // 2)
+        indexes.append(store.index(1))
+        local = tmp_path / f"local-{pooled}"
+        ds.pull_weights(local, store, 1, base_dir=base)
+        got = checkpoint_bytes(local)
+        assert all(got[n] == raw_bytes(t) for n, t in new.items())
+    assert indexes[0].weight_map == indexes[1].weight_map
+    assert indexes[0].totals["changed_bytes"] == indexes[1].totals["changed_bytes"]
