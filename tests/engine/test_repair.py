@@ -31,7 +31,9 @@ from tests.engine.helpers import (
 
 
 @pytest.fixture(scope="module", params=["xor", "overwrite"])
-def published(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Published:
+def published(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Published:
     root = tmp_path_factory.mktemp(f"repair-{request.param}")
     base = many_tensors(60, seed=3, elements=512)
     write_checkpoint(root / "base", base)
@@ -68,9 +70,7 @@ def crash_state(
             write_tensor(local, name, rng.integers(0, 256, len(new[name]), np.uint8).tobytes())
             fates["restored"].add(name)
     checkpoint = LocalCheckpoint(local)
-    checkpoint.begin(
-        PendingTransition(start, end, stream, stream, list(range(start + 1, end + 1)))
-    )
+    checkpoint.begin(PendingTransition(start, end, stream, stream, list(range(start + 1, end + 1))))
     assert checkpoint.read_state() is None
     return fates
 

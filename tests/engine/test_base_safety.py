@@ -1,0 +1,81 @@
+"""The user's model path (the base, version 0) is never modified, linked or written through."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from deltastore import ConfigError, pull_weights
+from deltastore.format.state import PendingTransition
+from deltastore.pull import LocalCheckpoint
+from tests.engine.helpers import (
+    changed_between,
+    local_bytes,
+    many_tensors,
+    publish_versions,
+    state_bytes,
+    write_checkpoint,
+    write_tensor,
+)
+
+
+def fingerprint(directory: Path) -> dict[str, tuple[int, int, int, str]]:
+    """name → (inode, nlink, mtime_ns, sha256) of every file in ``directory``."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        path = directory / name
+        st = path.stat()
+        out[name] = (
+            st.st_ino,
+            st.st_nlink,
+            st.st_mtime_ns,
+            hashlib.sha256(path.read_bytes()).hexdigest(),
+        )
+    return out
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+def test_pulls_deltas_repairs_and_resets_never_touch_the_base(encoding: str, tmp_path: Path):
+    base = many_tensors(40, seed=91, elements=512)
+    base_dir = write_checkpoint(tmp_path / "base", base)
+    published = publish_versions(
+        tmp_path / "store", base_dir, base, 6, encoding=encoding, seed=92, fraction=0.6
+    )
+    before = fingerprint(base_dir)
+    assert all(nlink == 1 for _, nlink, _, _ in before.values())
+    host = tmp_path / "host"
+
+    pull_weights(host, published.store_dir, 0, base_dir)  # seed: a copy of the base
+    pull_weights(host, published.store_dir, 3, base_dir)  # deltas applied in place
+    # A crash mid 3 -> 6 with a torn tensor, repaired (restored from the base's bytes).
+    name = sorted(changed_between(published, 3, 6))[0]
+    write_tensor(host, name, bytes(len(state_bytes(published.states[6])[name])))
+    LocalCheckpoint(host).begin(
+        PendingTransition(3, 6, published.stream_id, published.stream_id, [4, 5, 6])
+    )
+    result = pull_weights(host, published.store_dir, 6, base_dir)
+    assert result.repair is not None and result.repair.restored >= 1
+    pull_weights(host, published.store_dir, 2, base_dir)  # backward: reseed from the base
+    pull_weights(host, published.store_dir, 6, base_dir)
+    assert local_bytes(host) == state_bytes(published.states[6])
+
+    assert fingerprint(base_dir) == before
+    base_inodes = {ino for ino, _, _, _ in before.values()}
+    for name in os.listdir(host):
+        path = host / name
+        if path.is_file():
+            assert path.stat().st_ino not in base_inodes, f"{name} shares the base's inode"
+            assert path.stat().st_nlink == 1
+
+
+def test_local_dir_that_is_the_base_is_refused(tmp_path: Path):
+    base = many_tensors(4, seed=93, elements=64)
+    base_dir = write_checkpoint(tmp_path / "base", base)
+    published = publish_versions(tmp_path / "store", base_dir, base, 1, seed=94)
+    before = fingerprint(base_dir)
+    with pytest.raises(ConfigError, match="base"):
+        pull_weights(base_dir, published.store_dir, 1, base_dir)
+    assert fingerprint(base_dir) == before

@@ -1,0 +1,258 @@
+"""``deltastore serve`` over real HTTP: the reference request and reply, auth, allowed roots,
+per-dir serialisation, ``/state``, ``/healthz``, and the ``pull_all`` client."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from deltastore import FormatError, verify_local
+from deltastore.pull import PullReply, PullRequest, fetch_state, pull_all
+from tests.engine.helpers import Published, many_tensors, publish_versions, write_checkpoint
+
+TOKEN = "s3cret-token"
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen[str]
+
+
+def start_server(*args: str) -> Server:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltastore.cli", "serve", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise AssertionError(f"server did not start: {line!r} {proc.communicate()[1]}")
+    return Server(line.rsplit(" ", 1)[-1].strip(), proc)
+
+
+def stop_server(server: Server) -> None:
+    server.proc.terminate()
+    server.proc.communicate(timeout=30)
+
+
+def http(
+    method: str, url: str, body: dict[str, object] | None = None, token: str | None = TOKEN
+) -> tuple[int, dict[str, object]]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Published, Path, Server]]:
+    """A store with 4 versions under an allowed root, and a server with a token."""
+    root = tmp_path_factory.mktemp("serve")
+    allowed = root / "allowed"
+    base = many_tensors(30, seed=111, elements=512)
+    write_checkpoint(root / "base", base)
+    published = publish_versions(allowed / "store", root / "base", base, 4, seed=112)
+    (root / "token").write_text(TOKEN + "\n")
+    server = start_server(
+        "--base", str(root / "base"), "--allow", str(allowed), "--token-file", str(root / "token")
+    )
+    yield published, allowed, server
+    stop_server(server)
+
+
+def pull_body(local: Path, published: Published, version: int) -> dict[str, object]:
+    return {
+        "local_checkpoint_dir": str(local),
+        "source_dir": str(published.store_dir),
+        "target_version": version,
+    }
+
+
+def test_healthz_and_auth(world):
+    published, allowed, server = world
+    assert http("GET", f"{server.url}/healthz", token=None)[0] == 200
+    body = pull_body(allowed / "h-auth", published, 1)
+    for token in (None, "wrong"):
+        status, reply = http("POST", f"{server.url}/pull_weights", body, token=token)
+        assert status == 401 and reply["success"] is False and "token" in str(reply["message"])
+        status, _ = http("GET", f"{server.url}/state?local_checkpoint_dir=/x", token=token)
+        assert status == 401
+    assert not (allowed / "h-auth").exists()
+
+
+def test_paths_outside_the_allowed_roots_are_refused(world, tmp_path: Path):
+    published, allowed, server = world
+    outside = tmp_path / "elsewhere"
+    status, reply = http("POST", f"{server.url}/pull_weights", pull_body(outside, published, 1))
+    assert status == 403 and reply["success"] is False and "allowed" in str(reply["message"])
+    assert not outside.exists()
+    body = pull_body(allowed / "h-src", published, 1) | {"source_dir": str(tmp_path)}
+    assert http("POST", f"{server.url}/pull_weights", body)[0] == 403
+    sneaky = pull_body(allowed / ".." / "escape", published, 1)
+    assert http("POST", f"{server.url}/pull_weights", sneaky)[0] == 403
+    status, _ = http("GET", f"{server.url}/state?local_checkpoint_dir={outside}")
+    assert status == 403
+
+
+def test_bad_requests_are_400(world):
+    published, allowed, server = world
+    good = pull_body(allowed / "h-bad", published, 1)
+    for bad in (
+        {k: v for k, v in good.items() if k != "source_dir"},
+        good | {"target_version": -1},
+        good | {"target_version": "latest"},
+        good | {"local_checkpoint_dir": "relative/dir"},
+    ):
+        status, reply = http("POST", f"{server.url}/pull_weights", bad)
+        assert status == 400 and reply["success"] is False and reply["message"]
+
+
+def test_pull_state_and_a_failed_pull(world):
+    published, allowed, server = world
+    local = allowed / "h1"
+    status, reply = http("POST", f"{server.url}/pull_weights", pull_body(local, published, 2))
+    assert (status, reply["success"]) == (200, True), reply
+    assert verify_local(local, published.store_dir, 2, published.base_dir) == 2
+
+    status, state = http("GET", f"{server.url}/state?local_checkpoint_dir={local}")
+    assert status == 200 and state["version"] == 2 and state["pending"] is None
+    assert state["stream_id"] == published.stream_id
+    assert fetch_state(server.url, str(local), token=TOKEN).version == 2
+
+    status, reply = http("POST", f"{server.url}/pull_weights", pull_body(local, published, 99))
+    assert status == 400 and reply["success"] is False and "weight_v000099" in str(reply["message"])
+    assert fetch_state(server.url, str(local), token=TOKEN).version == 2
+
+
+def test_requests_for_one_dir_are_serialised(world):
+    published, allowed, server = world
+    local = allowed / "h-concurrent"
+    body = pull_body(local, published, 4)
+    with cf.ThreadPoolExecutor(3) as pool:
+        replies = list(
+            pool.map(lambda _: http("POST", f"{server.url}/pull_weights", body), range(3))
+        )
+    assert all(status == 200 and reply["success"] for status, reply in replies), replies
+    messages = [str(reply["message"]) for _, reply in replies]
+    assert sum("already at v000004" in m for m in messages) == 2, messages
+
+
+def test_pull_all_fans_out_to_every_host(world, tmp_path: Path):
+    published, allowed, server = world
+    second = start_server("--base", str(published.base_dir), "--allow", str(allowed))
+    try:
+        dead = "http://127.0.0.1:9"  # discard port: nothing listens
+        dirs = {
+            server.url: str(allowed / "fan-a"),
+            second.url: str(allowed / "fan-b"),
+            dead: str(allowed / "fan-c"),
+        }
+        replies = pull_all(
+            [server.url, second.url, dead],
+            3,
+            local_checkpoint_dir=dirs,
+            source_dir=str(published.store_dir),
+            token=TOKEN,
+            timeout_s=60,
+        )
+    finally:
+        stop_server(second)
+    assert [r.endpoint for r in replies] == [server.url, second.url, dead]
+    assert replies[0].success and replies[1].success, [r.describe() for r in replies]
+    assert not replies[2].success and replies[2].status is None
+    assert "unreachable" in replies[2].reply.message
+    for directory in (dirs[server.url], dirs[second.url]):
+        assert verify_local(directory, published.store_dir, 3, published.base_dir) == 3
+
+
+def test_local_dir_inside_the_base_is_refused(tmp_path: Path):
+    base = many_tensors(4, seed=113, elements=64)
+    write_checkpoint(tmp_path / "base", base)
+    published = publish_versions(tmp_path / "store", tmp_path / "base", base, 1, seed=114)
+    server = start_server("--base", str(tmp_path / "base"))  # loopback, no --allow: any path
+    try:
+        for local in (tmp_path / "base", tmp_path / "base" / "sub", tmp_path):
+            status, reply = http(
+                "POST", f"{server.url}/pull_weights", pull_body(local, published, 1), token=None
+            )
+            assert status == 403 and "base" in str(reply["message"])
+        status, reply = http(
+            "POST", f"{server.url}/pull_weights", pull_body(tmp_path / "h", published, 1), None
+        )
+        assert status == 200 and reply["success"] is True
+    finally:
+        stop_server(server)
+
+
+def test_refuses_a_non_loopback_host_without_allow(tmp_path: Path):
+    write_checkpoint(tmp_path / "base", many_tensors(2, seed=115, elements=8))
+    command = [sys.executable, "-m", "deltastore.cli", "serve", "--base", str(tmp_path / "base")]
+    proc = subprocess.run(
+        [*command, "--port", "0", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
+    assert proc.returncode != 0
+    assert "--allow" in proc.stderr and "listening" not in proc.stdout
+
+
+def test_reply_type_is_strict():
+    """One typed reply for every caller: other key names are an error, not 'unknown'."""
+    assert PullReply.from_json(b'{"success": false, "message": "x"}') == PullReply(False, "x")
+    with pytest.raises(FormatError, match="success"):
+        PullReply.from_json(b'{"ok": false, "error": "disk full"}')
+    with pytest.raises(FormatError):
+        PullRequest.from_json(b'{"local_checkpoint_dir": "/a", "target_version": 1}')
+    assert PullRequest.from_json(
+        b'{"local_checkpoint_dir": "/a", "source_dir": "s3://b/r", "target_version": "000007"}'
+    ) == PullRequest("/a", "s3://b/r", 7)
+
+
+def test_server_answers_while_a_pull_runs(tmp_path: Path):
+    base = many_tensors(4, seed=116, elements=64)
+    write_checkpoint(tmp_path / "base", base)
+    published = publish_versions(tmp_path / "store", tmp_path / "base", base, 1, seed=117)
+    server = start_server(
+        "--base", str(tmp_path / "base"), "--pre-read-hook", "tests.engine.slow_hook.hold"
+    )
+    local = tmp_path / "h"
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(
+                http, "POST", f"{server.url}/pull_weights", pull_body(local, published, 1), None
+            )
+            seen_busy = False
+            while not pending.done():
+                status, health = http("GET", f"{server.url}/healthz", token=None)
+                assert status == 200
+                _, state = http("GET", f"{server.url}/state?local_checkpoint_dir={local}", None)
+                if health["pulls_running"] == 1 and state["busy"] and not pending.done():
+                    seen_busy = True
+            status, reply = pending.result()
+    finally:
+        stop_server(server)
+    assert seen_busy, "the server never answered while the pull was running"
+    assert status == 200 and reply["success"] is True
