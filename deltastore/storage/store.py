@@ -352,6 +352,8 @@ class VersionStore:
             entry = FileEntry(int(info.get("size") or 0), modified_time(info))
             top, _, rest = rel.partition("/")
             if top == CLAIMS_DIR:
+                if rest.endswith(".lock"):
+                    continue  # a local mirror's lock file, never garbage
                 version = None
                 for suffix, bucket in ((CLAIM_SUFFIX, claims), (ABORT_SUFFIX, aborted)):
                     if rest.endswith(suffix) and "/" not in rest:
@@ -386,11 +388,19 @@ class VersionStore:
         Raises :class:`VersionNotFoundError` if it is not committed, :class:`FormatError` if
         the index is malformed.
         """
-        path = self.file_path(version, INDEX_NAME)
-        data = self._read_bytes(path, what=f"index of {version_dir_name(version)}", version=version)
         return VersionIndex.from_json(
-            data, version=version, source=f"{self.url}/{version_dir_name(version)}/{INDEX_NAME}"
+            self.index_bytes(version),
+            version=version,
+            source=f"{self.url}/{version_dir_name(version)}/{INDEX_NAME}",
         )
+
+    def index_bytes(self, version: int) -> bytes:
+        """The raw index file of a committed version (for mirroring it byte for byte).
+
+        Raises :class:`VersionNotFoundError` if it is not committed.
+        """
+        path = self.file_path(version, INDEX_NAME)
+        return self._read_bytes(path, what=f"index of {version_dir_name(version)}", version=version)
 
     def _read_bytes(self, path: str, *, what: str, version: int | None = None) -> bytes:
         try:
@@ -459,7 +469,10 @@ class VersionStore:
     def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
         """A readable binary stream of a file of a version (read-ahead of ``block_size``)."""
         path = self.file_path(version, name)
-        kwargs: dict[str, Any] = {} if self.is_local else {"block_size": self.block_size}
+        kwargs: dict[str, Any] = {}
+        if self.is_remote:
+            # Plain read-ahead of one block: gcsfs's default prefetcher buffers far more.
+            kwargs = {"block_size": self.block_size, "cache_type": "readahead"}
         try:
             fh = self._guard(f"opening {path}", lambda: self.fs.open(path, "rb", **kwargs))
         except FileNotFoundError:

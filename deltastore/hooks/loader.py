@@ -1,0 +1,86 @@
+"""Loading a hook by import path: ``load("package.module.function")``."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from deltastore.errors import HookError
+
+POST_WRITE = "post_write"
+PRE_READ = "pre_read"
+_CALL_SHAPES = {
+    POST_WRITE: ("(args, version_dir, rollout_engines)", 3),
+    PRE_READ: ("(delta_dir, target_version)", 2),
+}
+
+
+def load(path: str, kind: str | None = None) -> Callable[..., Any]:
+    """Import the callable named by ``path`` (``pkg.module.func`` or ``pkg.module:func``).
+
+    With ``kind`` (``"post_write"`` or ``"pre_read"``) the callable must accept the reference
+    hook's arguments. Raises :class:`HookError` naming the path and the problem: malformed
+    path, missing module, missing attribute, not callable, or wrong arity.
+    """
+    if kind is not None and kind not in _CALL_SHAPES:
+        raise HookError(f"unknown hook kind {kind!r}; expected one of {sorted(_CALL_SHAPES)}")
+    if not isinstance(path, str) or not path.strip():
+        raise HookError(f"hook path {path!r} is empty; expected 'package.module.function'")
+    path = path.strip()
+    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise HookError(
+            f"hook path {path!r} names no module; expected 'package.module.function' "
+            "(e.g. deltastore.hooks.s3_commit)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise HookError(
+                f"cannot load hook {path!r}: no module named {missing!r}; check the spelling "
+                "and that its package is installed or on PYTHONPATH"
+            ) from exc
+        raise HookError(
+            f"cannot load hook {path!r}: importing {module_name!r} failed because its "
+            f"dependency {missing!r} is missing"
+        ) from exc
+    except Exception as exc:
+        raise HookError(
+            f"cannot load hook {path!r}: importing {module_name!r} raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        hook = getattr(module, attr)
+    except AttributeError:
+        public = sorted(n for n in dir(module) if not n.startswith("_"))
+        raise HookError(
+            f"cannot load hook {path!r}: module {module_name!r} has no attribute {attr!r} "
+            f"(it defines {public[:12]})"
+        ) from None
+    if not callable(hook):
+        raise HookError(
+            f"hook {path!r} is a {type(hook).__name__}, not a function; point at a callable"
+        )
+    if kind is not None:
+        check_arity(hook, kind, path)
+    return hook  # type: ignore[no-any-return]
+
+
+def check_arity(hook: Callable[..., Any], kind: str, name: str = "hook") -> None:
+    """Raise :class:`HookError` if ``hook`` cannot be called like a ``kind`` hook."""
+    shape, count = _CALL_SHAPES[kind]
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: trust it
+    try:
+        signature.bind(*([None] * count))
+    except TypeError as exc:
+        raise HookError(
+            f"hook {name!r} has signature {signature}, but a {kind.replace('_', '-')} hook is "
+            f"called as hook{shape} ({exc})"
+        ) from None

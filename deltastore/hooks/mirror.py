@@ -1,0 +1,403 @@
+"""Mirror hooks: copy committed versions between a local directory and an object store.
+
+Trainer side, ``s3_commit`` / ``gcs_commit`` (post-write, ``hook(args, version_dir,
+rollout_engines)``) upload the version the trainer just wrote to a local or shared POSIX
+directory into a remote :class:`VersionStore`: claim, shards (streamed, sizes verified through
+the object API), then the index, create-only. Engine side, ``s3_refresh`` / ``gcs_refresh``
+(pre-read, ``hook(delta_dir, target_version)``) download the target's chain of committed
+versions from the remote into the engine host's local ``delta_dir``: each version's remote
+index is read first (a version's files are never looked up before its commit exists), then
+its shards (sizes checked), and its local index is written last, create-only. The two
+datacenters then share nothing but the bucket.
+
+Configuration, the same on both sides:
+
+``DELTASTORE_REMOTE_URL``
+    the remote store root, e.g. ``s3://bucket/run1`` (trainer side, an
+    ``update_weight_remote_url`` attribute on ``args`` takes precedence).
+``DELTASTORE_STORAGE_OPTIONS``
+    optional JSON object of fsspec storage options. Credentials and endpoints otherwise come
+    from the libraries' own environment (``AWS_*``, ``AWS_ENDPOINT_URL_S3``,
+    ``GOOGLE_APPLICATION_CREDENTIALS``, ``STORAGE_EMULATOR_HOST``).
+``DELTASTORE_HOOK_TIMEOUT_S``
+    how long a trainer rank that does not upload waits for the uploading rank's commit
+    (default 600).
+
+The reference trainer calls the post-write hook on every rank: only one rank uploads (the
+``rank`` attribute of ``args``, else ``torch.distributed``'s rank if it is initialised, else
+``$RANK``, else 0); the others wait until the commit is visible. Re-running a hook is safe: a
+version is identified by its commit token, so a retry after a crash resumes and a second
+upload of a committed version is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from deltastore.errors import (
+    DeltastoreError,
+    HookError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
+from deltastore.format.index import VersionIndex
+from deltastore.format.names import INDEX_NAME, version_dir_name
+from deltastore.hooks.posix import version_of
+from deltastore.storage import VersionStore
+
+log = logging.getLogger("deltastore.hooks")
+
+REMOTE_URL_ENV = "DELTASTORE_REMOTE_URL"
+STORAGE_OPTIONS_ENV = "DELTASTORE_STORAGE_OPTIONS"
+TIMEOUT_ENV = "DELTASTORE_HOOK_TIMEOUT_S"
+ARGS_URL_ATTR = "update_weight_remote_url"
+_COPY_CHUNK = 8 * 1024**2
+_S3_SCHEMES = ("s3://", "s3a://")
+_GCS_SCHEMES = ("gs://", "gcs://")
+
+
+# ---------------------------------------------------------------- configuration
+def storage_options_from_env() -> dict[str, Any]:
+    """Storage options from ``DELTASTORE_STORAGE_OPTIONS`` (a JSON object), else ``{}``."""
+    raw = os.environ.get(STORAGE_OPTIONS_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        options = json.loads(raw)
+    except ValueError as exc:
+        raise HookError(f"{STORAGE_OPTIONS_ENV} is not valid JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise HookError(
+            f"{STORAGE_OPTIONS_ENV} must be a JSON object, not {type(options).__name__}"
+        )
+    return options
+
+
+def remote_url(args: Any = None, *, hook: str, schemes: tuple[str, ...] | None) -> str:
+    """The remote store URL for ``hook``: ``args.update_weight_remote_url`` or the env."""
+    url = getattr(args, ARGS_URL_ATTR, None) or os.environ.get(REMOTE_URL_ENV, "")
+    if not url:
+        raise HookError(
+            f"{hook}: no remote store configured; set {REMOTE_URL_ENV} (e.g. s3://bucket/run) "
+            f"on both trainer and engine hosts"
+        )
+    if schemes is not None and not url.startswith(schemes):
+        raise HookError(
+            f"{hook}: remote store {url!r} is not a {schemes[0]} URL; use the hook matching its "
+            "scheme (deltastore.hooks.s3_* or gcs_*, or mirror_* for any fsspec URL)"
+        )
+    return str(url)
+
+
+def _open_remote(url: str) -> VersionStore:
+    return VersionStore(url, storage_options_from_env())
+
+
+def _caller_rank(args: Any) -> int:
+    rank = getattr(args, "rank", None)
+    if isinstance(rank, int):
+        return rank
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None:
+        with contextlib.suppress(Exception):
+            if dist.is_available() and dist.is_initialized():
+                return int(dist.get_rank())
+    with contextlib.suppress(ValueError):
+        return int(os.environ.get("RANK", "0"))
+    return 0
+
+
+def _timeout_s() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, "600")
+    try:
+        return float(raw)
+    except ValueError:
+        raise HookError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+
+
+# ----------------------------------------------------------------- trainer side
+def _local_version(version_dir: str) -> tuple[int, VersionIndex, dict[str, int]]:
+    """The version, its index (with a commit token) and shard sizes of a local version dir."""
+    version = version_of(version_dir)
+    index_path = os.path.join(version_dir, INDEX_NAME)
+    try:
+        with open(index_path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        raise HookError(
+            f"{index_path} does not exist: the post-write hook must run after the version's "
+            "index is written"
+        ) from None
+    index = VersionIndex.from_json(raw, version=version, source=index_path)
+    sizes: dict[str, int] = {}
+    for shard in index.shards():
+        path = os.path.join(version_dir, shard)
+        try:
+            sizes[shard] = os.path.getsize(path)
+        except FileNotFoundError:
+            raise HookError(f"{path}, named by its index, does not exist") from None
+    if not index.commit_token:
+        # A foreign publisher: a token derived from the content keeps re-runs idempotent.
+        digest = hashlib.sha256(raw + json.dumps(sorted(sizes.items())).encode()).hexdigest()
+        index = dataclasses.replace(index, commit_token=f"mirror-{digest[:32]}")
+    return version, index, sizes
+
+
+def _remote_index(remote: VersionStore, version: int) -> VersionIndex | None:
+    try:
+        return remote.index(version)
+    except VersionNotFoundError:
+        return None
+
+
+def _verify_remote(remote: VersionStore, version: int, sizes: dict[str, int], token: str) -> None:
+    index = remote.index(version)
+    if index.commit_token != token:
+        raise HookError(
+            f"weight_v{version:06d} in {remote.url} was committed by another writer (token "
+            f"{index.commit_token}, ours {token}); two trainers publish to one remote store"
+        )
+    for shard, size in sizes.items():
+        remote_size = remote.file_size(version, shard)
+        if remote_size != size:
+            raise HookError(
+                f"{remote.url}/{version_dir_name(version)}/{shard} holds {remote_size} bytes, "
+                f"the local file {size}"
+            )
+
+
+def mirror_to_store(version_dir: str, remote: VersionStore, *, upload: bool = True) -> int:
+    """Copy the committed local version in ``version_dir`` into ``remote``, index last.
+
+    With ``upload=False`` only wait (up to ``DELTASTORE_HOOK_TIMEOUT_S``) until another
+    caller's upload of this version is committed. Returns the version. Raises
+    :class:`HookError` on a conflict, a size mismatch or a timeout.
+    """
+    version_dir = os.fspath(version_dir)
+    version, index, sizes = _local_version(version_dir)
+    token = index.commit_token
+    assert token is not None
+    remote.refresh()
+    if not upload:
+        deadline = time.monotonic() + _timeout_s()
+        delay = 0.1
+        while _remote_index(remote, version) is None:
+            if time.monotonic() >= deadline:
+                raise HookError(
+                    f"weight_v{version:06d} did not appear in {remote.url} within "
+                    f"{_timeout_s():g} s; is the uploading rank (rank 0) running the hook?"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        _verify_remote(remote, version, sizes, token)
+        return version
+    existing = _remote_index(remote, version)
+    if existing is None:
+        try:
+            remote.claim(version, token)
+        except VersionConflictError:
+            existing = _remote_index(remote, version)
+            if existing is None:
+                raise HookError(
+                    f"weight_v{version:06d} in {remote.url} is claimed by another writer; two "
+                    "trainers publish to one remote store"
+                ) from None
+    if existing is None:
+        for shard, size in sizes.items():
+            local = os.path.join(version_dir, shard)
+            with open(local, "rb") as src, remote.open_write(version, shard) as dst:
+                while chunk := src.read(_COPY_CHUNK):
+                    dst.write(chunk)
+            remote_size = remote.file_size(version, shard)
+            if remote_size != size:
+                raise HookError(
+                    f"uploading {shard} of weight_v{version:06d} to {remote.url} stored "
+                    f"{remote_size} bytes, the local file has {size}"
+                )
+        remote.commit(version, index)
+    _verify_remote(remote, version, sizes, token)
+    log.info("mirrored %s to %s", version_dir, remote.version_url(version))
+    return version
+
+
+def _commit_hook(name: str, schemes: tuple[str, ...] | None, args: Any, version_dir: str) -> None:
+    url = remote_url(args, hook=name, schemes=schemes)
+    try:
+        mirror_to_store(version_dir, _open_remote(url), upload=_caller_rank(args) == 0)
+    except HookError:
+        raise
+    except DeltastoreError as exc:
+        raise HookError(f"{name}: mirroring {version_dir} to {url} failed: {exc}") from exc
+
+
+def s3_commit(args: Any, version_dir: str, rollout_engines: Any) -> None:
+    """Post-write hook: mirror the local ``version_dir`` to the ``s3://`` store named by
+    ``DELTASTORE_REMOTE_URL`` (or ``args.update_weight_remote_url``), index last."""
+    _commit_hook("s3_commit", _S3_SCHEMES, args, version_dir)
+
+
+def gcs_commit(args: Any, version_dir: str, rollout_engines: Any) -> None:
+    """Post-write hook: as :func:`s3_commit`, for a ``gs://`` store."""
+    _commit_hook("gcs_commit", _GCS_SCHEMES, args, version_dir)
+
+
+def mirror_commit(args: Any, version_dir: str, rollout_engines: Any) -> None:
+    """Post-write hook: as :func:`s3_commit`, for any fsspec URL."""
+    _commit_hook("mirror_commit", None, args, version_dir)
+
+
+# ------------------------------------------------------------------ engine side
+@contextlib.contextmanager
+def _local_lock(delta_dir: str) -> Iterator[None]:
+    """Serialise mirrors into one local directory (ranks on one host call the hook at once)."""
+    lock_dir = os.path.join(delta_dir, "_claims")
+    os.makedirs(lock_dir, exist_ok=True)
+    fd = os.open(os.path.join(lock_dir, "mirror.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _download(remote: VersionStore, version: int, shard: str, dst: str) -> int:
+    size = remote.file_size(version, shard)
+    if os.path.exists(dst) and os.path.getsize(dst) == size:
+        return 0  # landed by an earlier, interrupted mirror (files arrive by rename only)
+    tmp = f"{dst}.{os.getpid()}.partial"
+    copied = 0
+    try:
+        with remote.open_read(version, shard) as src, open(tmp, "wb") as out:
+            while chunk := src.read(_COPY_CHUNK):
+                out.write(chunk)
+                copied += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if copied != size:
+            raise HookError(
+                f"{remote.url}/{version_dir_name(version)}/{shard}: read {copied} bytes, the "
+                f"store reports {size}"
+            )
+        os.replace(tmp, dst)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return copied
+
+
+def _write_index(path: str, data: bytes) -> None:
+    """Create ``path`` with ``data`` only if absent (finished temp file + link); an existing
+    identical index is fine, a different one is a conflict."""
+    tmp = f"{path}.{os.getpid()}.partial"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        with open(path, "rb") as fh:
+            if fh.read() != data:
+                raise HookError(
+                    f"{path} exists with other content than the remote index: this local "
+                    "directory mirrors another store or stream; point the hook at an empty one"
+                ) from None
+    finally:
+        os.unlink(tmp)
+
+
+def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int) -> list[int]:
+    """Download the chain of committed versions leading to ``target_version`` into
+    ``delta_dir``, oldest first; each version's index is written last. Stops walking at a
+    version already complete locally. Returns the versions downloaded.
+
+    Raises :class:`HookError` if the target (or a link of its chain) is not committed in
+    ``remote``.
+    """
+    delta_dir = os.path.abspath(os.fspath(delta_dir))
+    if target_version <= 0:
+        return []
+    os.makedirs(delta_dir, exist_ok=True)
+    remote.refresh()
+    todo: list[tuple[int, VersionIndex, bytes]] = []
+    version = target_version
+    with _local_lock(delta_dir):
+        while not os.path.exists(os.path.join(delta_dir, version_dir_name(version), INDEX_NAME)):
+            try:
+                raw = remote.index_bytes(version)
+            except VersionNotFoundError as exc:
+                what = (
+                    "is" if version == target_version else f"(needed by v{target_version:06d}) is"
+                )
+                raise HookError(
+                    f"weight_v{version:06d} {what} not committed in {remote.url}; has the "
+                    f"trainer's commit hook finished? ({exc})"
+                ) from None
+            index = VersionIndex.from_json(
+                raw, version=version, source=f"{remote.url}/{version_dir_name(version)}"
+            )
+            todo.append((version, index, raw))
+            if not index.is_delta or not index.base_version:
+                break
+            version = index.base_version
+        for version, index, raw in reversed(todo):
+            version_dir = os.path.join(delta_dir, version_dir_name(version))
+            os.makedirs(version_dir, exist_ok=True)
+            for shard in index.shards():
+                _download(remote, version, shard, os.path.join(version_dir, shard))
+            _fsync_dir(version_dir)
+            _write_index(os.path.join(version_dir, INDEX_NAME), raw)
+            _fsync_dir(version_dir)
+        _fsync_dir(delta_dir)
+    done = [v for v, _, _ in reversed(todo)]
+    if done:
+        log.info("mirrored %s from %s into %s", done, remote.url, delta_dir)
+    return done
+
+
+def _refresh_hook(
+    name: str, schemes: tuple[str, ...] | None, delta_dir: str, target_version: int
+) -> None:
+    if target_version <= 0:
+        return
+    url = remote_url(None, hook=name, schemes=schemes)
+    try:
+        mirror_from_store(_open_remote(url), delta_dir, target_version)
+    except HookError:
+        raise
+    except DeltastoreError as exc:
+        raise HookError(f"{name}: mirroring {url} into {delta_dir} failed: {exc}") from exc
+
+
+def s3_refresh(delta_dir: str, target_version: int) -> None:
+    """Pre-read hook: mirror the chain of ``target_version`` from the ``s3://`` store named
+    by ``DELTASTORE_REMOTE_URL`` into the local ``delta_dir``, index last."""
+    _refresh_hook("s3_refresh", _S3_SCHEMES, delta_dir, target_version)
+
+
+def gcs_refresh(delta_dir: str, target_version: int) -> None:
+    """Pre-read hook: as :func:`s3_refresh`, for a ``gs://`` store."""
+    _refresh_hook("gcs_refresh", _GCS_SCHEMES, delta_dir, target_version)
+
+
+def mirror_refresh(delta_dir: str, target_version: int) -> None:
+    """Pre-read hook: as :func:`s3_refresh`, for any fsspec URL."""
+    _refresh_hook("mirror_refresh", None, delta_dir, target_version)

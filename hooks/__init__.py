@@ -1,0 +1,1 @@
+"""Example deltastore hooks to copy and adapt (not shipped with the package)."""
