@@ -299,7 +299,10 @@ def fold_apply(
             flush_fold()
             if result is None:
                 result = current.copy()
-            payload.encoding.apply(result, raw, tensor=name)
+            try:
+                payload.encoding.apply(result, raw, tensor=name)
+            except FormatError as exc:
+                raise FormatError(f"weight_v{payload.version:06d}: {exc}") from None
     flush_fold()
     return result if result is not None else current.copy()
 

@@ -186,12 +186,6 @@ def test_verify_local_on_a_reference_delta_chain(tmp_path: Path, base_dir: Path,
     assert ds.verify_local(host, source, base_dir=base_dir) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="verify_local takes the tensors of a foreign full version without shard digests "
-    "for tensors 'not in the version' (NameMismatchError) instead of hashing the version's "
-    "own files; deltastore/pull/pull.py expected_digests",
-)
 def test_verify_local_on_a_reference_full_version(tmp_path: Path, base_dir: Path, reference_store):
     source, _ = reference_store
     host = tmp_path / "host"

@@ -185,14 +185,6 @@ def _shard_of(store_dir: Path, version: int) -> Path:
     return shard
 
 
-OVERWRITE_ERROR_LACKS_VERSION = pytest.mark.xfail(
-    strict=True,
-    reason="an overwrite payload refused by the codec (position out of range) raises a "
-    "FormatError naming the tensor but not the version (deltastore/pull/apply.py passes "
-    "tensor=name to Encoding.apply and does not add the version)",
-)
-
-
 @pytest.mark.parametrize(
     "encoding, which",
     [
@@ -260,7 +252,6 @@ def test_a_truncated_shard_fails_loud_and_the_host_stays_at_its_version(
     assert checkpoint_bytes(host) == states[1]
 
 
-@OVERWRITE_ERROR_LACKS_VERSION
 def test_a_refused_overwrite_payload_names_the_version(
     tmp_path: Path, base_dir: Path, small_model: Model
 ):
