@@ -51,7 +51,7 @@ def posix_commit(args: Any, version_dir: str, rollout_engines: Any) -> None:
     log.info("posix_commit: synced %d files of %s", synced, version_dir)
 
 
-def posix_refresh(delta_dir: str, target_version: int) -> None:
+def posix_refresh(delta_dir: str, target_version: int) -> bool:
     """Pre-read hook: revalidate ``delta_dir`` so attribute caches see new versions.
 
     Lists ``delta_dir`` (a fresh READDIR), then opens and reads the target's index (close-to-
@@ -59,11 +59,12 @@ def posix_refresh(delta_dir: str, target_version: int) -> None:
     shards its index names. A version's files are never looked up before its index is
     visible, so a mount that caches "not found" (s3fs-fuse, gcsfuse) caches nothing wrong.
     With ``DELTASTORE_REFRESH_WAIT_S`` set, waits up to that long for the index to appear.
-    Never raises for a missing version (the pull that follows reports it).
+    Returns whether the index is visible; never raises for a missing version (the pull that
+    follows reports it).
     """
     delta_dir = os.fspath(delta_dir)
     if target_version <= 0:
-        return
+        return True
     try:
         wait_s = float(os.environ.get(REFRESH_WAIT_ENV, "0") or 0)
     except ValueError:
@@ -85,12 +86,12 @@ def posix_refresh(delta_dir: str, target_version: int) -> None:
                 data = None
             if data is not None:
                 _revalidate_shards(version_dir, data, target_version)
-                return
+                return True
         if time.monotonic() >= deadline:
             log.info(
                 "posix_refresh: %s has no committed weight_v%06d yet", delta_dir, target_version
             )
-            return
+            return False
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 

@@ -106,7 +106,7 @@ class FaultProxy:
     """Forwards HTTP requests to ``upstream`` (``http://host:port``), injecting faults.
 
     Start it with :meth:`start` (or use it as a context manager); add rules with :meth:`add`.
-    :attr:`injected` records every fault applied, :attr:`requests` counts requests seen.
+    :attr:`injected` records every fault applied, :attr:`seen` every request.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -117,6 +117,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._faults: list[Fault] = []
         self.injected: list[Injected] = []
+        self.seen: list[tuple[str, str]] = []
+        """(method, URL-decoded path and query) of every request, in arrival order."""
         self.requests = 0
         self._server = _QuietServer(("127.0.0.1", 0), self._handler_class())
         self._thread = threading.Thread(
@@ -171,6 +173,7 @@ class FaultProxy:
     def _take(self, method: str, target: str, body: bytes) -> Fault | None:
         with self._lock:
             self.requests += 1
+            self.seen.append((method, target))
             for fault in self._faults:
                 if fault.times > 0 and fault.matches(method, target, body):
                     fault.times -= 1

@@ -7,46 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 import deltastore as ds
-
-
-def model_at(step: int) -> dict[str, torch.Tensor]:
-    """A tiny model; each step changes a few elements of two tensors."""
-    g = torch.Generator().manual_seed(0)
-    tensors = {
-        "embed.weight": torch.randn(64, 16, generator=g).to(torch.bfloat16),
-        "layers.0.mlp.weight": torch.randn(32, 16, generator=g),
-        "layers.0.norm.weight": torch.ones(16, dtype=torch.float16),
-        "lm_head.bias": torch.zeros(8, dtype=torch.int8),
-    }
-    for s in range(1, step + 1):
-        tensors["layers.0.mlp.weight"][s % 32, : s + 1] += 0.5
-        tensors["embed.weight"][(7 * s) % 64, 3] = float(s)
-    return tensors
-
-
-def write_base(directory: Path) -> Path:
-    directory.mkdir(parents=True)
-    save_file(model_at(0), str(directory / "model.safetensors"))
-    return directory
-
-
-def local_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(str(path)))
-    return out
-
-
-def assert_model(directory: Path, step: int) -> None:
-    got = local_tensors(directory)
-    want = model_at(step)
-    assert set(got) == set(want)
-    for name, tensor in want.items():
-        assert torch.equal(got[name], tensor), name
+from tests.storage.models import assert_model, model_at, write_base
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
