@@ -65,6 +65,9 @@ class Fault:
     content_type: str = "application/xml"
     stall_s: float = 2.0
     before: Callable[[], None] | None = None
+    drop_headers: tuple[str, ...] = ()
+    """Request headers to strip when forwarding (e.g. ``If-None-Match``: a backend that
+    ignores conditional writes)."""
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -204,12 +207,13 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 return self.rfile.read(length) if length else b""
 
-            def _forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+            def _forward(
+                self, body: bytes, strip: tuple[str, ...] = ()
+            ) -> tuple[int, list[tuple[str, str]], bytes]:
                 conn = http.client.HTTPConnection(*proxy._upstream, timeout=120)
+                skip = _HOP_BY_HOP | {h.lower() for h in strip}
                 try:
-                    headers = {
-                        k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP
-                    }
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
                     if body or self.command in ("PUT", "POST", "PATCH"):
                         headers["Content-Length"] = str(len(body))
                     conn.request(self.command, self.path, body=body, headers=headers)
@@ -243,7 +247,7 @@ class FaultProxy:
                     return
                 if fault is not None and fault.before is not None:
                     fault.before()
-                status, headers, data = self._forward(body)
+                status, headers, data = self._forward(body, fault.drop_headers if fault else ())
                 if fault is not None and fault.action == "drop-response":
                     self._drop()
                     return

@@ -1,0 +1,109 @@
+"""What is specific to the object-store backends: configuration errors that fail at once,
+the create-only probe, listing caches, the standard environment, exhausted retries."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+import warnings
+from typing import Any
+
+import pytest
+
+from deltastore.errors import ConfigError, TransientStoreError
+from deltastore.storage import RetryPolicy, VersionStore, new_token
+from deltastore.testing.faults import Fault, FaultProxy, s3_error
+from deltastore.testing.servers import gcs_env, s3_env
+from deltastore.testing.store_tests import write_version
+
+BACKENDS = ["s3", "gcs"]
+
+
+def backend(request: pytest.FixtureRequest, name: str) -> tuple[Any, str]:
+    return request.getfixturevalue(f"{name}_server"), request.getfixturevalue(f"{name}_url")
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_missing_bucket_is_a_configuration_error(name: str, request: pytest.FixtureRequest) -> None:
+    server, _ = backend(request, name)
+    scheme = "s3" if name == "s3" else "gs"
+    store = VersionStore(
+        f"{scheme}://no-such-bucket-{uuid.uuid4().hex[:8]}/run", server.storage_options
+    )
+    with pytest.raises(ConfigError, match=r"bucket 'no-such-bucket-.*' .* does not exist"):
+        store.versions()
+    with pytest.raises(ConfigError, match="create it, or check the URL"):
+        store.claim(1, new_token())
+
+
+def test_probe_detects_a_backend_without_exclusive_create(s3_server: Any, s3_url: str) -> None:
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        # A gateway that drops If-None-Match: create-only writes silently overwrite.
+        proxy.add(Fault("forward", method="PUT", drop_headers=("If-None-Match",), times=100))
+        store = VersionStore(s3_url, proxy.storage_options(s3_server.storage_options))
+        with pytest.warns(RuntimeWarning, match="NOT exclusive"):
+            assert store.check_exclusive_create() is False
+        assert store.supports_exclusive_create is False
+    honest = VersionStore(s3_url, s3_server.storage_options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert honest.check_exclusive_create() is True
+    assert honest.listing().other == {}  # the probe object is removed
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_refresh_with_listing_cache_turned_on(name: str, request: pytest.FixtureRequest) -> None:
+    server, url = backend(request, name)
+    reader = VersionStore(url, {**server.storage_options, "use_listings_cache": True})
+    writer = VersionStore(url, server.storage_options)
+    write_version(writer, 1)
+    assert reader.versions() == [1]
+    assert reader.list_files(1)
+    write_version(writer, 2, base=1)
+    reader.refresh()
+    assert reader.versions() == [1, 2]
+    assert reader.index(2).base_version == 1
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_store_reached_through_the_standard_environment(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    server, url = backend(request, name)
+    write_version(VersionStore(url, server.storage_options), 1)
+    env = {**os.environ, **(s3_env(server) if name == "s3" else gcs_env(server))}
+    code = (
+        "import sys; from deltastore.storage import VersionStore; "
+        f"sys.stdout.write(repr(VersionStore({url!r}).versions()))"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout == "[1]"
+
+
+def test_exhausted_retries_name_the_url(s3_server: Any, s3_url: str) -> None:
+    waits: list[float] = []
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        store = VersionStore(
+            s3_url,
+            proxy.storage_options(s3_server.storage_options),
+            retry=RetryPolicy(attempts=3, sleep=waits.append),
+        )
+        proxy.add(
+            Fault(
+                "status",
+                method="PUT",
+                path_contains="_claims/weight_v",
+                status=409,
+                body=s3_error("ConditionalRequestConflict"),
+                times=100,
+            )
+        )
+        with pytest.raises(TransientStoreError, match="3 attempts") as info:
+            store.claim(1, new_token())
+    assert store.url in str(info.value)
+    assert len(waits) == 2
