@@ -176,36 +176,67 @@ class _SeedDecision:
 
 
 class _PayloadSpool:
-    """Compressed payloads appended as they are produced: memory up to a bound, then disk."""
+    """Compressed payloads kept as they are produced: in memory up to a bound, then on disk.
+
+    Each in-memory frame stays its own ``bytes`` object (no growing buffer to reallocate and
+    copy); once ``memory_bytes`` are held, later frames go to an anonymous temp file. Frames
+    are addressed by a virtual offset. Thread-safe: encode workers append directly.
+    """
 
     def __init__(self, memory_bytes: int) -> None:
-        self._file: Any = tempfile.SpooledTemporaryFile(max_size=memory_bytes)  # noqa: SIM115
+        self.memory_bytes = memory_bytes
         self.size = 0
+        self._memory: dict[int, bytes] = {}
+        self._in_memory = 0
+        self._file: Any = None
+        self._on_disk: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def append(self, frame: bytes) -> tuple[int, int]:
         with self._lock:
             offset = self.size
-            self._file.seek(offset)
-            self._file.write(frame)
             self.size += len(frame)
+            if self._in_memory + len(frame) <= self.memory_bytes:
+                self._memory[offset] = frame
+                self._in_memory += len(frame)
+            else:
+                if self._file is None:
+                    self._file = tempfile.TemporaryFile(prefix="deltastore-spool-")  # noqa: SIM115
+                self._file.seek(0, os.SEEK_END)
+                self._on_disk[offset] = self._file.tell()
+                self._file.write(frame)
             return offset, len(frame)
 
     def read(self, offset: int, length: int) -> bytes:
         with self._lock:
-            self._file.seek(offset)
+            frame = self._memory.get(offset)
+            if frame is not None:
+                return frame
+            self._file.seek(self._on_disk[offset])
             return bytes(self._file.read(length))
 
     def copy_to(self, out: BinaryIO, offset: int, length: int) -> None:
-        remaining = length
-        while remaining:
-            chunk = self.read(offset, min(remaining, _COPY_CHUNK))
+        with self._lock:
+            frame = self._memory.get(offset)
+            position = self._on_disk.get(offset)
+        if frame is not None:
+            view = memoryview(frame)
+            for lo in range(0, length, _COPY_CHUNK):
+                out.write(view[lo : lo + _COPY_CHUNK])
+            return
+        assert position is not None
+        done = 0
+        while done < length:
+            with self._lock:
+                self._file.seek(position + done)
+                chunk = self._file.read(min(length - done, _COPY_CHUNK))
             out.write(chunk)
-            offset += len(chunk)
-            remaining -= len(chunk)
+            done += len(chunk)
 
     def close(self) -> None:
-        self._file.close()
+        self._memory.clear()
+        if self._file is not None:
+            self._file.close()
 
 
 def _default_workers() -> int:
@@ -617,14 +648,16 @@ class DeltaPublisher:
                 new = staged.wait()
                 begun = time.perf_counter()
                 delta = encoding.encode(old, new)
+                changed = delta.changed_bytes
                 result = None
-                if delta.changed_bytes:
-                    result = (
-                        delta.changed_bytes,
-                        checksum.hexdigest(new),
-                        compress(delta.payload),
-                    )
-                del delta
+                if changed:
+                    digest = checksum.hexdigest(new)
+                    frame = compress(delta.payload)
+                    del delta
+                    # Straight into the spool: a finished frame never waits in a future.
+                    offset, length = spool.append(frame)
+                    del frame
+                    result = (changed, digest, offset, length)
                 with lock:
                     metrics["encode_s"] += time.perf_counter() - begun
                 return name, result
@@ -645,8 +678,7 @@ class DeltaPublisher:
                 if result is None:
                     passed[name] = None
                     continue
-                changed, digest, frame = result
-                offset, length = spool.append(frame)
+                changed, digest, offset, length = result
                 passed[name] = encoded[name] = _Encoded(name, changed, digest, offset, length)
             pending[:] = waiting
 

@@ -36,6 +36,7 @@ CHANGES_4 = {
     2: set(),  # nothing changes: still a version
     3: {LAYERS[2], LAYERS[0]},  # LAYERS[0] has moved to rank 2
     4: {LAYERS[0], EMBED},  # ... and back to rank 0
+    5: {LAYERS[5]},  # rank 2 alone asks for a full version
 }
 
 
@@ -63,9 +64,10 @@ def _four_ranks(rank: int, world: int, base: str, store_url: str, hooks: str) ->
     pub = ds.DeltaPublisher(store_url, base, workers=2, post_write=hook, args=f"rank{rank}")
     pub.seed()
     out: dict[str, Any] = {"results": [], "metrics": [], "loaded": []}
-    for step in range(1, 5):
+    for step in range(1, 6):
         model = model_at(tensors, CHANGES_4, step)
-        result = pub.publish((n, model[n]) for n in held_by(rank, step))
+        full = step == 5 and rank == 2
+        result = pub.publish(((n, model[n]) for n in held_by(rank, step)), full=full)
         out["results"].append(result)
         out["metrics"].append(pub.pop_metrics())
         assert pub.snapshot is not None
@@ -93,7 +95,7 @@ def test_four_ranks_numbering_completeness_dedup_and_moves(tmp_path: Path) -> No
         hooks=str(hooks),
     )
     store = VersionStore(str(store_dir))
-    assert store.versions() == [1, 2, 3, 4]
+    assert store.versions() == [1, 2, 3, 4, 5]
 
     expected_maps = {
         # Ranks 0, 1 and 3 changed something: shards 0, 1, 2 of 3, gap-free (rank 2 has none).
@@ -152,6 +154,17 @@ def test_four_ranks_numbering_completeness_dedup_and_moves(tmp_path: Path) -> No
     result = ds.pull_weights(local, store, 4, base_dir=base)
     assert result.versions_applied == [2, 3, 4]
     assert_checkpoint_equals(local, model_at(tensors, CHANGES_4, 4))
+
+    # publish(full=True) on one rank makes the version full on every rank: complete (FROZEN,
+    # passed by no rank, included), ordinary 1-based HF shard names, one run per writing rank.
+    assert {o["results"][4].kind for o in outs} == {"full"}
+    index = store.index(5)
+    assert not index.is_delta and set(index.weight_map) == set(NAMES)
+    shards = sorted(set(index.weight_map.values()))
+    assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, 5)]
+    fresh = tmp_path / "fresh"
+    assert ds.pull_weights(fresh, store, 5).action == "reseeded"  # no base needed
+    assert_checkpoint_equals(fresh, model_at(tensors, CHANGES_4, 5))
 
 
 # ----------------------------------------------------------- failures: nothing is committed
