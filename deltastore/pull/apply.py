@@ -71,6 +71,17 @@ class ApplyStats:
     """Bytes read from the store."""
     bytes_written: int = 0
     versions: list[int] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(
+        self, *, tensors: int = 0, payloads: int = 0, bytes_read: int = 0, bytes_written: int = 0
+    ) -> None:
+        """Add to the counters (thread-safe: apply threads share one ``ApplyStats``)."""
+        with self._lock:
+            self.tensors += tensors
+            self.payloads += payloads
+            self.bytes_read += bytes_read
+            self.bytes_written += bytes_written
 
 
 @dataclass(frozen=True)
@@ -253,8 +264,7 @@ def read_payloads(
     """The compressed frames of ``payloads``, one ranged read each."""
     frames = [store.read_range(p.version, p.shard, p.start, p.end) for p in payloads]
     if stats is not None:
-        stats.payloads += len(frames)
-        stats.bytes_read += sum(len(f) for f in frames)
+        stats.add(payloads=len(frames), bytes_read=sum(len(f) for f in frames))
     return frames
 
 
@@ -408,8 +418,7 @@ def apply_chain(
                 written.append((tensor, target, undo))
             view[:] = result
             if stats is not None:
-                stats.tensors += 1
-                stats.bytes_written += target.entry.nbytes
+                stats.add(tensors=1, bytes_written=target.entry.nbytes)
 
         try:
             run_pool(sorted(history.values(), key=lambda t: t.name), apply_one, workers)
@@ -486,8 +495,7 @@ def seed_from_full(
             raise IntegrityError(f"{where}/{shard}: the local copy differs from what was read")
         os.replace(tmp, dst)
         if stats is not None:
-            stats.bytes_read += size
-            stats.bytes_written += size
+            stats.add(bytes_read=size, bytes_written=size)
     # An ordinary HF index so the engine's loader finds the shards.
     with open(os.path.join(local.dir, INDEX_NAME), "wb") as fh:
         fh.write(index.to_json())
@@ -501,7 +509,7 @@ def seed_from_full(
     if checksum is not None:
         verify_tensors(local_tensors, full_digests(store, index, checksum), where=where)
     if stats is not None:
-        stats.tensors += len(local_tensors)
+        stats.add(tensors=len(local_tensors))
         stats.versions.append(index.version)
 
 

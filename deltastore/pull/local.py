@@ -169,7 +169,13 @@ class LocalCheckpoint:
         )
 
     def clear_weights(self) -> None:
-        for name in self.weight_files():
+        """Remove the weight files, and copies a crash left half-written (``*.partial``)."""
+        partial = (
+            [n for n in os.listdir(self.dir) if n.endswith(".partial")]
+            if os.path.isdir(self.dir)
+            else []
+        )
+        for name in self.weight_files() + partial:
             os.unlink(os.path.join(self.dir, name))
 
     def seed_from_base(self, base_dir: str) -> None:

@@ -121,7 +121,7 @@ class _ChainStart:
         shard, entry, _ = found
         raw = self.store.read_range(self.chain.start, shard, entry.start, entry.end)
         if stats is not None:
-            stats.bytes_read += len(raw)
+            stats.add(bytes_read=len(raw))
         return np.frombuffer(raw, dtype=np.uint8).copy()
 
     def digest(self, name: str, nbytes: int, checksum: Checksum) -> Digest:
@@ -219,8 +219,7 @@ def repair_pending(
             view[:] = result
             outcomes.append(kind)
             if stats is not None:
-                stats.tensors += 1
-                stats.bytes_written += nbytes
+                stats.add(tensors=1, bytes_written=nbytes)
 
         run_pool(sorted(touched), fix, workers, name="deltastore-repair")
         files.flush()
