@@ -184,11 +184,10 @@ def mirror_to_store(version_dir: str, remote: VersionStore, *, upload: bool = Tr
     :class:`HookError` on a conflict, a size mismatch or a timeout.
     """
     version_dir = os.fspath(version_dir)
-    version, index, sizes = _local_version(version_dir)
-    token = index.commit_token
-    assert token is not None
     remote.refresh()
     if not upload:
+        # The uploading rank may still be writing the local index: wait for its commit.
+        version = version_of(version_dir)
         deadline = time.monotonic() + _timeout_s()
         delay = 0.1
         while _remote_index(remote, version) is None:
@@ -199,6 +198,10 @@ def mirror_to_store(version_dir: str, remote: VersionStore, *, upload: bool = Tr
                 )
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
+    version, index, sizes = _local_version(version_dir)
+    token = index.commit_token
+    assert token is not None
+    if not upload:
         _verify_remote(remote, version, sizes, token)
         return version
     existing = _remote_index(remote, version)
