@@ -191,3 +191,19 @@ def test_hook_configuration_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("DELTASTORE_STORAGE_OPTIONS")
     with pytest.raises(HookError, match="not a weight_vNNNNNN"):
         s3_commit(None, str(tmp_path), None)
+
+
+def test_audit_log_example_records_both_sides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log_path = tmp_path / "audit.jsonl"
+    monkeypatch.setenv("DELTASTORE_AUDIT_LOG", str(log_path))
+    base = write_base(tmp_path / "base")
+    publish(tmp_path / "deltas", base, "hooks.audit_log.on_commit", {1: "delta"})
+    pre_read = load("hooks.audit_log.on_refresh", kind="pre_read")
+    ds.pull_weights(tmp_path / "host", tmp_path / "deltas", 1, base, pre_read=pre_read)
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [r["hook"] for r in records] == ["commit", "refresh"]
+    assert records[0]["version_dir"].endswith("weight_v000001")
+    assert INDEX_NAME in records[0]["files"]
+    assert records[1]["target_version"] == 1
