@@ -258,3 +258,36 @@ def test_two_ranks_divergent_replicas_and_failing_rank_commit_nothing(tmp_path: 
     assert_checkpoint_equals(local, model_at(tensors, CHANGES_2, 1))
     body = json.loads((store_dir / "weight_v000001" / INDEX_NAME).read_text())
     assert body["metadata"]["delta_encoding"] == "xor"
+
+
+# ------------------------------------------------- a subset of ranks publishes (a given group)
+def _subgroup(rank: int, world: int, base: str, store_url: str) -> int | None:
+    import torch.distributed as dist
+
+    group = dist.new_group(ranks=[1, 2], backend="gloo")  # every rank must create it
+    if rank == 0:
+        return None  # e.g. a rank that holds no source tensors
+    tensors = base_tensors(TWO)
+    model = model_at(tensors, CHANGES_2, 1)
+    pub = ds.DeltaPublisher(store_url, base, workers=1, process_group=group)
+    pub.seed()
+    mine = [LAYERS[rank - 1], EMBED]
+    return pub.publish((n, model[n]) for n in mine).version
+
+
+def test_a_process_group_of_some_ranks_publishes_alone(tmp_path: Path) -> None:
+    tensors = base_tensors(TWO)
+    base = write_base(tmp_path / "base", tensors)
+    store_dir = tmp_path / "store"
+    outs = run_ranks(3, _subgroup, tmp_path / "ranks", base=str(base), store_url=str(store_dir))
+    assert outs == [None, 1, 1]
+    store = VersionStore(str(store_dir))
+    # Group rank 0 (global rank 1) writes shard 0 and keeps the replicated EMBED.
+    assert store.index(1).weight_map == {
+        LAYERS[0]: "model-00000-of-00002.safetensors",
+        EMBED: "model-00000-of-00002.safetensors",
+        LAYERS[1]: "model-00001-of-00002.safetensors",
+    }
+    local = tmp_path / "local"
+    ds.pull_weights(local, store, 1, base_dir=base)
+    assert_checkpoint_equals(local, model_at(tensors, CHANGES_2, 1))
