@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from collections.abc import Callable
-from typing import Any
 
 from deltastore.cli import add_storage_option_flag, parse_storage_options
 from deltastore.errors import ConfigError
+from deltastore.hooks import load as load_hook
+from deltastore.hooks.loader import PRE_READ
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,20 +43,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
-def load_callable(path: str) -> Callable[..., Any]:
-    """``package.module.func`` or ``package.module:func`` → the callable."""
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"hook {path!r} is not MODULE.FUNC")
-    try:
-        hook = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"cannot load hook {path!r}: {exc}") from None
-    if not callable(hook):
-        raise ConfigError(f"hook {path!r} is not callable")
-    return hook  # type: ignore[no-any-return]
-
-
 def run(args: argparse.Namespace) -> int:
     from deltastore.pull.server import ServerConfig, serve
 
@@ -77,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         allow=tuple(args.allow),
         token=token,
         storage_options=parse_storage_options(args.storage_option),
-        pre_read=load_callable(args.pre_read_hook) if args.pre_read_hook else None,
+        pre_read=load_hook(args.pre_read_hook, PRE_READ) if args.pre_read_hook else None,
         workers=args.workers,
     )
     config.check()
