@@ -9,7 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 from deltastore.codecs import Checksum, get_checksum
-from deltastore.errors import ConfigError, DeltastoreError, IntegrityError, NameMismatchError
+from deltastore.errors import (
+    ConfigError,
+    DeltastoreError,
+    IntegrityError,
+    NameMismatchError,
+    VersionNotFoundError,
+)
 from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.format.state import AppliedState, PendingTransition
 from deltastore.pull.apply import (
@@ -74,17 +80,23 @@ def pull_weights(
     """
     group = resolve_group(process_group)
 
+    store = open_store(source_dir, storage_options, pre_read)
+
     def pull_here() -> PullResult:
-        return _pull_here(
-            local_checkpoint_dir,
-            source_dir,
-            target_version,
-            base_dir,
-            storage_options=storage_options,
-            pre_read=pre_read,
-            workers=workers,
-            lock_timeout_s=lock_timeout_s,
-        )
+        def attempt() -> PullResult:
+            return _pull_here(
+                local_checkpoint_dir,
+                store,
+                target_version,
+                base_dir,
+                workers=workers,
+                lock_timeout_s=lock_timeout_s,
+            )
+
+        try:
+            return attempt()
+        except VersionNotFoundError as exc:
+            return _re_resolve(store, target_version, exc, attempt)
 
     if group is None:
         return pull_here()
@@ -96,14 +108,44 @@ def pull_weights(
     )
 
 
+def _re_resolve(
+    store: VersionStore,
+    target_version: int,
+    lost: VersionNotFoundError,
+    attempt: Callable[[], PullResult],
+) -> PullResult:
+    """A version vanished mid-pull (pruned): resolve the target again, once, and say so.
+
+    Whatever was applied before the loss is verified and recorded (or put back), so starting
+    over is safe. When the target itself is gone, the error names the newest version instead.
+    """
+    store.refresh()
+    committed = store.versions()
+    if target_version not in committed:
+        latest = committed[-1] if committed else 0
+        if target_version > latest:
+            raise VersionNotFoundError(
+                f"weight_v{target_version:06d} is not published in {store.url}; the latest "
+                f"version is v{latest:06d}"
+            ) from None
+        raise VersionNotFoundError(
+            f"weight_v{target_version:06d} is no longer in {store.url} (pruned while this pull "
+            f"read it: {lost}); the latest version is v{latest:06d}: pull that instead"
+        ) from lost
+    log.warning(
+        "a version vanished while pulling v%06d (%s); re-resolving its chain once",
+        target_version,
+        lost,
+    )
+    return attempt()
+
+
 def _pull_here(
     local_checkpoint_dir: str | os.PathLike[str],
-    source_dir: VersionStore | str | os.PathLike[str],
+    store: VersionStore,
     target_version: int,
     base_dir: str | os.PathLike[str] | None,
     *,
-    storage_options: dict[str, Any] | None,
-    pre_read: Callable[[str, int], None] | None,
     workers: int,
     lock_timeout_s: float,
 ) -> PullResult:
@@ -116,7 +158,6 @@ def _pull_here(
         raise ConfigError(
             f"local checkpoint {local.dir} is the base model path; pass a host-local copy dir"
         )
-    store = open_store(source_dir, storage_options, pre_read)
     os.makedirs(local.dir, exist_ok=True)
     stats = ApplyStats()
     with local.lock(lock_timeout_s):
