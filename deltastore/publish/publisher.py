@@ -754,6 +754,7 @@ class DeltaPublisher:
             for name, info in report.passed.items():
                 holders.setdefault(name, []).append((report.rank, info))
         divergent = []
+        ranks: set[int] = set()
         for name, held in sorted(holders.items()):
             if len({info[0] if info else None for _, info in held}) > 1:
                 states = ", ".join(
@@ -761,10 +762,11 @@ class DeltaPublisher:
                     for rank, info in held
                 )
                 divergent.append(f"{name!r} ({states})")
+                ranks.update(rank for rank, _ in held)
         if divergent:
-            ranks = sorted({r for n in holders for r, _ in holders[n] if len(holders[n]) > 1})
             return _Plan(
-                error=f"replicated tensors differ across ranks {ranks}: {'; '.join(divergent[:5])}"
+                error=f"replicated tensors differ across ranks {sorted(ranks)}: "
+                f"{'; '.join(divergent[:5])}"
                 f"; a tensor passed on several ranks must be identical on each. Nothing was "
                 f"committed for weight_v{self.next_version:06d}"
             )

@@ -39,7 +39,12 @@ def free_port() -> int:
 
 
 def _child(
-    rank: int, world: int, port: int, fn: Callable[..., Any], out: str, kwargs: dict[str, Any]
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    outs: list[str],
+    kwargs: dict[str, Any],
 ) -> None:
     import torch.distributed as dist
 
@@ -56,9 +61,15 @@ def _child(
         result = ("ok", fn(rank, world, **kwargs))
     except BaseException as exc:  # reported to the parent, which fails the test
         result = ("error", type(exc).__name__, f"{exc}\n{traceback.format_exc()}")
+    out = outs[rank]
     with open(out + ".tmp", "wb") as fh:
         pickle.dump(result, fh)
     os.replace(out + ".tmp", out)
+    if rank == 0:
+        # Rank 0 serves the rendezvous store: stay until every rank is done with it.
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        while not all(os.path.exists(o) for o in outs) and time.monotonic() < deadline:
+            time.sleep(0.01)
     # Skip interpreter teardown: a peer that already failed must not make us hang in atexit.
     os._exit(0)
 
@@ -72,7 +83,7 @@ def start_ranks(
     workdir.mkdir(parents=True, exist_ok=True)
     outs = [str(workdir / f"rank{r}-{port}.pkl") for r in range(world)]
     procs = [
-        ctx.Process(target=_child, args=(r, world, port, fn, outs[r], kwargs), daemon=True)
+        ctx.Process(target=_child, args=(r, world, port, fn, outs, kwargs), daemon=True)
         for r in range(world)
     ]
     for proc in procs:
