@@ -30,6 +30,10 @@ def test_budget_bounds_bytes_in_flight_and_buffers_are_reused() -> None:
     seen: list[int] = []
 
     def consumer() -> None:
+        # Start only once the producer has filled the budget (nothing was released yet).
+        deadline = time.monotonic() + 10
+        while stager.in_flight_bytes < 3 * MIB and time.monotonic() < deadline:
+            time.sleep(0.001)
         done = 0
         while done < len(tensors):
             with lock:
