@@ -285,7 +285,7 @@ class DeltaPublisher:
 
     def __init__(
         self,
-        store: VersionStore | str,
+        store: VersionStore | str | os.PathLike[str],
         base_checkpoint: str | os.PathLike[str],
         *,
         encoding: str = "xor",
@@ -310,7 +310,7 @@ class DeltaPublisher:
     ) -> None:
         self.encoding = get_encoding(encoding)
         self.checksum = get_checksum(checksum)
-        if isinstance(store, str):
+        if not isinstance(store, VersionStore):
             store = VersionStore(store, storage_options)
         self.store = store
         self.base_checkpoint = os.fspath(base_checkpoint)
