@@ -10,8 +10,8 @@ from deltastore.codecs import CHECKSUMS, ENCODINGS, get_checksum
 from deltastore.errors import ConfigError, IntegrityError, PublishError
 from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.publish import DeltaPublisher, Snapshot
-from deltastore.pull.chain import resolve_chain
 from deltastore.storage import VersionStore
+from deltastore.storage.chain import walk_chain
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -49,9 +49,9 @@ def check_prev_against_chain(store: VersionStore, prev_dir: str) -> int:
     latest = store.latest()
     if latest == 0:
         return 0
-    chain = resolve_chain(store, latest)
+    start, deltas = walk_chain(store, latest)
     recorded: dict[str, tuple[str, str, int]] = {}
-    sources = ([chain.start_index] if chain.start_index is not None else []) + chain.deltas
+    sources = ([start] if start is not None else []) + deltas
     for index in sources:
         for shard in index.shards():
             header = store.read_shard_header(index.version, shard)

@@ -54,6 +54,7 @@ from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.hooks.posix import version_of
 from deltastore.storage import VersionStore
+from deltastore.storage.durable import fsync_path
 
 log = logging.getLogger("deltastore.hooks")
 
@@ -273,14 +274,6 @@ def _local_lock(delta_dir: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _download(remote: VersionStore, version: int, shard: str, dst: str) -> int:
     size = remote.file_size(version, shard)
     if os.path.exists(dst) and os.path.getsize(dst) == size:
@@ -366,10 +359,10 @@ def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int)
             os.makedirs(version_dir, exist_ok=True)
             for shard in index.shards():
                 _download(remote, version, shard, os.path.join(version_dir, shard))
-            _fsync_dir(version_dir)
+            fsync_path(version_dir)
             _write_index(os.path.join(version_dir, INDEX_NAME), raw)
-            _fsync_dir(version_dir)
-        _fsync_dir(delta_dir)
+            fsync_path(version_dir)
+        fsync_path(delta_dir)
     done = [v for v, _, _ in reversed(todo)]
     if done:
         log.info("mirrored %s from %s into %s", done, remote.url, delta_dir)

@@ -10,19 +10,12 @@ from typing import Any
 from deltastore.errors import HookError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
+from deltastore.storage.durable import fsync_path
 
 log = logging.getLogger("deltastore.hooks")
 
 REFRESH_WAIT_ENV = "DELTASTORE_REFRESH_WAIT_S"
 """Seconds ``posix_refresh`` waits for a version's index to become visible (default 0)."""
-
-
-def _fsync(path: str, flags: int = os.O_RDONLY) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def posix_commit(args: Any, version_dir: str, rollout_engines: Any) -> None:
@@ -40,12 +33,12 @@ def posix_commit(args: Any, version_dir: str, rollout_engines: Any) -> None:
     try:
         for root, dirs, files in os.walk(version_dir):
             for name in sorted(files):
-                _fsync(os.path.join(root, name))
+                fsync_path(os.path.join(root, name))
                 synced += 1
             for name in dirs:
-                _fsync(os.path.join(root, name))
-            _fsync(root)
-        _fsync(os.path.dirname(os.path.abspath(version_dir)))
+                fsync_path(os.path.join(root, name))
+            fsync_path(root)
+        fsync_path(os.path.dirname(os.path.abspath(version_dir)))
     except OSError as exc:
         raise HookError(f"posix_commit: syncing {version_dir} failed: {exc}") from exc
     log.info("posix_commit: synced %d files of %s", synced, version_dir)

@@ -4,7 +4,8 @@ A version's state is its chain: follow ``base_version`` links back from it to a 
 to the base, version 0), then apply the deltas forward. This module walks that chain through a
 :class:`VersionStore` (indexes and shard headers only: ranged reads, no payloads) and turns it
 into per-tensor :class:`TensorSource` recipes; the snapshot reads and verifies the bytes when a
-tensor is first used. The engine side has its own chain resolver; publish does not import pull.
+tensor is first used. The link walk itself is :func:`deltastore.storage.chain.walk_chain`,
+shared with the engine side.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 from deltastore.codecs import check_compression, get_checksum, get_encoding
-from deltastore.errors import ConfigError, FormatError, StreamError, VersionNotFoundError
-from deltastore.format.index import VersionIndex, check_shard_names
+from deltastore.errors import ConfigError, FormatError, StreamError
+from deltastore.format.index import check_shard_names
 from deltastore.publish.snapshot import PayloadRef, Snapshot, TensorSource
 from deltastore.storage import VersionStore
+from deltastore.storage.chain import walk_chain
 
 
 @dataclass(frozen=True)
@@ -45,44 +47,6 @@ class Lineage:
     """Deltas on the chain after ``start``."""
     wire_bytes: int = 0
     """Wire bytes of those deltas (what the anchor-by-bytes rule accumulates)."""
-
-
-def walk_chain(store: VersionStore, target: int) -> tuple[VersionIndex | None, list[VersionIndex]]:
-    """The full version a target builds on (None: the base) and the deltas after it, in order.
-
-    Raises :class:`VersionNotFoundError` when a link is missing (pruned), :class:`FormatError`
-    when the chain mixes streams.
-    """
-    deltas: list[VersionIndex] = []
-    start: VersionIndex | None = None
-    version = target
-    while version > 0:
-        try:
-            index = store.index(version)
-        except VersionNotFoundError:
-            if version == target:
-                raise
-            raise VersionNotFoundError(
-                f"weight_v{target:06d} builds on weight_v{version:06d}, which is not in "
-                f"{store.url} (pruned?); the stream cannot be rebuilt from it. Start a new "
-                "stream (new_stream=True)"
-            ) from None
-        if not index.is_delta:
-            start = index
-            break
-        deltas.append(index)
-        assert index.base_version is not None
-        version = index.base_version
-    deltas.reverse()
-    streams = {d.stream_id for d in deltas if d.stream_id is not None}
-    if start is not None and start.stream_id is not None:
-        streams.add(start.stream_id)
-    if len(streams) > 1:
-        raise FormatError(
-            f"the chain to weight_v{target:06d} in {store.url} mixes streams {sorted(streams)}; "
-            "the store is inconsistent"
-        )
-    return start, deltas
 
 
 def _check_layout(name: str, nbytes: int, sources: dict[str, TensorSource], where: str) -> None:

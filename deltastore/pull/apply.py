@@ -45,8 +45,9 @@ from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex, check_shard_names
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.format.safetensors_io import SafetensorsHeader
-from deltastore.pull.local import LocalCheckpoint, fsync_dir
+from deltastore.pull.local import LocalCheckpoint
 from deltastore.storage import VersionStore
+from deltastore.storage.durable import fsync_path
 
 log = logging.getLogger("deltastore.pull")
 
@@ -501,7 +502,7 @@ def seed_from_full(
         fh.write(index.to_json())
         fh.flush()
         os.fsync(fh.fileno())
-    fsync_dir(local.dir)
+    fsync_path(local.dir)
     local_tensors = scan_checkpoint(local.dir)
     for shard in shards:
         header_names = {n for n, t in local_tensors.items() if os.path.basename(t.file) == shard}

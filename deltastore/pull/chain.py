@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from deltastore.errors import FormatError, OutOfOrderError, VersionNotFoundError
+from deltastore.errors import OutOfOrderError
 from deltastore.format.index import VersionIndex
 from deltastore.format.state import AppliedState
 from deltastore.storage import VersionStore
+from deltastore.storage.chain import walk_chain
 
 log = logging.getLogger("deltastore.pull")
 
@@ -67,39 +68,8 @@ def resolve_chain(store: VersionStore, target: int) -> Chain:
     a partial chain must never be replayed onto the wrong start), :class:`FormatError` if the
     chain mixes streams.
     """
-    if target == 0:
-        return Chain(0, 0, None, [])
-    deltas: list[VersionIndex] = []
-    version = target
-    while True:
-        try:
-            index = store.index(version)
-        except VersionNotFoundError:
-            if version == target:
-                raise
-            raise VersionNotFoundError(
-                f"weight_v{target:06d} builds on weight_v{version:06d}, which is not in "
-                f"{store.url} (pruned?); the chain is broken. Publish a full version "
-                "(publish(..., full=True)) so hosts can reseed"
-            ) from None
-        if not index.is_delta:
-            deltas.reverse()
-            chain = Chain(target, version, index, deltas)
-            break
-        deltas.append(index)
-        assert index.base_version is not None
-        if index.base_version == 0:
-            deltas.reverse()
-            chain = Chain(target, 0, None, deltas)
-            break
-        version = index.base_version
-    streams = {d.stream_id for d in chain.deltas}
-    if len(streams) > 1:
-        raise FormatError(
-            f"the chain to weight_v{target:06d} mixes streams {sorted(map(str, streams))}; "
-            "the store is inconsistent"
-        )
-    return chain
+    start, deltas = walk_chain(store, target)
+    return Chain(target, start.version if start else 0, start, deltas)
 
 
 def check_builds_on(index: VersionIndex, applied_version: int) -> None:

@@ -16,18 +16,11 @@ import xxhash
 from deltastore.errors import ConfigError, FormatError, IntegrityError, LockTimeoutError
 from deltastore.format.names import INDEX_NAME, LOCK_NAME, PENDING_NAME, STATE_DIR, STATE_NAME
 from deltastore.format.state import AppliedState, PendingTransition
+from deltastore.storage.durable import fsync_path
 
 log = logging.getLogger("deltastore.pull")
 
 _COPY_CHUNK = 16 * 1024**2
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_write(path: str, data: bytes) -> None:
@@ -38,7 +31,7 @@ def atomic_write(path: str, data: bytes) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    fsync_path(os.path.dirname(path))
 
 
 def _reflink(src: str, dst: str) -> bool:
@@ -134,7 +127,7 @@ class LocalCheckpoint:
         """Remove the state so a reference reader sees no version (it then reseeds)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.state_path)
-            fsync_dir(self.state_dir)
+            fsync_path(self.state_dir)
 
     def read_pending(self) -> PendingTransition | None:
         try:
@@ -157,7 +150,7 @@ class LocalCheckpoint:
         self.write_state(state)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.pending_path)
-            fsync_dir(self.state_dir)
+            fsync_path(self.state_dir)
 
     # ---------------------------------------------------------------- seeding
     def weight_files(self) -> list[str]:
@@ -194,7 +187,7 @@ class LocalCheckpoint:
             if name == STATE_DIR or not os.path.isfile(src):
                 continue
             copy_verified(src, os.path.join(self.dir, name))
-        fsync_dir(self.dir)
+        fsync_path(self.dir)
 
     def copy_missing_extras(self, base_dir: str | None) -> None:
         """Copy non-weight files (config, tokenizer) from the base that the local dir lacks."""

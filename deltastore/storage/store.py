@@ -54,6 +54,7 @@ from deltastore.errors import (
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
 from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
+from deltastore.storage.durable import fsync_path
 from deltastore.storage.retry import RetryPolicy, is_transient
 
 if TYPE_CHECKING:
@@ -86,14 +87,6 @@ _memory_lock = threading.Lock()
 def new_token() -> str:
     """A unique commit/claim token."""
     return uuid.uuid4().hex
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def modified_time(info: dict[str, Any]) -> float | None:
@@ -510,7 +503,7 @@ class VersionStore:
                 os.link(tmp, path)
             finally:
                 os.unlink(tmp)
-            _fsync_dir(directory)
+            fsync_path(directory)
         elif self.is_memory:
             with _memory_lock:
                 if self.fs.exists(path):
@@ -706,7 +699,7 @@ class VersionStore:
             # An empty delta (nothing changed) has no shard, so its directory may not exist yet.
             os.makedirs(self.version_path(version), exist_ok=True)
             # The shards were fsynced when written; make their names durable with the index.
-            _fsync_dir(self.version_path(version))
+            fsync_path(self.version_path(version))
         if not self._create_with_token(
             path, index.to_json(), token, lambda b: _json_field(b, "metadata", "commit_token")
         ):
@@ -723,7 +716,7 @@ class VersionStore:
                 self.fs.rm(path)
             raise
         if self.is_local:
-            _fsync_dir(self.root)
+            fsync_path(self.root)
         self.fs.invalidate_cache(self.version_path(version))
 
     def after_write(self, version: int) -> None:
