@@ -54,7 +54,7 @@ from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.hooks.posix import version_of
 from deltastore.storage import VersionStore
-from deltastore.storage.durable import fsync_path
+from deltastore.storage.durable import create_new_file, fsync_path
 
 log = logging.getLogger("deltastore.hooks")
 
@@ -300,15 +300,10 @@ def _download(remote: VersionStore, version: int, shard: str, dst: str) -> int:
 
 
 def _write_index(path: str, data: bytes) -> None:
-    """Create ``path`` with ``data`` only if absent (finished temp file + link); an existing
-    identical index is fine, a different one is a conflict."""
-    tmp = f"{path}.{os.getpid()}.partial"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Create ``path`` with ``data`` only if absent; an existing identical index is fine, a
+    different one is a conflict."""
     try:
-        os.link(tmp, path)
+        create_new_file(path, data)
     except FileExistsError:
         with open(path, "rb") as fh:
             if fh.read() != data:
@@ -316,8 +311,6 @@ def _write_index(path: str, data: bytes) -> None:
                     f"{path} exists with other content than the remote index: this local "
                     "directory mirrors another store or stream; point the hook at an empty one"
                 ) from None
-    finally:
-        os.unlink(tmp)
 
 
 def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 
 
 def fsync_path(path: str) -> None:
@@ -16,3 +17,24 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def create_new_file(path: str, data: bytes) -> None:
+    """Create ``path`` holding ``data`` only if it does not exist, atomically and durably.
+
+    A finished, fsynced sibling temp file is linked into place (``os.link`` fails if the target
+    exists), so readers never see a partial file and of racing writers exactly one wins (the
+    others get ``FileExistsError``). fsspec's local create mode checks, then writes: it races.
+    """
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex}.partial"
+    with open(tmp, "xb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    try:
+        os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
+    fsync_path(directory)

@@ -54,7 +54,7 @@ from deltastore.errors import (
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
 from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
-from deltastore.storage.durable import fsync_path
+from deltastore.storage.durable import create_new_file, fsync_path
 from deltastore.storage.retry import RetryPolicy, is_transient
 
 if TYPE_CHECKING:
@@ -490,20 +490,7 @@ class VersionStore:
     def _create_only(self, path: str, data: bytes) -> None:
         """Write ``path`` only if it does not exist; raises ``FileExistsError`` otherwise."""
         if self.is_local:
-            # fsspec's local create mode checks, then writes: it races. A finished sibling
-            # temp file linked into place is both exclusive and complete.
-            directory = os.path.dirname(path)
-            os.makedirs(directory, exist_ok=True)
-            tmp = f"{path}.{new_token()}.partial"
-            with open(tmp, "xb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            try:
-                os.link(tmp, path)
-            finally:
-                os.unlink(tmp)
-            fsync_path(directory)
+            create_new_file(path, data)
         elif self.is_memory:
             with _memory_lock:
                 if self.fs.exists(path):
