@@ -75,6 +75,16 @@ def copy_verified(src: str, dst: str) -> None:
     os.replace(tmp, dst)
 
 
+def same_dir(a: str, b: str) -> bool:
+    """True when two paths name one directory (through symlinks or bind mounts too)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 class LocalCheckpoint:
     """A host-local HF checkpoint kept in step by :func:`pull_weights`."""
 
@@ -176,7 +186,7 @@ class LocalCheckpoint:
         base_dir = os.path.abspath(base_dir)
         if not os.path.isdir(base_dir):
             raise ConfigError(f"base directory {base_dir!r} does not exist")
-        if base_dir == self.dir:
+        if same_dir(base_dir, self.dir):
             raise ConfigError(
                 f"local checkpoint {self.dir} is the base model path itself; deltas would "
                 "modify the user's model. Pass a separate host-local directory"

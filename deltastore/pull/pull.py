@@ -28,7 +28,7 @@ from deltastore.pull.apply import (
 )
 from deltastore.pull.chain import Chain, plan_pull, resolve_chain
 from deltastore.pull.fanout import pull_in_group, resolve_group
-from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.local import LocalCheckpoint, same_dir
 from deltastore.pull.repair import RepairSummary, repair_pending
 from deltastore.pull.result import PullResult
 from deltastore.storage import VersionStore
@@ -154,7 +154,7 @@ def _pull_here(
         raise ConfigError(f"target version {target_version} is negative")
     base = os.path.abspath(os.fspath(base_dir)) if base_dir is not None else None
     local = LocalCheckpoint(local_checkpoint_dir)
-    if base is not None and base == local.dir:
+    if base is not None and same_dir(base, local.dir):
         raise ConfigError(
             f"local checkpoint {local.dir} is the base model path; pass a host-local copy dir"
         )

@@ -79,3 +79,17 @@ def test_local_dir_that_is_the_base_is_refused(tmp_path: Path):
     with pytest.raises(ConfigError, match="base"):
         pull_weights(base_dir, published.store_dir, 1, base_dir)
     assert fingerprint(base_dir) == before
+
+
+def test_local_dir_that_is_a_symlink_to_the_base_is_refused(tmp_path: Path):
+    """A local path that resolves to the base (a symlink) is the base: refused, base untouched."""
+    base = many_tensors(4, seed=95, elements=64)
+    base_dir = write_checkpoint(tmp_path / "base", base)
+    published = publish_versions(tmp_path / "store", base_dir, base, 1, seed=96)
+    before = fingerprint(base_dir)
+    alias = tmp_path / "alias"
+    alias.symlink_to(base_dir, target_is_directory=True)
+    for local, base_arg in ((alias, base_dir), (base_dir, alias)):
+        with pytest.raises(ConfigError, match="base"):
+            pull_weights(local, published.store_dir, 1, base_arg)
+        assert fingerprint(base_dir) == before
