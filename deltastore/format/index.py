@@ -95,7 +95,7 @@ class VersionIndex:
         """
         try:
             body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise FormatError(f"{source} is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise FormatError(f"{source} is not a JSON object")

@@ -43,7 +43,8 @@ def parse_version(value: object, *, what: str = "version") -> int:
         raise FormatError(f"{what} {value!r} is not a version number")
     if isinstance(value, int):
         number = value
-    elif isinstance(value, str) and value.isdigit():
+    elif isinstance(value, str) and value.isascii() and value.isdigit():
+        # ASCII only: str.isdigit() also accepts e.g. "²", on which int() raises.
         number = int(value)
     else:
         raise FormatError(f"{what} {value!r} is not a version number (expected e.g. '000007')")

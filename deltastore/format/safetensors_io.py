@@ -9,6 +9,7 @@ no framework dtype objects and no whole-file buffer.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -59,6 +60,22 @@ class SafetensorsHeader:
     """Bytes of data the header accounts for."""
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json`` object hook: refuse an object that names a key twice (json keeps the last)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 class _Readable(Protocol):
     def read(self, size: int = ..., /) -> bytes: ...
 
@@ -85,9 +102,11 @@ def parse_header(
     a short read later. Raises :class:`FormatError` on anything malformed.
     """
     try:
-        raw = json.loads(header_json.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = json.loads(header_json.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise FormatError(f"{source} has an unreadable header: {exc}") from None
+    except _DuplicateKey as exc:
+        raise FormatError(f"{source}: header names {exc.key!r} twice") from None
     if not isinstance(raw, dict):
         raise FormatError(f"{source} header is not a JSON object")
     data_start = 8 + len(header_json)
@@ -127,6 +146,15 @@ def parse_header(
             name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1]
         )
         data_end = max(data_end, offsets[1])
+    # Entries must not share bytes: an in-place write to one would change the other after it
+    # was verified (safetensors itself refuses such files).
+    ordered = sorted(tensors.values(), key=lambda t: (t.start, t.end))
+    for before, after in itertools.pairwise(ordered):
+        if after.start < before.end:
+            raise FormatError(
+                f"{source}: tensors {before.name!r} and {after.name!r} overlap; the file is "
+                "corrupt or hostile"
+            )
     if file_size is not None and data_start + data_end > file_size:
         raise FormatError(
             f"{source} is truncated: its header needs {data_start + data_end} bytes, "

@@ -38,7 +38,7 @@ class AppliedState:
             body = json.loads(data.decode("utf-8"))
             if not isinstance(body, dict):
                 raise ValueError("not an object")
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise FormatError(
                 f"{source} is unreadable ({exc}); the checkpoint will reseed"
             ) from None
@@ -86,5 +86,5 @@ class PendingTransition:
                 body.get("from_stream_id"),
                 [parse_version(v) for v in body.get("versions", [])],
             )
-        except (UnicodeDecodeError, ValueError, TypeError) as exc:
+        except (UnicodeDecodeError, ValueError, TypeError, RecursionError) as exc:
             raise FormatError(f"{source} is unreadable ({exc})") from None

@@ -23,7 +23,7 @@ def _load_object(data: bytes | str | Mapping[str, Any], what: str) -> Mapping[st
         return data
     try:
         body = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"{what} is not JSON ({exc}): {str(data)[:200]!r}") from None
     if not isinstance(body, dict):
         raise FormatError(f"{what} is not a JSON object: {str(data)[:200]!r}")
@@ -59,7 +59,7 @@ class PullRequest:
                 raise FormatError(f"the request needs {key!r} as a non-empty string")
             fields[key] = value
         raw = body.get("target_version")
-        if isinstance(raw, str) and raw.isdigit():
+        if isinstance(raw, str) and raw.isascii() and raw.isdigit():
             raw = int(raw)
         if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
             raise FormatError(f"the request needs 'target_version' as an integer >= 0, got {raw!r}")

@@ -122,10 +122,22 @@ def test_bad_requests_are_400(world):
         {k: v for k, v in good.items() if k != "source_dir"},
         good | {"target_version": -1},
         good | {"target_version": "latest"},
+        good | {"target_version": "\u00b2"},  # str.isdigit() is true, int() raises
+        good | {"target_version": 1.5},
         good | {"local_checkpoint_dir": "relative/dir"},
     ):
         status, reply = http("POST", f"{server.url}/pull_weights", bad)
         assert status == 400 and reply["success"] is False and reply["message"]
+    nested = b"[" * 100_000 + b"]" * 100_000  # deeper than json's recursion limit
+    request = urllib.request.Request(
+        f"{server.url}/pull_weights",
+        data=nested,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=60)
+    assert caught.value.code == 400 and json.loads(caught.value.read())["success"] is False
 
 
 def test_pull_state_and_a_failed_pull(world):

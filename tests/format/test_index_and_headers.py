@@ -288,3 +288,51 @@ def test_header_of_an_empty_uint8_array(tmp_path: Path):
     save_numpy({"e": np.zeros(0, dtype=np.uint8)}, str(tmp_path / "e.safetensors"))
     entry = read_header_file(str(tmp_path / "e.safetensors")).tensors["e"]
     assert entry.nbytes == 0 and entry.shape == (0,)
+
+
+def test_header_refuses_overlapping_tensors():
+    """Two entries sharing bytes would let an in-place write to one change the other after it
+    was verified; safetensors itself refuses such files."""
+    raw = _header_file(
+        {
+            "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+            "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]},
+        },
+        b"\0" * 6,
+    )
+    with pytest.raises(FormatError, match="overlap"):
+        read_header(io.BytesIO(raw), file_size=len(raw), source="shard.safetensors")
+
+
+def test_header_refuses_duplicate_tensor_names():
+    entry = b'{"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}'
+    encoded = b'{"a": ' + entry + b', "a": ' + entry + b"}"
+    raw = struct.pack("<Q", len(encoded)) + encoded + b"\0"
+    with pytest.raises(FormatError, match="twice"):
+        read_header(io.BytesIO(raw), file_size=len(raw), source="shard.safetensors")
+
+
+@pytest.mark.parametrize(
+    "value", ["\u00b2", "\u0663", "\uff17"], ids=["superscript", "arabic", "fullwidth"]
+)
+def test_version_fields_take_ascii_digits_only(value: str):
+    """Non-ASCII digits are refused as a FormatError (``int()`` raised a bare ValueError on some
+    and silently accepted others)."""
+    with pytest.raises(FormatError, match="version"):
+        VersionIndex.from_json(_index({**DELTA_META, "version": value}), version=3)
+    with pytest.raises(FormatError, match="version"):
+        ds.format.state.AppliedState.from_json(json.dumps({"version": value}).encode())
+
+
+def test_deeply_nested_json_is_a_format_error():
+    """JSON nested past the parser's recursion limit is refused as a FormatError, not a crash."""
+    nested = b"[" * 100_000 + b"]" * 100_000
+    raw = struct.pack("<Q", len(nested)) + nested
+    with pytest.raises(FormatError, match="unreadable"):
+        read_header(io.BytesIO(raw), file_size=len(raw), source="shard.safetensors")
+    with pytest.raises(FormatError, match="not valid JSON"):
+        VersionIndex.from_json(nested, version=3)
+    with pytest.raises(FormatError, match="unreadable"):
+        ds.format.state.AppliedState.from_json(nested)
+    with pytest.raises(FormatError, match="unreadable"):
+        ds.format.state.PendingTransition.from_json(nested)
