@@ -8,6 +8,7 @@ reply; an unreachable host or a reply that is not ``{success, message}`` becomes
 from __future__ import annotations
 
 import concurrent.futures as cf
+import http.client as http_client
 import time
 import urllib.error
 import urllib.parse
@@ -69,9 +70,15 @@ def pull_one(
         with urllib.request.urlopen(http, timeout=timeout_s) as response:
             status, body = response.status, response.read()
     except urllib.error.HTTPError as exc:
-        status, body = exc.code, exc.read()
-    except (urllib.error.URLError, OSError) as exc:
+        try:
+            status, body = exc.code, exc.read()
+        except (http_client.HTTPException, OSError) as cut:
+            status, body = exc.code, f"(reply cut short: {cut!r})".encode()
+    except (urllib.error.URLError, OSError, http_client.HTTPException) as exc:
+        # HTTPException: a peer that does not speak HTTP or hangs up mid-reply.
         reason = getattr(exc, "reason", exc)
+        if isinstance(exc, http_client.HTTPException):
+            reason = f"no valid HTTP reply ({exc!r})"
         return EndpointReply(
             url,
             PullReply(False, f"{url} is unreachable: {reason}"),
@@ -144,8 +151,8 @@ def fetch_state(
         except FormatError:
             message = body.decode("utf-8", "replace")[:200]
         raise StoreError(f"{url}/state answered HTTP {exc.code}: {message}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise StoreError(f"{url} is unreachable: {getattr(exc, 'reason', exc)}") from None
+    except (urllib.error.URLError, OSError, http_client.HTTPException) as exc:
+        raise StoreError(f"{url} is unreachable: {getattr(exc, 'reason', exc)!r}") from None
 
 
 __all__ = ["EndpointReply", "fetch_state", "normalize_endpoint", "pull_all", "pull_one"]

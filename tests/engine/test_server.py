@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from deltastore import FormatError, verify_local
+from deltastore import FormatError, StoreError, verify_local
 from deltastore.pull import PullReply, PullRequest, fetch_state, pull_all
 from tests.engine.helpers import Published, many_tensors, publish_versions, write_checkpoint
 
@@ -268,3 +268,49 @@ def test_server_answers_while_a_pull_runs(tmp_path: Path):
         stop_server(server)
     assert seen_busy, "the server never answered while the pull was running"
     assert status == 200 and reply["success"] is True
+
+
+def test_pull_all_reports_a_host_that_does_not_speak_http():
+    """A host answering garbage (not HTTP) or hanging up mid-reply is one failed reply; the
+    other hosts' outcomes are still returned."""
+    import socket
+    import threading
+
+    def garbage_server(reply: bytes) -> tuple[socket.socket, str]:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+        threading.Thread(target=answer, daemon=True).start()
+        return listener, f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    not_http, url_a = garbage_server(b"SSH-2.0-OpenSSH_9.6\r\n")
+    cut_short, url_b = garbage_server(
+        b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{"succ'
+    )
+    try:
+        replies = pull_all(
+            [url_a, url_b],
+            1,
+            local_checkpoint_dir="/nonexistent",
+            source_dir="/nonexistent",
+            timeout_s=30,
+        )
+    finally:
+        not_http.close()
+        cut_short.close()
+    assert [r.endpoint for r in replies] == [url_a, url_b]
+    assert not any(r.success for r in replies), [r.describe() for r in replies]
+    assert all(url in r.describe() for url, r in zip([url_a, url_b], replies))
+    still_not_http, url_c = garbage_server(b"SSH-2.0-OpenSSH_9.6\r\n")
+    try:
+        with pytest.raises(StoreError, match="unreachable"):
+            fetch_state(url_c, "/nonexistent", timeout_s=30)
+    finally:
+        still_not_http.close()
