@@ -377,8 +377,26 @@ class DeltaPublisher:
         errors (e.g. :class:`IntegrityError` when a resumed tensor fails its digest).
         """
         coord = self.coordinator
-        sources = Snapshot.describe_checkpoint(self.base_checkpoint)
-        prints = coord.all_gather(_layout_fingerprint(sources), what="seed: compare bases")
+        # Read before the first collective, so a rank that cannot read its base reports it
+        # through that collective instead of leaving its peers waiting in it.
+        sources: dict[str, TensorSource] = {}
+        read_error: BaseException | None = None
+        try:
+            sources = Snapshot.describe_checkpoint(self.base_checkpoint)
+        except Exception as exc:
+            if self.world_size == 1:
+                raise
+            read_error = exc
+        gathered = coord.all_gather(
+            (_describe(read_error), _layout_fingerprint(sources)), what="seed: compare bases"
+        )
+        unreadable = [f"rank {r}: {error}" for r, (error, _) in enumerate(gathered) if error]
+        if unreadable:
+            raise ConfigError(
+                f"reading the base checkpoint failed on {'; '.join(unreadable)}; every rank "
+                "must seed from a readable copy of the engines' model path"
+            ) from read_error
+        prints = [fingerprint for _, fingerprint in gathered]
         if len(set(prints)) > 1:
             ranks = [r for r, p in enumerate(prints) if p != prints[0]]
             raise ConfigError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +292,36 @@ def test_a_process_group_of_some_ranks_publishes_alone(tmp_path: Path) -> None:
     local = tmp_path / "local"
     ds.pull_weights(local, store, 1, base_dir=base)
     assert_checkpoint_equals(local, model_at(tensors, CHANGES_2, 1))
+
+
+# ------------------------------------------------ one rank fails before the first collective
+def _seed_one_bad_base(rank: int, world: int, bases: list[str], store_url: str) -> str:
+    pub = ds.DeltaPublisher(store_url, bases[rank], workers=1)
+    try:
+        pub.seed()
+    except ds.DeltastoreError as exc:
+        # A trainer whose rank failed lives on a while (logging, teardown): its peers must not
+        # learn of the failure only from its exit.
+        time.sleep(2.0)
+        return f"{type(exc).__name__}: {exc}"
+    return "seeded"
+
+
+def test_a_rank_whose_base_cannot_be_read_fails_seed_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's base checkpoint is unreadable: every rank raises, none waits in a collective
+    for a rank that already gave up (the harness would report the hang)."""
+    tensors = base_tensors(TWO)
+    good = write_base(tmp_path / "good", tensors)
+    bad = write_base(tmp_path / "bad", tensors)
+    shard = sorted(bad.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:4])  # cut inside the 8-byte header length
+    outs = run_ranks(
+        2,
+        _seed_one_bad_base,
+        tmp_path / "ranks",
+        bases=[str(good), str(bad)],
+        store_url=str(tmp_path / "store"),
+    )
+    assert outs[1] != "seeded" and shard.name in outs[1]
+    assert outs[0] != "seeded" and "rank 1" in outs[0] and shard.name in outs[0], outs[0]
+    assert "timed out" not in outs[0] and "died" not in outs[0]
