@@ -146,11 +146,9 @@ def plan_pull(store: VersionStore, chain: Chain, state: AppliedState | None) -> 
     else:
         todo = chain.suffix_after(state.version)
         expected_stream = chain.stream_at(state.version)
-        foreign = (
-            state.version != 0
-            and expected_stream is not None
-            and state.stream_id != expected_stream
-        )
+        # Streams must agree both ways: a version of stream X is not the same-numbered version
+        # of a store republished by a publisher that records no stream (the reference trainer).
+        foreign = state.version != 0 and state.stream_id != expected_stream
         if todo is None:
             reason = f"local v{state.version:06d} is not on the chain of v{target:06d} " + (
                 "(backward target)" if state.version > target else "(another chain or stream)"

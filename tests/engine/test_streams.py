@@ -77,3 +77,38 @@ def test_backward_target_rederives_from_newest_full_version(tmp_path: Path):
     result = pull_weights(host, tmp_path / "store", 2, tmp_path / "base")
     assert result.action == "applied" and result.versions_applied == [1, 2]
     assert local_bytes(host) == state_bytes(published.states[2])
+
+
+def _strip_stream_ids(store_dir: Path) -> None:
+    """Make a store look written by a reference publisher: indexes without ``stream_id``."""
+    import json
+
+    for index_path in store_dir.glob("weight_v*/model.safetensors.index.json"):
+        body = json.loads(index_path.read_text())
+        body["metadata"].pop("stream_id", None)
+        index_path.write_text(json.dumps(body))
+
+
+def test_wiped_store_republished_by_a_reference_publisher_is_not_a_noop(tmp_path: Path):
+    """A host of deltastore stream X; the store is wiped and a publisher that records no stream
+    id (the reference trainer) republishes v1..v5. The host's version is of stream X, the new
+    ones are not: it must reset, never take the new v5 as applied or catch up from its old v3."""
+    base = many_tensors(40, seed=74, elements=512)
+    write_checkpoint(tmp_path / "base", base)
+    publish_versions(tmp_path / "store", tmp_path / "base", base, 5, seed=75)
+    at5, at3 = tmp_path / "at5", tmp_path / "at3"
+    pull_weights(at5, tmp_path / "store", 5, tmp_path / "base")
+    pull_weights(at3, tmp_path / "store", 3, tmp_path / "base")
+    shutil.rmtree(tmp_path / "store")
+    new = publish_versions(tmp_path / "store", tmp_path / "base", base, 5, seed=76)
+    _strip_stream_ids(tmp_path / "store")
+
+    for host in (at5, at3):
+        result = pull_weights(host, tmp_path / "store", 5, tmp_path / "base")
+        assert result.action == "reseeded", result.plan
+        assert "stream" in result.plan
+        assert local_bytes(host) == state_bytes(new.states[5])
+    # Between two versions of the stream-less store, a host catches up as usual.
+    pull_weights(at3, tmp_path / "store", 3, tmp_path / "base")
+    result = pull_weights(at3, tmp_path / "store", 5, tmp_path / "base")
+    assert result.action == "applied", result.plan
