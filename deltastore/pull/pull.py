@@ -339,6 +339,8 @@ def verify_local(
                 "pass --version to verify against one"
             )
         version = state.version
+    if version < 0:
+        raise ConfigError(f"version {version} is negative; versions are 0 (the base) and up")
     store.refresh()
     chain = resolve_chain(store, version)
     base = os.fspath(base_dir) if base_dir is not None else None

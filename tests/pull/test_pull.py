@@ -279,3 +279,13 @@ def test_a_refused_overwrite_payload_names_the_version(
     assert "model.norm.eps" in message
     assert ds.verify_local(host, store, version=0, base_dir=base_dir) == 0
     assert "weight_v000001" in message
+
+
+def test_verify_refuses_a_negative_version(tmp_path: Path, base_dir: Path, small_model: Model):
+    """Version -1 is no version: verifying against it must not pass as "matches the base"."""
+    store = ds.VersionStore(tmp_path / "store")
+    _publish_chain(store, base_dir, small_model, "d")
+    host = tmp_path / "host"
+    ds.pull_weights(host, store, 0, base_dir=base_dir)
+    with pytest.raises(ds.ConfigError, match="negative"):
+        ds.verify_local(host, store, -1, base_dir=base_dir)
