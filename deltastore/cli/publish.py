@@ -60,6 +60,17 @@ def check_prev_against_chain(store: VersionStore, prev_dir: str) -> int:
                 if digest is not None and index.checksum:
                     recorded[name] = (index.checksum, digest, index.version)
     tensors = scan_checkpoint(prev_dir)
+    if start is not None:
+        # A full version records the complete tensor set from there on (deltas change bytes,
+        # never names): a PREV outside it is another model, whose changes no host can apply.
+        extra = sorted(set(tensors) - set(start.weight_map))
+        missing = sorted(set(start.weight_map) - set(tensors))
+        if extra or missing:
+            raise ConfigError(
+                f"--prev {prev_dir} does not hold the tensors of weight_v{start.version:06d} "
+                f"(the full version weight_v{latest:06d} builds on): extra {extra[:5]}, "
+                f"missing {missing[:5]}"
+            )
     for name, (algorithm, digest, version) in sorted(recorded.items()):
         tensor = tensors.get(name)
         if tensor is None:

@@ -169,3 +169,24 @@ def test_bench_prints_ratios(tmp_path: Path) -> None:
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
     delta_wire, full_wire, ratio = (float(x) for x in rows["wire"][2:5])
     assert 0 < delta_wire < full_wire and abs(ratio - delta_wire / full_wire) < 1e-3
+
+
+def test_publish_refuses_prev_with_tensors_the_full_version_lacks(tmp_path: Path) -> None:
+    """After a full version, the chain records the complete tensor set: a PREV with a tensor
+    outside it (another model) is refused, else a change to it would break every host's pull."""
+    store = str(tmp_path / "store")
+    states = [_model(0)]
+    for k in (1, 2):
+        states.append(_step(states[-1], k))
+    base, v1 = (make_checkpoint(tmp_path / f"ckpt{i}", s) for i, s in enumerate(states[:2]))
+    deltastore("publish", "--store", store, "--prev", str(base), "--new", str(v1), "--full")
+    extra = torch.arange(16, dtype=torch.float32)
+    prev = make_checkpoint(tmp_path / "prev", {**states[1], "lm_head.weight": extra})
+    new = make_checkpoint(tmp_path / "new", {**states[2], "lm_head.weight": extra + 1})
+    proc = deltastore("publish", "--store", store, "--prev", str(prev), "--new", str(new),
+                      check=False)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout
+    assert "lm_head.weight" in proc.stderr and "Traceback" not in proc.stderr
+    assert [
+        r["version"] for r in json.loads(deltastore("ls", store, "--json").stdout)["versions"]
+    ] == [1]
