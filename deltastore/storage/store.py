@@ -712,10 +712,25 @@ class VersionStore:
             self.post_write(self.version_url(version))
 
     def abort(self, version: int) -> None:
-        """Remove an uncommitted version's files and claim (best effort, never a commit)."""
-        with contextlib.suppress(Exception):
-            if self.fs.exists(self.file_path(version, INDEX_NAME)):
+        """Remove an uncommitted version's files and claim (best effort, never a commit).
+
+        A version whose index cannot be checked is left alone (prune fences it later if it
+        is garbage): after a lost acknowledgement its commit may have landed, and a committed
+        version may already be in engines' hands.
+        """
+        index = self.file_path(version, INDEX_NAME)
+        try:
+            if self._exists(index):
                 return
+        except Exception as exc:
+            log.warning(
+                "not removing weight_v%06d of %s: cannot check whether it is committed (%s); "
+                "prune removes it later if it is not",
+                version,
+                self.url,
+                exc,
+            )
+            return
         with contextlib.suppress(Exception):
             self.fs.rm(self.version_path(version), recursive=True)
         with contextlib.suppress(Exception):

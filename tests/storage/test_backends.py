@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from deltastore.errors import ConfigError, TransientStoreError
+from deltastore.format.names import INDEX_NAME
 from deltastore.storage import RetryPolicy, VersionStore, new_token
 from deltastore.testing.faults import Fault, FaultProxy, s3_error
 from deltastore.testing.servers import gcs_env, s3_env
@@ -107,3 +108,23 @@ def test_exhausted_retries_name_the_url(s3_server: Any, s3_url: str) -> None:
             store.claim(1, new_token())
     assert store.url in str(info.value)
     assert len(waits) == 2
+
+
+def test_abort_never_deletes_a_version_it_cannot_prove_uncommitted(
+    s3_server: Any, s3_url: str
+) -> None:
+    """``abort`` runs after a failed publish, when the commit's outcome may be unknown (a lost
+    acknowledgement, then errors): if it cannot check the index, it must leave the version
+    alone, for a committed version may already be in engines' hands."""
+    honest = VersionStore(s3_url, s3_server.storage_options)
+    index = write_version(honest, 1)
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        store = VersionStore(
+            s3_url, proxy.storage_options(s3_server.storage_options), retry=RetryPolicy(1)
+        )
+        proxy.add(Fault("status", method="HEAD", path_contains=INDEX_NAME, status=403, times=9))
+        store.abort(1)
+        assert proxy.injected, "the fault proxy saw no existence check"
+    assert honest.versions() == [1]
+    assert honest.index(1) == index
+    assert set(index.shards()) <= set(honest.list_files(1))
