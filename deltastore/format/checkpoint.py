@@ -35,6 +35,11 @@ def checkpoint_files(directory: str) -> list[str]:
                 weight_map = json.load(fh).get("weight_map", {})
             except (ValueError, AttributeError) as exc:
                 raise FormatError(f"{index_path} is not a valid index: {exc}") from None
+        if not isinstance(weight_map, dict):
+            raise FormatError(f"{index_path} is not a valid index: weight_map is not an object")
+        for name in weight_map.values():
+            if not isinstance(name, str):
+                raise FormatError(f"{index_path} maps to {name!r}, not a plain file name")
         names = sorted(set(weight_map.values()))
     else:
         names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))

@@ -336,3 +336,17 @@ def test_deeply_nested_json_is_a_format_error():
         ds.format.state.AppliedState.from_json(nested)
     with pytest.raises(FormatError, match="unreadable"):
         ds.format.state.PendingTransition.from_json(nested)
+
+
+@pytest.mark.parametrize(
+    "weight_map",
+    [["model.safetensors"], {"a": 1, "b": "model.safetensors"}, {"a": None}, "model.safetensors"],
+    ids=["list", "mixed-types", "null", "string"],
+)
+def test_a_malformed_local_index_is_a_format_error(tmp_path: Path, weight_map: object):
+    """A local checkpoint's HF index with a weight_map that is not name -> file name is a
+    FormatError naming the index, not a TypeError from deep inside."""
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(FormatError, match="index"):
+        scan_checkpoint(str(tmp_path))
