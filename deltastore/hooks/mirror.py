@@ -313,10 +313,25 @@ def _write_index(path: str, data: bytes) -> None:
                 ) from None
 
 
+def _check_same_version(remote: VersionStore, version: int, local_index: str) -> None:
+    """Refuse a local version whose index differs from the remote's (another run's files)."""
+    try:
+        raw = remote.index_bytes(version)
+    except VersionNotFoundError:
+        return  # pruned remotely since it was mirrored: the local copy stands
+    with open(local_index, "rb") as fh:
+        if fh.read() != raw:
+            raise HookError(
+                f"{local_index} differs from weight_v{version:06d} in {remote.url}: this "
+                "local directory mirrors another store or stream; point the hook at an empty one"
+            )
+
+
 def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int) -> list[int]:
     """Download the chain of committed versions leading to ``target_version`` into
     ``delta_dir``, oldest first; each version's index is written last. Stops walking at a
-    version already complete locally. Returns the versions downloaded.
+    version already complete locally (whose index must match the remote's). Returns the
+    versions downloaded.
 
     Raises :class:`HookError` if the target (or a link of its chain) is not committed in
     ``remote``.
@@ -329,7 +344,11 @@ def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int)
     todo: list[tuple[int, VersionIndex, bytes]] = []
     version = target_version
     with _local_lock(delta_dir):
-        while not os.path.exists(os.path.join(delta_dir, version_dir_name(version), INDEX_NAME)):
+        while True:
+            local_index = os.path.join(delta_dir, version_dir_name(version), INDEX_NAME)
+            if os.path.exists(local_index):
+                _check_same_version(remote, version, local_index)
+                break
             try:
                 raw = remote.index_bytes(version)
             except VersionNotFoundError as exc:

@@ -207,3 +207,29 @@ def test_audit_log_example_records_both_sides(
     assert records[0]["version_dir"].endswith("weight_v000001")
     assert INDEX_NAME in records[0]["files"]
     assert records[1]["target_version"] == 1
+
+
+def test_refresh_refuses_a_local_version_of_another_store(
+    tmp_path: Path, s3_server: Any, s3_url: str
+) -> None:
+    """An engine directory that mirrored weight_v000001 of one run, pointed at another run's
+    bucket whose weight_v000001 differs, must not serve the old run's files as the new v1."""
+    old_run = VersionStore(s3_url, s3_server.storage_options)
+    write_version(old_run, 1, tensors={"w": b"old run"})
+    engine_dir = tmp_path / "engine"
+    assert mirror_from_store(old_run, str(engine_dir), 1) == [1]
+    new_run = VersionStore(s3_url + "-new", s3_server.storage_options)
+    write_version(new_run, 1, tensors={"w": b"new run"})
+    write_version(new_run, 2, base=1)
+    with pytest.raises(HookError, match=r"weight_v000001.*another store or stream"):
+        mirror_from_store(new_run, str(engine_dir), 1)
+    with pytest.raises(HookError, match=r"weight_v000001.*another store or stream"):
+        mirror_from_store(new_run, str(engine_dir), 2)
+    assert not (engine_dir / "weight_v000002" / INDEX_NAME).exists()
+    # The same run again is fine, and so is a local version its remote has since pruned.
+    assert mirror_from_store(old_run, str(engine_dir), 1) == []
+    old_run.prune(keep=1, grace_s=0)
+    write_version(old_run, 2, base=None)
+    old_run.prune(keep=1, grace_s=0)
+    assert old_run.versions() == [2]
+    assert mirror_from_store(old_run, str(engine_dir), 1) == []
