@@ -52,7 +52,8 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
     status = _status_of(exc)
-    if status is not None and (status >= 500 or status in (408, 429)):
+    # 501 Not Implemented and 505 HTTP Version Not Supported will not pass on retry.
+    if status is not None and status not in (501, 505) and (status >= 500 or status in (408, 429)):
         return True
     text = f"{type(exc).__name__} {exc}"
     if any(code in text for code in _TRANSIENT_CODES):

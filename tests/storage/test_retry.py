@@ -47,6 +47,7 @@ def chained(outer: Exception, cause: Exception) -> Exception:
         (s3_client_error("AccessDenied", 403), False),
         (s3_client_error("InvalidRequest", 400), False),
         (HttpError({"code": 404, "message": "not found"}), False),
+        (HttpError({"code": 501, "message": "not implemented"}), False),
         (ValueError("Bad Request: invalid argument"), False),
         (StoreError("permanent"), False),
     ],
