@@ -52,6 +52,7 @@ from deltastore.errors import (
 )
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
+from deltastore.hooks.context import current_publishing_rank
 from deltastore.hooks.posix import version_of
 from deltastore.storage import VersionStore
 from deltastore.storage.durable import create_new_file, fsync_path
@@ -105,6 +106,10 @@ def _open_remote(url: str) -> VersionStore:
 
 
 def _caller_rank(args: Any) -> int:
+    # The publisher knows its rank within the publishing group, which may exclude rank 0.
+    published = current_publishing_rank()
+    if published is not None:
+        return published
     rank = getattr(args, "rank", None)
     if isinstance(rank, int):
         return rank

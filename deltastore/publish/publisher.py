@@ -50,6 +50,7 @@ from deltastore.errors import (
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import delta_shard_name, full_shard_name
 from deltastore.format.safetensors_io import TensorLayout, build_header
+from deltastore.hooks.context import publishing_rank
 from deltastore.publish.coordination import Coordinator, make_coordinator
 from deltastore.publish.device import HostStager, StagerStats
 from deltastore.publish.lineage import Lineage, apply_lineage, rebuild_lineage
@@ -561,7 +562,8 @@ class DeltaPublisher:
         hook_started = time.perf_counter()
         hook_error: BaseException | None = None
         try:
-            self.store.after_write(version)
+            with publishing_rank(self.rank):
+                self.store.after_write(version)
         except Exception as exc:
             hook_error = exc
         metrics["hook_s"] = time.perf_counter() - hook_started

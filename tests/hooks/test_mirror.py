@@ -21,6 +21,7 @@ import deltastore as ds
 from deltastore.errors import HookError
 from deltastore.format.names import INDEX_NAME, delta_shard_name
 from deltastore.hooks import load, mirror_from_store, s3_commit, s3_refresh
+from deltastore.hooks.context import publishing_rank
 from deltastore.storage import VersionStore
 from deltastore.testing.faults import FaultProxy
 from deltastore.testing.store_tests import write_version
@@ -129,6 +130,36 @@ def test_every_rank_calls_the_commit_hook_one_uploads(
         assert [t for m, t in proxy.seen if m == "PUT" and t.endswith(shard)] == uploads
     token = json.loads((version_dir / INDEX_NAME).read_bytes())["metadata"]["commit_token"]
     assert VersionStore(s3_url, s3_server.storage_options).index(1).commit_token == token
+
+
+def test_a_publishing_group_without_global_rank_0_still_uploads_once(
+    trainer_version: tuple[Path, Path],
+    s3_server: Any,
+    s3_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Global ranks 1 and 2 publish as a group: the publisher tells the hook their group rank."""
+    version_dir, _ = trainer_version
+    shard = delta_shard_name(0, 1)
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        point_hooks_at(monkeypatch, s3_url, proxy.storage_options(s3_server.storage_options))
+        errors: list[BaseException] = []
+
+        def rank(global_rank: int, group_rank: int) -> None:
+            try:
+                with publishing_rank(group_rank):
+                    s3_commit(SimpleNamespace(rank=global_rank), str(version_dir), None)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=r) for r in ((2, 1), (1, 0))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert errors == []
+        assert len([t for m, t in proxy.seen if m == "PUT" and t.endswith(shard)]) == 1
+    assert VersionStore(s3_url, s3_server.storage_options).versions() == [1]
 
 
 def test_a_second_trainer_cannot_overwrite_a_mirrored_version(
