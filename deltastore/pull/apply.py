@@ -45,7 +45,7 @@ from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex, check_shard_names
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.format.safetensors_io import SafetensorsHeader
-from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.local import LocalCheckpoint, copy_verified
 from deltastore.storage import VersionStore
 from deltastore.storage.durable import fsync_path
 
@@ -219,6 +219,17 @@ def check_local_names(
             payload.encoding.check_size(target.entry.nbytes, tensor=name)
 
 
+def _break_link(path: str) -> None:
+    """Give ``path`` its own inode before writing it in place.
+
+    A file sharing its inode with another path (a dir cloned with ``cp -al``, a hard link to the
+    base) would carry every in-place write to that path too, behind its own state's back.
+    """
+    log.warning("%s has other hard links; copying it before writing it in place", path)
+    copy_verified(path, path)
+    fsync_path(os.path.dirname(path))
+
+
 class _MappedFiles:
     """Writable mmaps of the local safetensors files, opened lazily and flushed together."""
 
@@ -229,6 +240,8 @@ class _MappedFiles:
     def view(self, tensor: CheckpointTensor) -> ByteArray:
         with self._lock:
             if tensor.file not in self._maps:
+                if os.stat(tensor.file).st_nlink > 1:
+                    _break_link(tensor.file)
                 fd = os.open(tensor.file, os.O_RDWR)
                 self._maps[tensor.file] = (fd, mmap.mmap(fd, 0))
             mm = self._maps[tensor.file][1]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from deltastore import ConfigError, pull_weights
+from deltastore import ConfigError, pull_weights, verify_local
 from deltastore.format.state import PendingTransition
 from deltastore.pull import LocalCheckpoint
 from tests.engine.helpers import (
@@ -93,3 +94,40 @@ def test_local_dir_that_is_a_symlink_to_the_base_is_refused(tmp_path: Path):
         with pytest.raises(ConfigError, match="base"):
             pull_weights(local, published.store_dir, 1, base_arg)
         assert fingerprint(base_dir) == before
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+def test_in_place_writes_never_reach_another_link_of_a_local_file(encoding: str, tmp_path: Path):
+    """Local files that share an inode with another path (a dir cloned with ``cp -al``, or
+    hard links to the base) are unlinked from it before the first in-place write: the other
+    path keeps its bytes, and its own state stays true."""
+    base = many_tensors(12, seed=97, elements=256)
+    base_dir = write_checkpoint(tmp_path / "base", base)
+    published = publish_versions(
+        tmp_path / "store", base_dir, base, 3, encoding=encoding, seed=98, fraction=1.0
+    )
+    before = fingerprint(base_dir)
+    host = tmp_path / "host"
+    pull_weights(host, published.store_dir, 1, base_dir)
+    clone = tmp_path / "clone"  # `cp -al host clone`
+    (clone / ".weight_sync").mkdir(parents=True)
+    for name in os.listdir(host):
+        if (host / name).is_file():
+            os.link(host / name, clone / name)
+    shutil.copy(host / ".weight_sync" / "state.json", clone / ".weight_sync" / "state.json")
+    linked = tmp_path / "linked"  # weights hard-linked to the base, with a state saying v0
+    (linked / ".weight_sync").mkdir(parents=True)
+    for name in os.listdir(base_dir):
+        os.link(base_dir / name, linked / name)
+    (linked / ".weight_sync" / "state.json").write_text('{"version": "000000"}')
+
+    assert pull_weights(clone, published.store_dir, 3, base_dir).action == "applied"
+    assert pull_weights(linked, published.store_dir, 2, base_dir).action == "applied"
+
+    assert local_bytes(clone) == state_bytes(published.states[3])
+    assert local_bytes(linked) == state_bytes(published.states[2])
+    assert local_bytes(host) == state_bytes(published.states[1])
+    assert verify_local(host, published.store_dir, None, base_dir) == 1
+    assert {n: v[3] for n, v in fingerprint(base_dir).items()} == {
+        n: v[3] for n, v in before.items()
+    }
