@@ -1080,7 +1080,21 @@ class DeltaPublisher:
             },
             extra={"total_size": total} if plan.full else {},
         )
-        self.store.commit(version, index)
+        try:
+            self.store.commit(version, index)
+        except VersionConflictError:
+            raise
+        except Exception as exc:
+            # The index may have landed before the failure (a check after it failed): if
+            # readers see it with this writer's token, the commit stands.
+            if not self._commit_stands(version, plan.token):
+                raise
+            log.warning(
+                "committing weight_v%06d reported %s, but its index with this writer's token is "
+                "published: the commit stands",
+                version,
+                exc,
+            )
         return _Outcome(
             error=None,
             entries=entries,
@@ -1092,6 +1106,16 @@ class DeltaPublisher:
                 "base_version": self.base_version,
             },
         )
+
+    def _commit_stands(self, version: int, token: str) -> bool:
+        """True if readers see ``version`` committed with ``token`` (and not fenced)."""
+        try:
+            self.store.refresh()
+            return (
+                version in self.store.versions() and self.store.index(version).commit_token == token
+            )
+        except Exception:
+            return False
 
     # --------------------------------------------------------------- advance
     def _advance(self, encoded: dict[str, _Encoded], spool: _PayloadSpool) -> None:

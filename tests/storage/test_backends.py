@@ -128,3 +128,48 @@ def test_abort_never_deletes_a_version_it_cannot_prove_uncommitted(
     assert honest.versions() == [1]
     assert honest.index(1) == index
     assert set(index.shards()) <= set(honest.list_files(1))
+
+
+def test_a_commit_whose_last_check_fails_after_the_index_landed_stands(
+    s3_server: Any, s3_url: str, tmp_path: Any
+) -> None:
+    """The index is written, then the fence re-check cannot read the claim: readers already
+    see the version with the writer's token, so the publisher reports it committed (and its
+    snapshot advances) rather than "nothing was committed"."""
+    import torch
+    from safetensors.torch import save_file
+
+    import deltastore as ds
+
+    base = tmp_path / "base"
+    base.mkdir()
+    weights = {"w": torch.zeros(256, dtype=torch.bfloat16)}
+    save_file(weights, str(base / "model.safetensors"))
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        store = VersionStore(
+            s3_url, proxy.storage_options(s3_server.storage_options), retry=RetryPolicy(1)
+        )
+        publisher = ds.DeltaPublisher(store, str(base))
+        publisher.seed()
+        claim_denied = Fault(
+            "status", method="GET", path_contains="_claims/weight_v000001", status=403, times=50
+        )
+        proxy.add(
+            Fault(
+                "forward",
+                method="PUT",
+                path_contains=f"weight_v000001/{INDEX_NAME}",
+                before=lambda: proxy.add(claim_denied),
+            )
+        )
+        weights["w"][:8] = 1.0
+        result = publisher.publish(weights.items())
+        assert proxy.injected, "the claim read after the index was never denied"
+        assert result.version == 1
+        weights["w"][8:16] = 2.0
+        assert publisher.publish(weights.items()).version == 2
+    honest = VersionStore(s3_url, s3_server.storage_options)
+    assert honest.versions() == [1, 2]
+    host = tmp_path / "host"
+    ds.pull_weights(host, honest, 2, base_dir=base)
+    assert ds.verify_local(host, honest, 2, base_dir=base) == 2
