@@ -7,7 +7,7 @@ import os
 
 from deltastore.cli import add_storage_option_flag, parse_storage_options
 from deltastore.codecs import CHECKSUMS, ENCODINGS, get_checksum
-from deltastore.errors import ConfigError, IntegrityError, PublishError
+from deltastore.errors import ConfigError, IntegrityError, PublishError, VersionConflictError
 from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.publish import DeltaPublisher, Snapshot
 from deltastore.storage import VersionStore
@@ -39,14 +39,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
-def check_prev_against_chain(store: VersionStore, prev_dir: str) -> int:
+def check_prev_against_chain(store: VersionStore, prev_dir: str, latest: int) -> int:
     """Refuse a PREV whose tensors contradict a digest recorded on the latest version's chain.
 
     Returns the number of tensors checked. A wrong PREV would silently corrupt every later
     version, so every digest the chain records (full version metadata, then newer deltas) is
     compared with PREV's bytes.
     """
-    latest = store.latest()
     if latest == 0:
         return 0
     start, deltas = walk_chain(store, latest)
@@ -92,11 +91,19 @@ def check_prev_against_chain(store: VersionStore, prev_dir: str) -> int:
 def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.store, parse_storage_options(args.storage_option))
     prev, new = os.path.abspath(args.prev), os.path.abspath(args.new)
-    checked = check_prev_against_chain(store, prev)
+    latest = store.latest()
+    checked = check_prev_against_chain(store, prev, latest)
     publisher = DeltaPublisher(
         store, prev, encoding=args.encoding, checksum=args.checksum, workers=args.workers
     )
     publisher.seed(continue_latest=True)
+    if publisher.next_version != latest + 1:
+        # Another publisher committed after --prev was checked against weight_v{latest}.
+        raise VersionConflictError(
+            f"{store.url} moved from weight_v{latest:06d} to "
+            f"weight_v{publisher.next_version - 1:06d} while --prev was being checked; another "
+            "publisher is writing to this store. Pull the latest version and publish again"
+        )
     assert publisher.snapshot is not None
     target = Snapshot.from_checkpoint(new)
     missing = sorted(set(publisher.snapshot) - set(target))

@@ -42,6 +42,11 @@ def run(args: argparse.Namespace) -> int:
     if target == "latest":
         store.refresh()
         target = store.latest()
+        if target == 0 and not store.fs.exists(store.root):
+            # A mistyped path must not read as an empty store and reset the host to the base.
+            raise ConfigError(
+                f"no store at {store.url}: nothing was ever published there; check --store"
+            )
     if not isinstance(target, int):
         raise ConfigError(f"bad --version {args.version!r}")
     result = pull_weights(args.local, store, target, base_dir=args.base, workers=args.workers)

@@ -190,3 +190,13 @@ def test_publish_refuses_prev_with_tensors_the_full_version_lacks(tmp_path: Path
     assert [
         r["version"] for r in json.loads(deltastore("ls", store, "--json").stdout)["versions"]
     ] == [1]
+
+
+def test_pull_latest_from_a_missing_store_is_an_error(tmp_path: Path, checkpoints: list[Path]) -> None:
+    base = str(checkpoints[0])
+    local = tmp_path / "host"
+    typo = str(tmp_path / "no-such-store")
+    proc = deltastore("pull", "--store", typo, "--local", str(local), "--base", base,
+                      "--version", "latest", check=False)  # fmt: skip
+    assert proc.returncode == 1 and "no store at" in proc.stderr
+    assert not local.exists() or not list(local.glob("*.safetensors")), "the host was reseeded"
