@@ -192,7 +192,9 @@ def test_publish_refuses_prev_with_tensors_the_full_version_lacks(tmp_path: Path
     ] == [1]
 
 
-def test_pull_latest_from_a_missing_store_is_an_error(tmp_path: Path, checkpoints: list[Path]) -> None:
+def test_pull_latest_from_a_missing_store_is_an_error(
+    tmp_path: Path, checkpoints: list[Path]
+) -> None:
     base = str(checkpoints[0])
     local = tmp_path / "host"
     typo = str(tmp_path / "no-such-store")
