@@ -6,7 +6,8 @@
 byte-blindly (bf16, fp16, fp32, float8_e4m3fn, int8, bool) including a 0-d and an empty one;
 ``base_dir`` is a temp directory holding it as a two-shard checkpoint. ``checkpoint_bytes`` and
 ``raw_bytes`` read tensors back as raw bytes, for byte-exact comparisons; ``perturb`` makes a
-sparse, deterministic "training step" change.
+sparse, deterministic "training step" change. ``s3_server``/``gcs_server`` start moto and
+fake-gcs-server once per session; ``s3_url``/``gcs_url`` give each test a fresh store root.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ import os
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import json
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from deltastore.testing.servers import GCSServer, S3Server, start_fake_gcs, start_moto_s3
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -124,3 +128,35 @@ def small_model() -> dict[str, torch.Tensor]:
 def base_dir(tmp_path: Path, small_model: dict[str, torch.Tensor]) -> Path:
     """A temp directory holding ``small_model`` as a two-shard HF checkpoint."""
     return make_checkpoint(tmp_path / "base", small_model, shards=2)
+
+
+# Object-store servers: one of each per session (moto S3 in a thread, fake-gcs-server as a child
+# process, both on 127.0.0.1), started only by the tests that use them; every test gets its own
+# prefix, so tests never see each other's objects.
+STORE_BUCKET = "deltastore-store-tests"
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    with start_moto_s3() as server:
+        server.make_bucket(STORE_BUCKET)
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[GCSServer]:
+    with start_fake_gcs() as server:
+        server.make_bucket(STORE_BUCKET)
+        yield server
+
+
+@pytest.fixture
+def s3_url(s3_server: S3Server) -> str:
+    """A fresh ``s3://`` store root on the session's moto server."""
+    return f"s3://{STORE_BUCKET}/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def gcs_url(gcs_server: GCSServer) -> str:
+    """A fresh ``gs://`` store root on the session's fake-gcs-server."""
+    return f"gs://{STORE_BUCKET}/{uuid.uuid4().hex[:12]}"
