@@ -202,3 +202,12 @@ def test_pull_latest_from_a_missing_store_is_an_error(
                       "--version", "latest", check=False)  # fmt: skip
     assert proc.returncode == 1 and "no store at" in proc.stderr
     assert not local.exists() or not list(local.glob("*.safetensors")), "the host was reseeded"
+
+
+@pytest.mark.parametrize("backend", ["s3", "memory"])
+def test_demo_on_other_backends(tmp_path: Path, backend: str) -> None:
+    """``--backend s3`` starts its own embedded S3 server (no account, no docker)."""
+    proc = deltastore("demo", "--backend", backend, "--size", "4", "--steps", "1",
+                      "--workdir", str(tmp_path / "demo"))  # fmt: skip
+    assert "000001" in proc.stdout and "verified on both hosts" in proc.stdout
+    assert ("s3://" in proc.stdout) == (backend == "s3")
