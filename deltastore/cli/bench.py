@@ -12,7 +12,7 @@ import tempfile
 import time
 
 from deltastore.cli import add_storage_option_flag, parse_storage_options
-from deltastore.cli.demo import layer_shapes
+from deltastore.cli.demo import SyntheticTraining
 from deltastore.codecs import CHECKSUMS, ENCODINGS
 from deltastore.publish import DeltaPublisher
 from deltastore.pull import pull_weights
@@ -40,18 +40,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from safetensors.torch import save_file
 
     options = parse_storage_options(args.storage_option)
     with tempfile.TemporaryDirectory(prefix="deltastore-bench-") as workdir:
         base = os.path.join(workdir, "base")
         os.makedirs(base)
-        generator = torch.Generator().manual_seed(args.seed)
-        master = {n: torch.randn(s, generator=generator) * 0.02 for n, s in layer_shapes(args.size)}
-        model = {n: w.to(torch.bfloat16) for n, w in master.items()}
+        training = SyntheticTraining(args.size, args.seed)
+        model = training.model
         save_file(model, os.path.join(base, "model.safetensors"))
-        total = sum(t.numel() * 2 for t in model.values())
+        total = training.total_bytes
         root = args.store or workdir
         modes = {"delta": False, "full": True}
         publishers = {}
@@ -64,9 +62,7 @@ def run(args: argparse.Namespace) -> int:
             pull_weights(os.path.join(workdir, f"host-{mode}"), store, 0, base_dir=base)
         sums = {mode: {"wire": 0.0, "publish": 0.0, "pull": 0.0} for mode in modes}
         for _ in range(args.steps):
-            for name, weight in master.items():
-                weight.add_(torch.randn(weight.shape, generator=generator).sign_() * args.lr)
-                model[name] = weight.to(torch.bfloat16)
+            training.step(args.lr)
             for mode, full in modes.items():
                 publisher = publishers[mode]
                 t0 = time.perf_counter()

@@ -74,6 +74,32 @@ def layer_shapes(size_mb: float) -> list[tuple[str, tuple[int, int]]]:
     return shapes
 
 
+class SyntheticTraining:
+    """fp32 master weights of a transformer-like layout and their bf16 cast (the model).
+
+    :meth:`step` is an Adam-like update: every master weight moves by ``±lr``; the bf16 model
+    sees only the elements whose rounding flips, which is what makes RL deltas sparse.
+    """
+
+    def __init__(self, size_mb: float, seed: int) -> None:
+        import torch
+
+        self.generator = torch.Generator().manual_seed(seed)
+        self.master = {
+            name: torch.randn(shape, generator=self.generator) * 0.02
+            for name, shape in layer_shapes(size_mb)
+        }
+        self.model = {name: w.to(torch.bfloat16) for name, w in self.master.items()}
+        self.total_bytes = sum(t.numel() * t.element_size() for t in self.model.values())
+
+    def step(self, lr: float) -> None:
+        import torch
+
+        for name, weight in self.master.items():
+            weight.add_(torch.randn(weight.shape, generator=self.generator).sign_() * lr)
+            self.model[name] = weight.to(torch.bfloat16)
+
+
 @contextlib.contextmanager
 def _store_url(args: argparse.Namespace, workdir: str) -> Iterator[tuple[str, dict[str, object]]]:
     options = parse_storage_options(args.storage_option)
@@ -97,7 +123,6 @@ def _store_url(args: argparse.Namespace, workdir: str) -> Iterator[tuple[str, di
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from rich.console import Console
     from rich.table import Table
     from safetensors.torch import save_file
@@ -114,12 +139,10 @@ def run(args: argparse.Namespace) -> int:
         hosts = [os.path.join(workdir, f"host{i}") for i in (0, 1)]
         os.makedirs(base, exist_ok=True)
 
-        generator = torch.Generator().manual_seed(args.seed)
-        shapes = layer_shapes(args.size)
-        master = {name: torch.randn(shape, generator=generator) * 0.02 for name, shape in shapes}
-        model = {name: w.to(torch.bfloat16) for name, w in master.items()}
+        training = SyntheticTraining(args.size, args.seed)
+        model = training.model
         save_file(model, os.path.join(base, "model.safetensors"))
-        total = sum(t.numel() * 2 for t in model.values())
+        total = training.total_bytes
         console.print(
             f"synthetic model: {len(model)} bf16 tensors, {total / 1e6:.1f} MB; store {url}"
         )
@@ -138,12 +161,7 @@ def run(args: argparse.Namespace) -> int:
                        "pull s host0", "pull s host1"):  # fmt: skip
             table.add_column(column, justify="right")
         for _ in range(args.steps):
-            # Adam-like step: every fp32 master weight moves by ~lr; bf16 sees only the
-            # elements whose rounding flips, which is what makes RL deltas sparse.
-            for name, weight in master.items():
-                step = torch.randn(weight.shape, generator=generator).sign_() * args.lr
-                weight.add_(step)
-                model[name] = weight.to(torch.bfloat16)
+            training.step(args.lr)
             result = publisher.publish(model.items())
             metrics = publisher.pop_metrics()
             pulls = []
