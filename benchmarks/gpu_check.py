@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from deltastore.testing.servers import free_port
 
 MB = 1_000_000
 
@@ -158,9 +159,7 @@ def two_ranks(args: argparse.Namespace, tmp: Path, base: Path) -> None:
 
     import deltastore as ds
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     # Spawned, not forked: a forked child cannot use CUDA.
     mp.start_processes(_rank, args=(2, port, args, str(tmp)), nprocs=2, start_method="spawn")
     store = ds.VersionStore(str(tmp / "store-ranks"))

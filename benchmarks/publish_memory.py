@@ -153,11 +153,10 @@ def child(args: argparse.Namespace) -> None:
         print(json.dumps(measure(args)))
         return
     import multiprocessing as mp
-    import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from deltastore.testing.servers import free_port
+
+    port = free_port()
     ctx = mp.get_context("fork")
     outs = [f"{args.store}.rank{r}.json" for r in range(args.ranks)]
     procs = [

@@ -16,13 +16,14 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import time
 import zlib
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from deltastore.testing.servers import free_port
 
 EMBED = "model.embed_tokens.weight"
 
@@ -125,9 +126,7 @@ def main() -> None:
             f"holding {[len(b) for b in blocks]} tensors ({EMBED} tied on ranks 0 and "
             f"{args.ranks - 1}); {args.workers} encode workers per rank"
         )
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         ctx = mp.get_context("fork")
         outs = [os.path.join(tmp, f"rank{r}.json") for r in range(args.ranks)]
         procs = [

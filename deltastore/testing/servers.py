@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GCSServer",
     "S3Server",
+    "free_port",
     "gcs_env",
     "s3_env",
     "start_fake_gcs",
@@ -312,7 +313,7 @@ def start_fake_gcs() -> GCSServer:
     error: RuntimeError | None = None
     for _ in range(_GCS_START_ATTEMPTS):
         try:
-            return _start_fake_gcs_once(binary, _free_port())
+            return _start_fake_gcs_once(binary, free_port())
         except _PortTaken as exc:
             error = exc
     assert error is not None
@@ -385,7 +386,7 @@ def _terminate(process: subprocess.Popen[bytes], log: IO[bytes]) -> None:
     log.close()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (it may be taken again before use)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((_HOST, 0))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -27,15 +26,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from deltastore.testing.servers import free_port
 from tests.conftest import checkpoint_bytes, make_checkpoint, raw_bytes
 
 RANK_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _child(

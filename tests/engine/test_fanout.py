@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,15 +14,10 @@ import pytest
 from deltastore import VersionStore, verify_local
 from deltastore.errors import ConfigError
 from deltastore.pull import LocalCheckpoint, pull_weights
+from deltastore.testing.servers import free_port
 from tests.engine.helpers import many_tensors, publish_versions, write_checkpoint
 
 WORKER = Path(__file__).with_name("fanout_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_group_pull_one_apply_per_host_and_failures_named_everywhere(tmp_path: Path):
