@@ -491,8 +491,9 @@ class VersionStore:
         )
 
     # ---------------------------------------------------------------- writing
-    def _create_only(self, path: str, data: bytes) -> None:
-        """Write ``path`` only if it does not exist; raises ``FileExistsError`` otherwise."""
+    def create_only(self, path: str, data: bytes) -> None:
+        """Write ``path`` only if it does not exist; raises ``FileExistsError`` otherwise (one
+        attempt, no retry: the low-level exclusive create every protocol object relies on)."""
         if self.is_local:
             create_new_file(path, data)
         elif self.is_memory:
@@ -511,7 +512,7 @@ class VersionStore:
 
         def attempt() -> bytes | None:
             try:
-                self._create_only(path, data)
+                self.create_only(path, data)
                 return None
             except FileExistsError:
                 self.fs.invalidate_cache(posixpath.dirname(path))
@@ -547,7 +548,7 @@ class VersionStore:
         try:
             self._create_with_token(path, body, token, "token")
             try:
-                self._guard(f"probing {path}", lambda: self._create_only(path, b"second"))
+                self._guard(f"probing {path}", lambda: self.create_only(path, b"second"))
                 exclusive = False
             except FileExistsError:
                 exclusive = True

@@ -10,8 +10,9 @@ nothing else creates an index. The protocol, in order:
 3. **Fence check**: no tombstone, and the claim still holds this writer's token.
 4. **Successor** (deltas on a published version): a create-only
    ``_claims/weight_vBBBBBB.successor-G`` naming this version, for the base version B.
-   that both build on B race for this one object. Generation G moves on
-   only past a successor whose version carries a tombstone (it can never become visible).
+   Exactly one writer can extend a given version: two resumed publishers that both build on B
+   race for this one object. Generation G moves on only past a successor whose version
+   carries a tombstone (it can never become visible).
 5. **Index**: create-only, carrying the token. ``FileExistsError`` is answered by reading the
    index back: this writer's token means a lost acknowledgement (the commit may stand),
    another token a :class:`VersionConflictError`.
