@@ -48,7 +48,7 @@ log = logging.getLogger("deltastore.storage")
 MAX_SUCCESSOR_GENERATIONS = 64
 """Successor objects tried per base version (each earlier one voided by a tombstone)."""
 
-StepHook = Callable[[str], None]
+StepHook = Callable[[str], object]
 """``hook(step)``: called before each protocol step (``"fence-check"``, ``"successor"``,
 ``"index"``, ``"recheck"``); tests pause the writer there while another party runs."""
 
