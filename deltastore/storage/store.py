@@ -26,18 +26,18 @@ codecs. Its protocols (ARCHITECTURE.md, OBJECT_STORES.md):
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import io
 import json
 import logging
 import os
 import posixpath
+import socket
 import threading
 import time
+import urllib.parse
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import fsspec
@@ -55,6 +55,7 @@ from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
 from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
 from deltastore.storage.durable import create_new_file, fsync_path
+from deltastore.storage.listing import FileEntry, StoreListing, modified_time
 from deltastore.storage.retry import RetryPolicy, is_transient
 from deltastore.storage.writer import VersionWriter, claim_body, json_field
 
@@ -76,6 +77,8 @@ DEFAULT_BLOCK_SIZE = 8 * 1024**2
 """Bytes buffered per open remote stream: one upload part, or one read-ahead block."""
 _S3_MIN_PART = 5 * 1024**2
 _GCS_CHUNK = 256 * 1024
+ENDPOINT_CONNECT_TIMEOUT_S = 3.0
+"""First-contact TCP connect timeout to an explicitly configured endpoint."""
 MAX_INDEX_BYTES = 64 * 1024**2
 """Largest index a store reads (a 100k-tensor model's index is a few MiB)."""
 _REMOTE_PROTOCOLS = {"s3", "s3a", "gs", "gcs"}
@@ -93,51 +96,6 @@ def new_token() -> str:
     return uuid.uuid4().hex
 
 
-def modified_time(info: dict[str, Any]) -> float | None:
-    """Modification time (POSIX seconds) from an fsspec info dict of any backend, if any."""
-    for key in ("mtime", "LastModified", "updated", "created", "timeCreated"):
-        value = info.get(key)
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, _dt.datetime):
-            return value.timestamp()
-        if isinstance(value, str):
-            with contextlib.suppress(ValueError):
-                return _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    return None
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One object of a store listing."""
-
-    size: int
-    mtime: float | None
-    """Modification time in POSIX seconds (the server's clock on object stores)."""
-
-
-@dataclass(frozen=True)
-class StoreListing:
-    """Everything under a store's root, from one recursive listing."""
-
-    indexes: frozenset[int]
-    """Versions whose index exists (committed, unless also aborted)."""
-    aborted: dict[int, FileEntry]
-    """Versions with an abort marker (fenced or unpublished by prune)."""
-    claims: dict[int, FileEntry]
-    files: dict[int, dict[str, FileEntry]]
-    """Version → file name → entry, for every file inside a version directory."""
-    other: dict[str, FileEntry] = field(default_factory=dict)
-    """Store-internal leftovers under ``_claims/`` (probes, partial temp files): path → entry."""
-
-    @property
-    def committed(self) -> list[int]:
-        """Committed versions, ascending."""
-        return sorted(v for v in self.indexes if v not in self.aborted)
-
-
 class VersionStore:
     """Published versions under one root URL (a local path, ``memory://``, ``s3://``, ``gs://``).
 
@@ -151,6 +109,8 @@ class VersionStore:
     """
 
     retry: RetryPolicy = RetryPolicy()
+    max_index_bytes: int = MAX_INDEX_BYTES
+    """Largest index this store reads (default 64 MiB); a larger one is a FormatError."""
 
     def __init__(
         self,
@@ -174,15 +134,20 @@ class VersionStore:
             self._fs_options.setdefault("use_listings_cache", False)
         self._fs_pid = -1
         self._fs: AbstractFileSystem | None = None
+        self._reached = not self.is_remote
+        if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+            # gcsfs's bucket-type probe fails on an emulator and warns on every command; it
+            # reads this switch once, when gcsfs is imported (below).
+            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         try:
-            fs, root = fsspec.core.url_to_fs(url, **self._fs_options)
+            # Only the class: creating the filesystem may send requests or read credentials,
+            # which happens at first use (see ``fs``).
+            fs_class = fsspec.get_filesystem_class(protocol or "file")
+            root = fs_class._strip_protocol(url)
         except (ImportError, ValueError, TypeError) as exc:
-            extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}.get(protocol or "", "")
-            missing = extra and isinstance(exc, ImportError)
-            hint = f"; install deltastore[{extra}]" if missing else ""
-            raise ConfigError(f"cannot open store {url!r}: {exc}{hint}") from None
-        self._fs, self._fs_pid = fs, os.getpid()
-        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+            raise self._open_failed(url, protocol, exc) from None
+        protocols = fs_class.protocol
+        protocols = protocols if isinstance(protocols, tuple) else (protocols,)
         self.is_local = "file" in protocols or "local" in protocols
         self.is_memory = "memory" in protocols
         if self.is_local:
@@ -206,13 +171,50 @@ class VersionStore:
             raise ConfigError(f"block_size {size} is not a multiple of 256 KiB, as GCS requires")
         return size
 
+    @staticmethod
+    def _open_failed(url: str, protocol: str | None, exc: Exception) -> ConfigError:
+        extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}.get(protocol or "", "")
+        hint = f"; install deltastore[{extra}]" if extra and isinstance(exc, ImportError) else ""
+        return ConfigError(f"cannot open store {url!r}: {exc}{hint}")
+
     @property
     def fs(self) -> AbstractFileSystem:
-        """The fsspec filesystem; re-opened in a forked child (clients do not survive a fork)."""
+        """The fsspec filesystem, created at first use (a bad credential file or option is a
+        :class:`ConfigError` then); re-opened in a forked child (clients do not survive a
+        fork)."""
         if self._fs is None or self._fs_pid != os.getpid():
-            self._fs, _ = fsspec.core.url_to_fs(self._fs_url, **self._fs_options)
+            try:
+                self._fs, _ = fsspec.core.url_to_fs(self._fs_url, **self._fs_options)
+            except Exception as exc:
+                protocol = fsspec.core.split_protocol(self._fs_url)[0]
+                raise self._open_failed(self._fs_url, protocol, exc) from None
             self._fs_pid = os.getpid()
         return self._fs
+
+    def _check_reachable(self) -> None:
+        """Before the first request to an explicitly configured endpoint, one TCP connect.
+
+        A store that has never answered and refuses connections is misconfigured, not
+        flaky: fail in seconds naming the endpoint instead of retrying for half a minute.
+        """
+        self._reached = True
+        endpoint = self._endpoint()
+        if not endpoint:
+            return
+        parsed = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+        host = parsed.hostname or "localhost"
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        try:
+            socket.create_connection((host, port), timeout=ENDPOINT_CONNECT_TIMEOUT_S).close()
+        except ConnectionRefusedError:
+            self._reached = False
+            raise StoreError(
+                f"cannot reach {self.url}: endpoint {endpoint} refused the connection; is the "
+                "server running? Check the endpoint URL (AWS_ENDPOINT_URL, "
+                "STORAGE_EMULATOR_HOST or the storage options)"
+            ) from None
+        except OSError:
+            pass  # a slow or filtered network: the retried request decides
 
     def __repr__(self) -> str:
         return f"VersionStore({self.url!r})"
@@ -240,7 +242,7 @@ class VersionStore:
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + ABORT_SUFFIX)
 
     # ----------------------------------------------------------------- errors
-    def _endpoint_hint(self) -> str:
+    def _endpoint(self) -> str | None:
         options = self.storage_options
         client = options.get("client_kwargs") or {}
         endpoint = (
@@ -248,8 +250,13 @@ class VersionStore:
             or (client.get("endpoint_url") if isinstance(client, dict) else None)
             or os.environ.get("AWS_ENDPOINT_URL_S3")
             or os.environ.get("AWS_ENDPOINT_URL")
-            or os.environ.get("STORAGE_EMULATOR_HOST")
         )
+        if self.url.startswith("gs"):
+            endpoint = options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST")
+        return str(endpoint) if endpoint else None
+
+    def _endpoint_hint(self) -> str:
+        endpoint = self._endpoint()
         return f"endpoint {endpoint}" if endpoint else "the default endpoint"
 
     def _credential_hint(self) -> str:
@@ -283,6 +290,8 @@ class VersionStore:
 
         ``FileNotFoundError`` and ``FileExistsError`` pass through: callers give them meaning.
         """
+        if not self._reached:
+            self._check_reachable()
         try:
             return self.retry.call(what, fn)
         except (FileNotFoundError, FileExistsError, DeltastoreError):
@@ -355,6 +364,10 @@ class VersionStore:
             version = parse_version_dir(top)
             if version is None or not rest or "/" in rest or version < 1:
                 continue
+            if top != version_dir_name(version):
+                # e.g. weight_v0000002: readers open only canonical names, so it is no version.
+                log.debug("%s: ignoring non-canonical version directory %s", self.url, top)
+                continue
             files.setdefault(version, {})[rest] = entry
             if rest == INDEX_NAME:
                 indexes.add(version)
@@ -386,7 +399,7 @@ class VersionStore:
         """The raw index file of a committed version (for mirroring it byte for byte).
 
         Raises :class:`VersionNotFoundError` if it is not committed (no index, or a
-        tombstone), :class:`FormatError` if it is larger than :data:`MAX_INDEX_BYTES`.
+        tombstone), :class:`FormatError` if it is larger than :attr:`max_index_bytes`.
         """
         path = self.file_path(version, INDEX_NAME)
         missing = VersionNotFoundError(
@@ -396,14 +409,15 @@ class VersionStore:
         try:
             # A ranged read bounds the bytes held whatever the object's size.
             data = self._guard(
-                f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=MAX_INDEX_BYTES + 1)
+                f"reading {path}",
+                lambda: self.fs.cat_file(path, start=0, end=self.max_index_bytes + 1),
             )
         except FileNotFoundError:
             raise missing from None
-        if len(data) > MAX_INDEX_BYTES:
+        if len(data) > self.max_index_bytes:
             raise FormatError(
                 f"the index of weight_v{version:06d} in {self.url} is larger than the "
-                f"{MAX_INDEX_BYTES // 1024**2} MiB limit on indexes; it is corrupt or not a "
+                f"{self.max_index_bytes} byte limit on indexes; it is corrupt or not a "
                 "deltastore index"
             )
         if self.is_fenced(version):
