@@ -474,6 +474,30 @@ class StoreConformance:
         assert report.keep == (1, 2, 3, 4)
         assert report.unpublish == ()
         assert store.versions() == [1, 2, 3, 4]
+        # It says why it kept more than asked, and what would let them go.
+        assert report.chain_kept == (1, 2, 3)
+        why = "\n".join(report.lines())
+        assert "v000001, v000002, v000003" in why and "--full" in why
+
+    def test_oversized_index_is_refused_by_size(
+        self, store_url: str, storage_options: dict[str, Any]
+    ) -> None:
+        tensors = {f"tensor-{i:04d}": b"x" for i in range(200)}
+        write_version(self.make_store(store_url, storage_options), 1, tensors=tensors)
+        reader = self.make_store(store_url, storage_options)
+        reader.max_index_bytes = 1024  # the index of 200 tensors is larger
+        with pytest.raises(FormatError, match="weight_v000001.*1024 byte limit"):
+            reader.index(1)
+
+    def test_only_canonical_version_names_are_versions(self, store: VersionStore) -> None:
+        write_version(store, 1)
+        # A 7-digit name beside the canonical one: listing and reading must agree.
+        odd = store.version_path(2).replace("weight_v000002", "weight_v0000002")
+        store.fs.makedirs(odd, exist_ok=True)
+        store.fs.pipe_file(f"{odd}/{INDEX_NAME}", store.index_bytes(1))
+        assert store.versions() == [1]
+        with pytest.raises(VersionNotFoundError):
+            store.index(2)
 
     def test_prune_is_two_phase(self, store: VersionStore) -> None:
         write_version(store, 1, tensors={"w": b"old bytes"})
