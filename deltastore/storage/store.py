@@ -26,17 +26,12 @@ codecs. Its protocols (ARCHITECTURE.md, OBJECT_STORES.md):
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
 import posixpath
-import socket
-import threading
 import time
-import urllib.parse
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
@@ -48,16 +43,21 @@ from deltastore.errors import (
     FormatError,
     StoreError,
     TransientStoreError,
-    VersionConflictError,
     VersionNotFoundError,
 )
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
 from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
-from deltastore.storage.durable import create_new_file, fsync_path
+from deltastore.storage.backends import REMOTE_PROTOCOLS, Backend, make_backend
 from deltastore.storage.listing import FileEntry, StoreListing, modified_time
 from deltastore.storage.retry import RetryPolicy, is_transient
-from deltastore.storage.writer import VersionWriter, claim_body, json_field
+from deltastore.storage.writer import (
+    VersionWriter,
+    begin_next_version,
+    begin_version,
+    json_field,
+    probe_exclusive_create,
+)
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -75,20 +75,13 @@ SUCCESSOR_SUFFIX = ".successor-"
 PROBE_PREFIX = "_probe-"
 DEFAULT_BLOCK_SIZE = 8 * 1024**2
 """Bytes buffered per open remote stream: one upload part, or one read-ahead block."""
-_S3_MIN_PART = 5 * 1024**2
-_GCS_CHUNK = 256 * 1024
-ENDPOINT_CONNECT_TIMEOUT_S = 3.0
-"""First-contact TCP connect timeout to an explicitly configured endpoint."""
 MAX_INDEX_BYTES = 64 * 1024**2
 """Largest index a store reads (a 100k-tensor model's index is a few MiB)."""
-_REMOTE_PROTOCOLS = {"s3", "s3a", "gs", "gcs"}
 
 PostWriteHook = Callable[[str], None]
 """``post_write(version_dir_url)``: runs once a version's files are written."""
 PreReadHook = Callable[[str, int], None]
 """``pre_read(store_url, version)``: runs before a version is read."""
-
-_memory_lock = threading.Lock()
 
 
 def new_token() -> str:
@@ -127,14 +120,12 @@ class VersionStore:
             raise ConfigError("store URL is empty; pass a directory, memory://, s3:// or gs:// URL")
         self.storage_options = dict(storage_options or {})
         protocol = fsspec.core.split_protocol(url)[0]
-        self.is_remote = protocol in _REMOTE_PROTOCOLS
         self._fs_url = url
         self._fs_options = dict(self.storage_options)
-        if self.is_remote:
+        if protocol in REMOTE_PROTOCOLS:
             self._fs_options.setdefault("use_listings_cache", False)
         self._fs_pid = -1
         self._fs: AbstractFileSystem | None = None
-        self._reached = not self.is_remote
         if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
             # gcsfs's bucket-type probe fails on an emulator and warns on every command; it
             # reads this switch once, when gcsfs is imported (below).
@@ -148,28 +139,23 @@ class VersionStore:
             raise self._open_failed(url, protocol, exc) from None
         protocols = fs_class.protocol
         protocols = protocols if isinstance(protocols, tuple) else (protocols,)
-        self.is_local = "file" in protocols or "local" in protocols
-        self.is_memory = "memory" in protocols
+        self.backend: Backend = make_backend(protocols, lambda: self.fs, self.storage_options)
+        """How this kind of filesystem writes (see :mod:`deltastore.storage.backends`)."""
+        self.is_local = self.backend.is_local
+        self.is_memory = self.backend.is_memory
+        self.is_remote = self.backend.is_remote
+        self._reached = not self.is_remote
         if self.is_local:
             root = os.path.abspath(root)
         self.root = root.rstrip("/") or "/"
-        self.url = self.root if self.is_local else f"{protocols[0]}://{self.root.lstrip('/')}"
+        self.url = self.backend.display_url(protocols[0], self.root)
         self.post_write = post_write
         self.pre_read = pre_read
         if retry is not None:
             self.retry = retry
-        self.block_size = self._check_block_size(block_size or DEFAULT_BLOCK_SIZE, protocols)
-        self.supports_exclusive_create: bool | None = (
-            True if (self.is_local or self.is_memory) else None
-        )
+        self.block_size = self.backend.check_block_size(block_size or DEFAULT_BLOCK_SIZE)
+        self.supports_exclusive_create = self.backend.exclusive_create
         """Whether create-only writes are exclusive here; None until probed (first write)."""
-
-    def _check_block_size(self, size: int, protocols: tuple[str, ...]) -> int:
-        if "s3" in protocols and size < _S3_MIN_PART:
-            raise ConfigError(f"block_size {size} is below S3's 5 MiB minimum part size")
-        if "gs" in protocols and size % _GCS_CHUNK:
-            raise ConfigError(f"block_size {size} is not a multiple of 256 KiB, as GCS requires")
-        return size
 
     @staticmethod
     def _open_failed(url: str, protocol: str | None, exc: Exception) -> ConfigError:
@@ -191,31 +177,6 @@ class VersionStore:
             self._fs_pid = os.getpid()
         return self._fs
 
-    def _check_reachable(self) -> None:
-        """Before the first request to an explicitly configured endpoint, one TCP connect.
-
-        A store that has never answered and refuses connections is misconfigured, not
-        flaky: fail in seconds naming the endpoint instead of retrying for half a minute.
-        """
-        self._reached = True
-        endpoint = self._endpoint()
-        if not endpoint:
-            return
-        parsed = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
-        host = parsed.hostname or "localhost"
-        port = parsed.port or (443 if parsed.scheme == "https" else 80)
-        try:
-            socket.create_connection((host, port), timeout=ENDPOINT_CONNECT_TIMEOUT_S).close()
-        except ConnectionRefusedError:
-            self._reached = False
-            raise StoreError(
-                f"cannot reach {self.url}: endpoint {endpoint} refused the connection; is the "
-                "server running? Check the endpoint URL (AWS_ENDPOINT_URL, "
-                "STORAGE_EMULATOR_HOST or the storage options)"
-            ) from None
-        except OSError:
-            pass  # a slow or filtered network: the retried request decides
-
     def __repr__(self) -> str:
         return f"VersionStore({self.url!r})"
 
@@ -226,7 +187,7 @@ class VersionStore:
 
     def version_url(self, version: int) -> str:
         """URL of a version's directory (what hooks receive)."""
-        if self.is_local:
+        if self.backend.is_local:
             return self.version_path(version)
         return posixpath.join(self.url, version_dir_name(version))
 
@@ -237,26 +198,17 @@ class VersionStore:
         """Path of a version's claim object."""
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + CLAIM_SUFFIX)
 
+    def probe_path(self, token: str) -> str:
+        """Path of a create-only probe object (see :meth:`check_exclusive_create`)."""
+        return posixpath.join(self.root, CLAIMS_DIR, f"{PROBE_PREFIX}{token}")
+
     def abort_path(self, version: int) -> str:
         """Path of a version's abort marker (written by prune to fence or unpublish it)."""
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + ABORT_SUFFIX)
 
     # ----------------------------------------------------------------- errors
-    def _endpoint(self) -> str | None:
-        options = self.storage_options
-        client = options.get("client_kwargs") or {}
-        endpoint = (
-            options.get("endpoint_url")
-            or (client.get("endpoint_url") if isinstance(client, dict) else None)
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-        )
-        if self.url.startswith("gs"):
-            endpoint = options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST")
-        return str(endpoint) if endpoint else None
-
     def _endpoint_hint(self) -> str:
-        endpoint = self._endpoint()
+        endpoint = self.backend.endpoint()
         return f"endpoint {endpoint}" if endpoint else "the default endpoint"
 
     def _credential_hint(self) -> str:
@@ -291,7 +243,8 @@ class VersionStore:
         ``FileNotFoundError`` and ``FileExistsError`` pass through: callers give them meaning.
         """
         if not self._reached:
-            self._check_reachable()
+            self.backend.check_reachable(self.url)
+            self._reached = True
         try:
             return self.retry.call(what, fn)
         except (FileNotFoundError, FileExistsError, DeltastoreError):
@@ -299,7 +252,7 @@ class VersionStore:
         except Exception as exc:
             raise self._translate(what, exc) from exc
 
-    def _missing_root(self) -> ConfigError:
+    def missing_root_error(self) -> ConfigError:
         bucket = self.root.lstrip("/").split("/", 1)[0]
         return ConfigError(
             f"bucket {bucket!r} of {self.url} does not exist or is not visible with these "
@@ -330,8 +283,8 @@ class VersionStore:
         try:
             found = self._guard(f"listing {self.url}", find)
         except FileNotFoundError:
-            if self.is_remote:
-                raise self._missing_root() from None
+            if self.backend.is_remote:
+                raise self.missing_root_error() from None
             found = {}
         prefix = self.root.rstrip("/") + "/"
         indexes: set[int] = set()
@@ -480,10 +433,7 @@ class VersionStore:
     def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
         """A readable binary stream of a file of a version (read-ahead of ``block_size``)."""
         path = self.file_path(version, name)
-        kwargs: dict[str, Any] = {}
-        if self.is_remote:
-            # Plain read-ahead of one block: gcsfs's default prefetcher buffers far more.
-            kwargs = {"block_size": self.block_size, "cache_type": "readahead"}
+        kwargs = self.backend.read_options(self.block_size)
         try:
             fh = self._guard(f"opening {path}", lambda: self.fs.open(path, "rb", **kwargs))
         except FileNotFoundError:
@@ -508,16 +458,7 @@ class VersionStore:
     def create_only(self, path: str, data: bytes) -> None:
         """Write ``path`` only if it does not exist; raises ``FileExistsError`` otherwise (one
         attempt, no retry: the low-level exclusive create every protocol object relies on)."""
-        if self.is_local:
-            create_new_file(path, data)
-        elif self.is_memory:
-            with _memory_lock:
-                if self.fs.exists(path):
-                    raise FileExistsError(path)
-                self.fs.pipe_file(path, data)
-        else:
-            # S3 If-None-Match: *, GCS ifGenerationMatch=0 (a simple upload: keep it small).
-            self.fs.pipe_file(path, data, mode="create")
+        self.backend.create_only(path, data)
 
     def create_or_read(self, path: str, data: bytes) -> bytes | None:
         """Create-only write of ``path``: None if written now, else the existing object's bytes
@@ -546,57 +487,22 @@ class VersionStore:
         return existing is None or json_field(existing, *keys) == token
 
     def check_exclusive_create(self) -> bool:
-        """Probe once whether create-only writes are exclusive on this backend.
-
-        Writes a probe object under ``_claims/`` twice, create-only, and expects the second
-        write to fail. Where it does not, concurrent writers of one version could both commit:
-        a warning says so and :attr:`supports_exclusive_create` becomes False. Raises
-        :class:`ConfigError` if the bucket does not exist, :class:`StoreError` if access is
-        denied.
-        """
-        if self.supports_exclusive_create is not None:
-            return self.supports_exclusive_create
-        token = new_token()
-        path = posixpath.join(self.root, CLAIMS_DIR, f"{PROBE_PREFIX}{token}")
-        body = json.dumps({"probe": True, "token": token}).encode()
-        try:
-            self._create_with_token(path, body, token, "token")
-            try:
-                self._guard(f"probing {path}", lambda: self.create_only(path, b"second"))
-                exclusive = False
-            except FileExistsError:
-                exclusive = True
-        except FileNotFoundError:
-            raise self._missing_root() from None
-        finally:
-            with contextlib.suppress(Exception):
-                self.fs.rm(path)
-        self.supports_exclusive_create = exclusive
-        if not exclusive:
-            message = (
-                f"{self.url}: create-only writes are NOT exclusive on this backend (a second "
-                "create-only write of a probe object succeeded); two concurrent publishers "
-                "could both commit one version. Run exactly one publisher per store"
-            )
-            log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-        return exclusive
+        """Probe once whether create-only writes are exclusive on this backend (see
+        :func:`~deltastore.storage.writer.probe_exclusive_create`)."""
+        if self.supports_exclusive_create is None:
+            self.supports_exclusive_create = probe_exclusive_create(self)
+        return self.supports_exclusive_create
 
     def write_file(self, version: int, name: str, data: bytes | memoryview) -> None:
-        """Write one whole file of a claimed, uncommitted version (retried as a whole)."""
-        if self.is_local or self.is_memory:
-            with self.open_write(version, name) as fh:
-                fh.write(data)
-            return
+        """Deprecated: use :meth:`VersionWriter.write_file` (kept while the publisher moves)."""
         if name == INDEX_NAME:
             raise StoreError(f"{name} is written only by commit()")
-        path = self.file_path(version, name)
-        payload = bytes(data)
-        self._guard(f"writing {path}", lambda: self.fs.pipe_file(path, payload))
+        self.backend.write_file(self.file_path(version, name), data, self._guard)
 
     @contextlib.contextmanager
     def open_write(self, version: int, name: str) -> Iterator[BinaryIO]:
-        """A writable stream for one file of a claimed, uncommitted version.
+        """Deprecated: use :meth:`VersionWriter.open_write`. A writable stream for one file of a
+        claimed, uncommitted version.
 
         Locally the file is written to a sibling temp file, fsynced and renamed into place, so
         a crash never leaves a complete-looking partial file. Remotely at most ``block_size``
@@ -606,41 +512,17 @@ class VersionStore:
         if name == INDEX_NAME:
             raise StoreError(f"{name} is written only by commit()")
         path = self.file_path(version, name)
-        if self.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{new_token()}.partial"
-            try:
-                with open(tmp, "wb") as fh:
-                    yield fh
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+        body_done = False
+        try:
+            with self.backend.open_write(path, self.block_size, self._guard) as fh:
+                yield fh
+                body_done = True
+        except (FileNotFoundError, DeltastoreError):
+            raise
+        except Exception as exc:
+            if not body_done:
                 raise
-        elif self.is_memory:
-            buffer = io.BytesIO()
-            yield buffer
-            self.fs.pipe_file(path, buffer.getvalue())
-        else:
-            remote = self._guard(
-                f"opening {path} for writing",
-                lambda: self.fs.open(path, "wb", block_size=self.block_size),
-            )
-            try:
-                yield remote
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    remote.discard()
-                remote.closed = True  # closing would complete the partial upload
-                raise
-            try:
-                remote.close()
-            except (FileNotFoundError, DeltastoreError):
-                raise
-            except Exception as exc:
-                raise self._translate(f"uploading {path}", exc) from exc
+            raise self._translate(f"uploading {path}", exc) from exc
 
     def exists(self, path: str) -> bool:
         """Whether ``path`` exists, asked of the store (retried)."""
@@ -682,41 +564,16 @@ class VersionStore:
         return posixpath.join(self.root, CLAIMS_DIR, name)
 
     def prepare_commit(self, version: int) -> None:
-        """Before the index write: locally, make the version's directory and names durable."""
-        if self.is_local:
-            # An empty delta (nothing changed) has no shard, so its directory may not exist yet.
-            os.makedirs(self.version_path(version), exist_ok=True)
-            fsync_path(self.version_path(version))
+        """Before the index write: make the version's directory and file names durable (an
+        empty delta has no shard, so its directory may not exist yet)."""
+        self.backend.make_durable(self.version_path(version))
 
     def finish_commit(self, version: int) -> None:
-        """After a commit stands: make it durable locally and visible to this client."""
-        if self.is_local:
-            fsync_path(self.root)
+        """After a commit stands: make it durable and visible to this client."""
+        self.backend.make_durable(self.root)
         self.fs.invalidate_cache(self.version_path(version))
 
     # ------------------------------------------------------------ transaction
-    def _try_claim(self, version: int, token: str) -> str | None:
-        """Take ``version``'s claim: None on success, else why not (``committed``,
-        ``fenced``, ``claimed``)."""
-        self.check_exclusive_create()
-        if self.exists(self.file_path(version, INDEX_NAME)):
-            return "fenced" if self.is_fenced(version) else "committed"
-        if self.is_fenced(version):
-            return "fenced"
-        existing = self.create_or_read(self.claim_path(version), claim_body(version, token))
-        if existing is None or json_field(existing, "token") == token:
-            return None
-        return "claimed"
-
-    def _claim_refused(self, version: int, why: str) -> VersionConflictError:
-        remedy = {
-            "committed": "is already committed; publish the next version (or resume the stream)",
-            "fenced": "is fenced by prune (a tombstone); publish the next version",
-            "claimed": "is claimed by another writer; two publishers target one store (stop the "
-            "other, or resume the stream with resume=True)",
-        }[why]
-        return VersionConflictError(f"weight_v{version:06d} in {self.url} {remedy}")
-
     def begin(self, version: int, *, token: str | None = None) -> VersionWriter:
         """Claim ``version`` and return its :class:`VersionWriter`.
 
@@ -724,11 +581,7 @@ class VersionStore:
         Raises :class:`VersionConflictError` if the version is committed, fenced or claimed by
         another writer.
         """
-        token = token or new_token()
-        why = self._try_claim(version, token)
-        if why is not None:
-            raise self._claim_refused(version, why)
-        return VersionWriter(self, version, token)
+        return begin_version(self, version, token or new_token())
 
     def begin_next(self, after: int, *, max_skip: int = 64) -> VersionWriter:
         """Claim the first claimable version above ``after`` (a resumed or new stream).
@@ -740,27 +593,7 @@ class VersionStore:
         version above ``after`` is already committed (another writer moved on: resume from
         it) or ``max_skip`` versions in a row are taken.
         """
-        token = new_token()
-        for version in range(after + 1, after + 1 + max_skip):
-            why = self._try_claim(version, token)
-            if why is None:
-                return VersionWriter(self, version, token)
-            if why == "committed":
-                raise VersionConflictError(
-                    f"weight_v{version:06d} in {self.url} is already committed above "
-                    f"weight_v{after:06d}: another writer moved the store on; resume the stream "
-                    "(resume=True) from the latest version"
-                )
-            log.warning(
-                "weight_v%06d of %s is %s and not committed; skipping to the next version",
-                version,
-                self.url,
-                why,
-            )
-        raise VersionConflictError(
-            f"{max_skip} versions after weight_v{after:06d} in {self.url} are claimed or "
-            "fenced; run `deltastore prune` to fence stale claims, then resume"
-        )
+        return begin_next_version(self, after, new_token(), max_skip)
 
     def join(self, version: int, token: str) -> VersionWriter:
         """A writer for the files of ``version``, claimed by another rank with ``token`` (a

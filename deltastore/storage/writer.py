@@ -32,6 +32,8 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO
@@ -274,3 +276,91 @@ class VersionWriter:
 def claim_body(version: int, token: str) -> bytes:
     """The JSON body of a claim object."""
     return json.dumps({"version": version, "token": token, "time": time.time()}).encode()
+
+
+# ------------------------------------------------------------ claiming (VersionStore.begin*)
+def _try_claim(store: VersionStore, version: int, token: str) -> str | None:
+    """Take ``version``'s claim: None on success, else why not (``committed``, ``fenced``,
+    ``claimed``)."""
+    store.check_exclusive_create()
+    if store.exists(store.file_path(version, INDEX_NAME)):
+        return "fenced" if store.is_fenced(version) else "committed"
+    if store.is_fenced(version):
+        return "fenced"
+    existing = store.create_or_read(store.claim_path(version), claim_body(version, token))
+    if existing is None or json_field(existing, "token") == token:
+        return None
+    return "claimed"
+
+
+_REFUSED = {
+    "committed": "is already committed; publish the next version (or resume the stream)",
+    "fenced": "is fenced by prune (a tombstone); publish the next version",
+    "claimed": "is claimed by another writer; two publishers target one store (stop the "
+    "other, or resume the stream with resume=True)",
+}
+
+
+def begin_version(store: VersionStore, version: int, token: str) -> VersionWriter:
+    """See :meth:`VersionStore.begin`."""
+    why = _try_claim(store, version, token)
+    if why is not None:
+        raise VersionConflictError(f"weight_v{version:06d} in {store.url} {_REFUSED[why]}")
+    return VersionWriter(store, version, token)
+
+
+def begin_next_version(store: VersionStore, after: int, token: str, max_skip: int) -> VersionWriter:
+    """See :meth:`VersionStore.begin_next`."""
+    for version in range(after + 1, after + 1 + max_skip):
+        why = _try_claim(store, version, token)
+        if why is None:
+            return VersionWriter(store, version, token)
+        if why == "committed":
+            raise VersionConflictError(
+                f"weight_v{version:06d} in {store.url} is already committed above "
+                f"weight_v{after:06d}: another writer moved the store on; resume the stream "
+                "(resume=True) from the latest version"
+            )
+        log.warning(
+            "weight_v%06d of %s is %s and not committed; skipping to the next version",
+            version,
+            store.url,
+            why,
+        )
+    raise VersionConflictError(
+        f"{max_skip} versions after weight_v{after:06d} in {store.url} are claimed or "
+        "fenced; run `deltastore prune` to fence stale claims, then resume"
+    )
+
+
+def probe_exclusive_create(store: VersionStore) -> bool:
+    """Whether create-only writes are exclusive on ``store``'s backend.
+
+    Writes a probe object under ``_claims/`` twice, create-only, and expects the second write
+    to fail. Where it does not, concurrent writers of one version could both commit: a
+    warning says so. Raises :class:`ConfigError` if the bucket does not exist,
+    :class:`StoreError` if access is denied.
+    """
+    token = uuid.uuid4().hex
+    path = store.probe_path(token)
+    try:
+        store.create_or_read(path, json.dumps({"probe": True, "token": token}).encode())
+        try:
+            store.create_only(path, b"second")
+            exclusive = False
+        except FileExistsError:
+            exclusive = True
+    except FileNotFoundError:
+        raise store.missing_root_error() from None
+    finally:
+        with contextlib.suppress(Exception):
+            store.remove(path)
+    if not exclusive:
+        message = (
+            f"{store.url}: create-only writes are NOT exclusive on this backend (a second "
+            "create-only write of a probe object succeeded); two concurrent publishers "
+            "could both commit one version. Run exactly one publisher per store"
+        )
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return exclusive
