@@ -18,8 +18,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from deltastore.errors import ConfigError, StoreError
+from deltastore.errors import ConfigError, StoreError, TransientStoreError
 from deltastore.storage.durable import create_new_file, fsync_path
+from deltastore.storage.retry import RetryPolicy, is_transient
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -80,8 +81,33 @@ class Backend(ABC):
         """Make the names in ``directory`` durable (local only)."""
         return None
 
+    credential_hint = "file permissions"
+
     def endpoint(self) -> str | None:
         return None
+
+    def endpoint_hint(self) -> str:
+        endpoint = self.endpoint()
+        return f"endpoint {endpoint}" if endpoint else "the default endpoint"
+
+    def translate(self, url: str, retry: RetryPolicy, what: str, exc: Exception) -> StoreError:
+        """Map a filesystem error to the error tree, naming the URL and what to check."""
+        text = str(exc)
+        if isinstance(exc, PermissionError) or "Forbidden" in text or "AccessDenied" in text:
+            return StoreError(
+                f"{what}: access denied on {url} ({exc}); check the credentials "
+                f"({self.credential_hint}) and that they may read and write this prefix"
+            )
+        if is_transient(exc):
+            return TransientStoreError(
+                f"{what}: {url} kept failing with transient errors (last: {exc}) through "
+                f"{retry.attempts} attempts within {retry.deadline_s:.0f} s; check "
+                f"{self.endpoint_hint()} and the network, then retry"
+            )
+        return StoreError(
+            f"{what} on {url} failed: {type(exc).__name__}: {exc}; check the URL, the "
+            f"storage options and {self.endpoint_hint()}"
+        )
 
     def check_reachable(self, url: str) -> None:
         """Before the first request: fail fast if the store cannot be reached at all."""
@@ -146,6 +172,11 @@ class ObjectStoreBackend(Backend):
     ) -> None:
         super().__init__(fs, options)
         self.protocol = protocol
+        self.credential_hint = (
+            "GOOGLE_APPLICATION_CREDENTIALS or the 'token' storage option"
+            if protocol in ("gs", "gcs")
+            else "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or storage options"
+        )
 
     def check_block_size(self, size: int) -> int:
         if self.protocol in ("s3", "s3a") and size < _S3_MIN_PART:

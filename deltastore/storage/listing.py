@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
+
+log = logging.getLogger("deltastore.storage")
+
+CLAIMS_DIR = "_claims"
+"""Store-internal objects: claims, tombstones, successors, probes."""
+CLAIM_SUFFIX = ".json"
+ABORT_SUFFIX = ".abort"
+"""A version's tombstone (permanent: the version is never visible nor claimed again)."""
+SUCCESSOR_SUFFIX = ".successor-"
+PROBE_PREFIX = "_probe-"
 
 
 def modified_time(info: dict[str, Any]) -> float | None:
@@ -51,3 +65,46 @@ class StoreListing:
     def committed(self) -> list[int]:
         """Committed versions, ascending."""
         return sorted(v for v in self.indexes if v not in self.aborted)
+
+
+def _internal(rel: str, path: str, entry: FileEntry, listing: StoreListing) -> None:
+    """File one object under ``_claims/`` (``rel`` is the part after it)."""
+    if rel.endswith(".lock") or SUCCESSOR_SUFFIX in rel:
+        return  # a local mirror's lock file, or a successor: never garbage
+    for suffix, bucket in ((CLAIM_SUFFIX, listing.claims), (ABORT_SUFFIX, listing.aborted)):
+        if rel.endswith(suffix) and "/" not in rel:
+            version = parse_version_dir(rel[: -len(suffix)])
+            if version is not None:
+                bucket[version] = entry
+                return
+    listing.other[path] = entry
+
+
+def parse_listing(found: dict[str, dict[str, Any]], root: str) -> StoreListing:
+    """A :class:`StoreListing` from one recursive fsspec listing (``find(detail=True)``) of
+    ``root``. Only canonical version directory names (``weight_v`` and 6+ digits, as written)
+    count: readers open only those, so listing and reading agree."""
+    prefix = root.rstrip("/") + "/"
+    listing = StoreListing(frozenset(), {}, {}, {})
+    indexes: set[int] = set()
+    for path, info in found.items():
+        if info.get("type", "file") != "file":
+            continue
+        path = path if path.startswith(prefix) else "/" + path.lstrip("/")
+        if not path.startswith(prefix):
+            continue
+        entry = FileEntry(int(info.get("size") or 0), modified_time(info))
+        top, _, rest = path[len(prefix) :].partition("/")
+        if top == CLAIMS_DIR:
+            _internal(rest, path, entry, listing)
+            continue
+        version = parse_version_dir(top)
+        if version is None or not rest or "/" in rest or version < 1:
+            continue
+        if top != version_dir_name(version):
+            log.debug("%s: ignoring non-canonical version directory %s", root, top)
+            continue
+        listing.files.setdefault(version, {})[rest] = entry
+        if rest == INDEX_NAME:
+            indexes.add(version)
+    return dataclasses.replace(listing, indexes=frozenset(indexes))

@@ -1,26 +1,20 @@
 """``VersionStore``: published versions on any fsspec filesystem.
 
 The store moves opaque bytes: it knows version directories, indexes and byte ranges, never
-codecs. Its protocols (ARCHITECTURE.md, OBJECT_STORES.md):
+codecs. Versions are written only through :class:`~deltastore.storage.writer.VersionWriter`
+(:meth:`VersionStore.begin`), whose module docstring is the commit protocol. Here:
 
-* **Commit.** A create-only claim ``_claims/weight_vNNNNNN.json`` first, so a second writer of
-  the same version never touches the winner's shards; then the shards; then the index,
-  create-only and carrying a unique commit token. The index's existence is the commit. On
-  ``FileExistsError`` the writer reads the index back: its own token means the acknowledgement
-  was lost and the commit stands, another token is a :class:`VersionConflictError`.
-* **Fencing.** ``prune`` fences a stale uncommitted version with a create-only abort marker
-  ``_claims/weight_vNNNNNN.abort``. :meth:`VersionStore.commit` checks, before and after
-  writing the index, that the marker is absent and that the claim still holds its token, and
-  withdraws its index otherwise: of a zombie writer and a pruner, one of the two always sees
-  the other's write, so a fenced version is never left committed.
 * **Listing.** Versions are listed by their indexes (one recursive listing); shards without an
-  index, and versions with an abort marker, are invisible.
+  index, and versions with a tombstone, are invisible, and :meth:`VersionStore.index` agrees.
 * **Refresh.** Remote stores are opened without fsspec's listing cache (another host's commit
   is then visible at once); :meth:`VersionStore.refresh` still drops any cache a caller turned
   on, and runs the pre-read hook.
 * **Retries.** Each idempotent step (a read, a listing, a whole create-only write with its
   read-back) is retried as a unit under one deadline for transient errors; permanent errors
   fail at once as :class:`StoreError` / :class:`ConfigError` naming the URL and what to check.
+  An explicitly configured endpoint that refuses the first connection fails at once.
+* **Backends.** What differs between a local directory, ``memory://`` and an object store
+  is one :class:`~deltastore.storage.backends.Backend` object.
 """
 
 from __future__ import annotations
@@ -46,11 +40,19 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.index import VersionIndex
-from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
-from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
+from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.storage.backends import REMOTE_PROTOCOLS, Backend, make_backend
-from deltastore.storage.listing import FileEntry, StoreListing, modified_time
-from deltastore.storage.retry import RetryPolicy, is_transient
+from deltastore.storage.listing import (
+    ABORT_SUFFIX,
+    CLAIM_SUFFIX,
+    CLAIMS_DIR,
+    PROBE_PREFIX,
+    SUCCESSOR_SUFFIX,
+    StoreListing,
+    parse_listing,
+)
+from deltastore.storage.reads import FileReads
+from deltastore.storage.retry import RetryPolicy
 from deltastore.storage.writer import (
     VersionWriter,
     begin_next_version,
@@ -68,11 +70,6 @@ log = logging.getLogger("deltastore.storage")
 
 T = TypeVar("T")
 
-CLAIMS_DIR = "_claims"
-CLAIM_SUFFIX = ".json"
-ABORT_SUFFIX = ".abort"
-SUCCESSOR_SUFFIX = ".successor-"
-PROBE_PREFIX = "_probe-"
 DEFAULT_BLOCK_SIZE = 8 * 1024**2
 """Bytes buffered per open remote stream: one upload part, or one read-ahead block."""
 MAX_INDEX_BYTES = 64 * 1024**2
@@ -89,7 +86,7 @@ def new_token() -> str:
     return uuid.uuid4().hex
 
 
-class VersionStore:
+class VersionStore(FileReads):
     """Published versions under one root URL (a local path, ``memory://``, ``s3://``, ``gs://``).
 
     ``storage_options`` go to fsspec; for ``s3://`` and ``gs://`` the store adds
@@ -207,35 +204,8 @@ class VersionStore:
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + ABORT_SUFFIX)
 
     # ----------------------------------------------------------------- errors
-    def _endpoint_hint(self) -> str:
-        endpoint = self.backend.endpoint()
-        return f"endpoint {endpoint}" if endpoint else "the default endpoint"
-
-    def _credential_hint(self) -> str:
-        if self.url.startswith("s3"):
-            return "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or storage options"
-        if self.url.startswith("gs"):
-            return "GOOGLE_APPLICATION_CREDENTIALS or the 'token' storage option"
-        return "file permissions"
-
     def _translate(self, what: str, exc: Exception) -> DeltastoreError:
-        """Map a backend error to the error tree, naming the URL and what to check."""
-        text = str(exc)
-        if isinstance(exc, PermissionError) or "Forbidden" in text or "AccessDenied" in text:
-            return StoreError(
-                f"{what}: access denied on {self.url} ({exc}); check the credentials "
-                f"({self._credential_hint()}) and that they may read and write this prefix"
-            )
-        if is_transient(exc):
-            return TransientStoreError(
-                f"{what}: {self.url} kept failing with transient errors (last: {exc}) through "
-                f"{self.retry.attempts} attempts within {self.retry.deadline_s:.0f} s; check "
-                f"{self._endpoint_hint()} and the network, then retry"
-            )
-        return StoreError(
-            f"{what} on {self.url} failed: {type(exc).__name__}: {exc}; check the URL, the "
-            f"storage options and {self._endpoint_hint()}"
-        )
+        return self.backend.translate(self.url, self.retry, what, exc)
 
     def _guard(self, what: str, fn: Callable[[], T]) -> T:
         """Run one idempotent step with retries; translate what is left to the error tree.
@@ -253,10 +223,11 @@ class VersionStore:
             raise self._translate(what, exc) from exc
 
     def missing_root_error(self) -> ConfigError:
+        """The error for a remote root whose bucket does not exist (or is not visible)."""
         bucket = self.root.lstrip("/").split("/", 1)[0]
         return ConfigError(
             f"bucket {bucket!r} of {self.url} does not exist or is not visible with these "
-            f"credentials; create it, or check the URL and {self._endpoint_hint()}"
+            f"credentials; create it, or check the URL and {self.backend.endpoint_hint()}"
         )
 
     # ---------------------------------------------------------------- reading
@@ -286,45 +257,7 @@ class VersionStore:
             if self.backend.is_remote:
                 raise self.missing_root_error() from None
             found = {}
-        prefix = self.root.rstrip("/") + "/"
-        indexes: set[int] = set()
-        aborted: dict[int, FileEntry] = {}
-        claims: dict[int, FileEntry] = {}
-        files: dict[int, dict[str, FileEntry]] = {}
-        other: dict[str, FileEntry] = {}
-        for path, info in found.items():
-            if info.get("type", "file") != "file":
-                continue
-            path = path if path.startswith(prefix) else "/" + path.lstrip("/")
-            if not path.startswith(prefix):
-                continue
-            rel = path[len(prefix) :]
-            entry = FileEntry(int(info.get("size") or 0), modified_time(info))
-            top, _, rest = rel.partition("/")
-            if top == CLAIMS_DIR:
-                if rest.endswith(".lock") or SUCCESSOR_SUFFIX in rest:
-                    continue  # a local mirror's lock file, or a successor: never garbage
-                version = None
-                for suffix, bucket in ((CLAIM_SUFFIX, claims), (ABORT_SUFFIX, aborted)):
-                    if rest.endswith(suffix) and "/" not in rest:
-                        version = parse_version_dir(rest[: -len(suffix)])
-                        if version is not None:
-                            bucket[version] = entry
-                            break
-                if version is None:
-                    other[path] = entry
-                continue
-            version = parse_version_dir(top)
-            if version is None or not rest or "/" in rest or version < 1:
-                continue
-            if top != version_dir_name(version):
-                # e.g. weight_v0000002: readers open only canonical names, so it is no version.
-                log.debug("%s: ignoring non-canonical version directory %s", self.url, top)
-                continue
-            files.setdefault(version, {})[rest] = entry
-            if rest == INDEX_NAME:
-                indexes.add(version)
-        return StoreListing(frozenset(indexes), aborted, claims, files, other)
+        return parse_listing(found, self.root)
 
     def versions(self) -> list[int]:
         """Committed versions, ascending. Directories without an index are not versions, nor
@@ -376,83 +309,6 @@ class VersionStore:
         if self.is_fenced(version):
             raise missing
         return bytes(data)
-
-    def file_size(self, version: int, name: str) -> int:
-        """Size in bytes of a file of a version, asked of the store (never a cached listing)."""
-        path = self.file_path(version, name)
-        try:
-            info = self._guard(f"stat {path}", lambda: self.fs.info(path))
-        except FileNotFoundError:
-            raise VersionNotFoundError(
-                f"{name} of weight_v{version:06d} is missing in {self.url}; the version was "
-                "pruned or is corrupt"
-            ) from None
-        return int(info["size"])
-
-    def read_range(self, version: int, name: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of a file of a version (one ranged request).
-
-        Raises :class:`VersionNotFoundError` if the file vanished (pruned mid-read: the caller
-        should re-resolve the version), :class:`FormatError` if it is shorter than ``end``.
-        """
-        if end <= start:
-            # An empty range: asked of S3 it would read the whole object (an invalid Range).
-            if end < start:
-                raise FormatError(f"read_range({name!r}, {start}, {end}): end before start")
-            return b""
-        path = self.file_path(version, name)
-        try:
-            data = self._guard(
-                f"reading {path}[{start}:{end}]",
-                lambda: self.fs.cat_file(path, start=start, end=end),
-            )
-        except FileNotFoundError:
-            raise VersionNotFoundError(
-                f"{name} of weight_v{version:06d} vanished from {self.url} while being read; "
-                "it was pruned: pull again to re-resolve"
-            ) from None
-        if len(data) != end - start:
-            raise FormatError(
-                f"{name} of weight_v{version:06d} is truncated: asked bytes {start}..{end}, got "
-                f"{len(data)}"
-            )
-        return bytes(data)
-
-    def read_shard_header(self, version: int, name: str) -> SafetensorsHeader:
-        """Parse a shard's safetensors header with ranged reads (no data is read)."""
-        source = f"{self.url}/{version_dir_name(version)}/{name}"
-        size = self.file_size(version, name)
-        length = header_length(self.read_range(version, name, 0, min(8, size)), source=source)
-        if 8 + length > size:
-            raise FormatError(f"{source} is truncated inside its {length}-byte header")
-        return parse_header(
-            self.read_range(version, name, 8, 8 + length), file_size=size, source=source
-        )
-
-    @contextlib.contextmanager
-    def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
-        """A readable binary stream of a file of a version (read-ahead of ``block_size``)."""
-        path = self.file_path(version, name)
-        kwargs = self.backend.read_options(self.block_size)
-        try:
-            fh = self._guard(f"opening {path}", lambda: self.fs.open(path, "rb", **kwargs))
-        except FileNotFoundError:
-            raise VersionNotFoundError(
-                f"{name} of weight_v{version:06d} is missing in {self.url}"
-            ) from None
-        with fh:
-            yield fh
-
-    def list_files(self, version: int) -> list[str]:
-        """Plain file names inside a version's directory."""
-        path = self.version_path(version)
-        try:
-            entries = self._guard(f"listing {path}", lambda: self.fs.ls(path, detail=True))
-        except FileNotFoundError:
-            return []
-        return sorted(
-            posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file"
-        )
 
     # ---------------------------------------------------------------- writing
     def create_only(self, path: str, data: bytes) -> None:
