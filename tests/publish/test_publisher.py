@@ -259,10 +259,15 @@ def test_post_write_hook_gets_the_reference_arguments(
 def test_failing_post_write_hook_commits_and_advances(
     tmp_path: Path, base_dir: Path, small_model: Model
 ):
-    def hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
-        raise RuntimeError("mount refused the upload")
+    failures = [RuntimeError("mount refused the upload")]
 
-    publisher = ds.DeltaPublisher(str(tmp_path / "store"), base_dir, post_write=hook)
+    def hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
+        if failures:
+            raise failures.pop()
+
+    store = ds.VersionStore(tmp_path / "store")
+    publisher = ds.DeltaPublisher(store, base_dir, post_write=hook)
+    assert store.post_write is None, "the caller's store is not modified"
     publisher.seed()
     v1 = perturb(small_model, 1)
     with pytest.raises(HookError, match="weight_v000001") as info:
@@ -271,7 +276,6 @@ def test_failing_post_write_hook_commits_and_advances(
     assert publisher.store.versions() == [1]
     assert publisher.pop_metrics()["version"] == 1
     v2 = perturb(v1, 2)
-    publisher.store.post_write = None
     result = publisher.publish(v2.items())
     assert (result.version, result.base_version) == (2, 1)
     assert result.changed_bytes == _changed_bytes(v1, v2), "the snapshot advanced to v1"
