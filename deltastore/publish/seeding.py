@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 
+import deltastore.errors
 from deltastore.errors import ConfigError, DeltastoreError, PublishError
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.coordination import Coordinator
@@ -92,16 +93,23 @@ def _decision(
 
 
 def _load(snapshot: Snapshot, coord: Coordinator, workers: int, preload: bool) -> None:
+    """Load the snapshot now if ``preload``; a failure is raised on every rank as the class of
+    the first failing rank's error (e.g. :class:`IntegrityError`), naming every failing rank."""
     error: BaseException | None = None
     if preload:
         try:
             snapshot.load_all(workers)
         except Exception as exc:
             error = exc
-    errors = coord.all_gather(describe(error), what="seed: load snapshot")
-    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    kind = None if error is None else type(error).__name__
+    errors = coord.all_gather((kind, describe(error)), what="seed: load snapshot")
+    failed = [(k, f"rank {r}: {e}") for r, (k, e) in enumerate(errors) if e is not None]
     if failed:
-        raise PublishError(f"loading the snapshot failed on {'; '.join(failed)}") from error
+        cls = getattr(deltastore.errors, failed[0][0] or "", None)
+        if not (isinstance(cls, type) and issubclass(cls, DeltastoreError)):
+            cls = PublishError
+        message = "; ".join(m for _, m in failed)
+        raise cls(f"loading the snapshot failed on {message}") from error
 
 
 def seed_rank(
