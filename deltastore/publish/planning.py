@@ -144,9 +144,7 @@ def assign_full(
     return tuple(shards)
 
 
-def _bounded_groups(
-    names: list[str], sizes: Mapping[str, int], max_bytes: int
-) -> list[list[str]]:
+def _bounded_groups(names: list[str], sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
     groups: list[list[str]] = []
     size = 0
     for name in names:

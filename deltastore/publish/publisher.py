@@ -36,6 +36,7 @@ from deltastore.errors import (
     SnapshotError,
     VersionConflictError,
 )
+from deltastore.format.index import VersionIndex
 from deltastore.hooks.context import publishing_rank
 from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig
@@ -67,6 +68,7 @@ from deltastore.publish.snapshot import Snapshot
 from deltastore.publish.spool import PayloadSpool
 from deltastore.publish.stream import StreamState
 from deltastore.storage import VersionStore
+from deltastore.storage.writer import VersionWriter
 
 log = logging.getLogger("deltastore.publish")
 
@@ -269,7 +271,7 @@ class DeltaPublisher:
 
     def _plan_phase(
         self, report: DiffReport, stream: StreamState, metrics: dict[str, float]
-    ) -> tuple[Plan, commit_protocol.VersionSlot | None]:
+    ) -> tuple[Plan, VersionWriter | None]:
         """Rank 0 plans and claims; every rank gets the plan and a slot to write into."""
         begun = time.perf_counter()
         reports = self.coordinator.gather(report, what="publish: gather diffs")
@@ -285,7 +287,7 @@ class DeltaPublisher:
 
     def _make_plan(
         self, reports: list[DiffReport], stream: StreamState
-    ) -> tuple[Plan, commit_protocol.VersionSlot | None]:
+    ) -> tuple[Plan, VersionWriter | None]:
         """Rank 0: the layout from the reports (pure), then the claim."""
         assert self._held is not None
         sizes = {name: s.nbytes for name, s in self._held.snapshot.sources.items()}
@@ -317,7 +319,7 @@ class DeltaPublisher:
     def _write_phase(
         self,
         plan: Plan,
-        slot: commit_protocol.VersionSlot | None,
+        slot: VersionWriter | None,
         diff: DiffResult,
         held: RankSnapshot,
         stream: StreamState,
@@ -347,7 +349,7 @@ class DeltaPublisher:
     def _commit_phase(
         self,
         plan: Plan,
-        slot: commit_protocol.VersionSlot | None,
+        slot: VersionWriter | None,
         written: Written,
         stream: StreamState,
         metrics: dict[str, float],
@@ -373,7 +375,7 @@ class DeltaPublisher:
     def _commit(
         self,
         plan: Plan,
-        slot: commit_protocol.VersionSlot,
+        slot: VersionWriter,
         writes: list[Written],
         stream: StreamState,
     ) -> Outcome:
@@ -386,6 +388,7 @@ class DeltaPublisher:
             return Outcome(failure)
         sources = self._held.snapshot.sources
         sizes = {name: s.nbytes for name, s in sources.items()}
+        reason = f"committing weight_v{version:06d} to {url} failed on rank 0"
         try:
             entries = check_written(plan.layout, writes, sizes, version)
             totals = version_totals(plan.layout, writes, stream, sum(sizes.values()))
@@ -399,18 +402,35 @@ class DeltaPublisher:
                 encoding=self.encoding.name,
                 checksum=self.checksum.name,
             )
-            slot.commit(index)
         except Exception as exc:
-            landed = commit_protocol.index_landed(self.store, version, plan.token)
-            reason = f"committing weight_v{version:06d} to {url} failed on rank 0: {describe(exc)}"
-            if landed is None:
-                return Outcome(Failure(f"{reason}; whether it landed is unknown", "uncertain"))
             slot.abort()
-            kind = "conflict" if isinstance(exc, VersionConflictError) else "publish"
-            return Outcome(
-                Failure(f"{reason}; nothing was committed and no snapshot advanced", kind)
-            )
+            return Outcome(Failure(f"{reason}: {describe(exc)}; nothing was committed"))
+        failure = self._commit_index(slot, index, f"{reason}")
+        if failure is not None:
+            return Outcome(failure)
         return Outcome(None, entries, totals)
+
+    def _commit_index(
+        self, slot: VersionWriter, index: VersionIndex, reason: str
+    ) -> Failure | None:
+        """Rank 0: commit through the writer; a failure says whether anything landed."""
+        try:
+            slot.commit(index)
+            return None
+        except VersionConflictError as exc:
+            slot.abort()
+            return Failure(f"{reason}: {describe(exc)}; nothing was committed", "conflict")
+        except Exception as exc:
+            reason = f"{reason}: {describe(exc)}"
+            landed = commit_protocol.index_landed(self.store, slot.version, slot.token)
+        if landed is None:
+            # The index may stand (a check after it failed): never say nothing was committed.
+            return Failure(f"{reason}; whether it landed is unknown", "uncertain")
+        if landed:
+            log.warning("%s, but readers see its index with this token: it stands", reason)
+            return None
+        slot.abort()
+        return Failure(f"{reason}; nothing was committed and no snapshot advanced")
 
     def _advance_phase(
         self,
@@ -485,8 +505,7 @@ class DeltaPublisher:
         if failure.kind == "uncertain":
             self._held = None
             raise SnapshotError(
-                f"{failure.message}; check store.latest() and restart every rank with "
-                "resume=True"
+                f"{failure.message}; check store.latest() and restart every rank with resume=True"
             ) from local_error
         raise PublishError(failure.message) from local_error
 

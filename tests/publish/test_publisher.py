@@ -22,6 +22,7 @@ from deltastore.errors import (
     ConfigError,
     HookError,
     PublishError,
+    SnapshotError,
     StreamError,
     VersionConflictError,
 )
@@ -285,15 +286,60 @@ def test_failing_post_write_hook_commits_and_advances(
 
 
 class FlakyCommitStore(ds.VersionStore):
-    """A store whose next ``fail`` commits raise, as a lost connection would."""
+    """A store whose next ``fail`` index writes raise, as a lost connection would; with
+    ``land=True`` the index lands before the error (a lost acknowledgement)."""
 
     fail = 0
+    land = False
+    blind = False
+    """Reads of the version listing fail (the store cannot tell what landed)."""
 
-    def commit(self, version: int, index: ds.VersionIndex) -> None:
-        if self.fail:
+    def create_or_read(self, path: str, data: bytes) -> bytes | None:
+        if self.fail and path.endswith(INDEX_NAME):
             self.fail -= 1
+            if self.land:
+                super().create_or_read(path, data)
             raise OSError("connection reset while writing the index")
-        super().commit(version, index)
+        return super().create_or_read(path, data)
+
+    def refresh(self, version: int | None = None) -> None:
+        if self.blind:
+            raise OSError("connection reset while listing")
+        super().refresh(version)
+
+
+def test_commit_whose_outcome_is_unknown_is_not_a_publish_error(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    """The index landed but the store cannot say so: the error must not promise that nothing
+    was committed (a PublishError would), and the stream restarts from the store."""
+    store = FlakyCommitStore(tmp_path / "store")
+    publisher = ds.DeltaPublisher(store, base_dir)
+    publisher.seed()
+    store.fail, store.land, store.blind = 1, True, True
+    with pytest.raises(SnapshotError, match="weight_v000001") as info:
+        publisher.publish(perturb(small_model, 1).items())
+    assert not isinstance(info.value, PublishError)
+    assert "resume=True" in str(info.value)
+    store.blind = False
+    assert store.versions() == [1], "the index did land"
+    with pytest.raises(PublishError, match="seed"):
+        publisher.publish(perturb(small_model, 2).items())
+
+
+def test_commit_with_a_lost_acknowledgement_stands(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    store = FlakyCommitStore(tmp_path / "store")
+    publisher = ds.DeltaPublisher(store, base_dir)
+    publisher.seed()
+    store.fail, store.land = 1, True
+    v1 = perturb(small_model, 1)
+    assert publisher.publish(v1.items()).version == 1
+    v2 = perturb(v1, 2)
+    result = publisher.publish(v2.items())
+    assert (result.version, result.base_version) == (2, 1)
+    assert result.changed_bytes == _changed_bytes(v1, v2), "the snapshot advanced to v1"
 
 
 @pytest.mark.parametrize("full", [False, True])
