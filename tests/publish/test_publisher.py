@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -364,3 +365,38 @@ def test_failed_commit_does_not_advance(
     assert (result.version, result.base_version) == (1, 0)
     assert result.changed_bytes == _changed_bytes(small_model, v1b)
     assert _pull_bytes(tmp_path, store, 1, base_dir) == {n: raw_bytes(t) for n, t in v1b.items()}
+
+
+# ------------------------------------------------------------------ API edges
+def test_a_state_dict_mapping_is_accepted_like_pairs(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    publisher = _publisher(tmp_path, base_dir)
+    new = perturb(small_model, 1)
+    result = publisher.publish(new)  # a Mapping name -> tensor, as model.state_dict() is
+    assert result.version == 1
+    assert result.changed_bytes == _changed_bytes(small_model, new)
+    assert _pull_bytes(tmp_path, publisher.store, 1, base_dir) == {
+        n: raw_bytes(t) for n, t in new.items()
+    }
+    with pytest.raises(PublishError, match=r"mapping name -> tensor or \(name, tensor\) pairs"):
+        publisher.publish(list(new))  # names only
+
+
+def test_a_dense_version_warns_once_and_says_why(
+    tmp_path: Path, base_dir: Path, small_model: Model, caplog: pytest.LogCaptureFixture
+):
+    publisher = _publisher(tmp_path, base_dir)
+    v1 = perturb(small_model, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert publisher.publish(v1.items()).density < 0.2, "an RL-like step does not warn"
+    dense = {n: (t.reshape(-1).view(torch.uint8) ^ 0xFF).view(t.dtype).reshape(t.shape)
+             for n, t in v1.items()}  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="bf16") as record:
+        result = publisher.publish(dense.items())
+    assert result.density > 0.9 and len(record) == 1
+    assert "weight_v000002" in caplog.text and "bf16" in caplog.text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        publisher.publish(v1.items())  # dense again: warned once per publisher
