@@ -18,7 +18,9 @@ from typing import Any
 
 from deltastore.codecs import ByteArray, Checksum, Encoding, compress
 from deltastore.errors import PublishError
+from deltastore.publish.config import PublisherConfig
 from deltastore.publish.device import HostStager, Staged, StagerStats
+from deltastore.publish.messages import DiffReport, TensorChange, describe
 from deltastore.publish.rank_state import Encoded
 from deltastore.publish.snapshot import TensorSource, check_layout, nbytes_of
 from deltastore.publish.spool import PayloadSpool
@@ -50,6 +52,32 @@ class DiffSettings:
     stage_host_tensors: bool
     base_checkpoint: str
     """Named in the error for a tensor the base lacks."""
+
+    @classmethod
+    def of(
+        cls, config: PublisherConfig, encoding: Encoding, checksum: Checksum, base: str
+    ) -> DiffSettings:
+        """The settings of a publisher with ``config``."""
+        return cls(
+            encoding=encoding,
+            checksum=checksum,
+            workers=config.threads,
+            max_inflight_bytes=config.max_inflight_bytes,
+            pin_memory=config.pin_memory,
+            stage_host_tensors=config.stage_host_tensors,
+            base_checkpoint=base,
+        )
+
+
+def report_of(
+    rank: int, diff: DiffResult, error: BaseException | None, *, full: bool
+) -> DiffReport:
+    """The message a rank sends rank 0 after its diff."""
+    passed = {
+        name: None if e is None else TensorChange(e.digest, e.length, e.changed_bytes)
+        for name, e in diff.passed.items()
+    }
+    return DiffReport(rank, describe(error), passed, full)
 
 
 def named_pairs(named_tensors: NamedTensors) -> Iterator[tuple[str, Any]]:
@@ -131,15 +159,7 @@ def diff_tensors(
         try:
             for name, tensor in named_pairs(named_tensors):
                 _check_tensor(name, tensor, sources, seen, settings)
-                begun = time.perf_counter()
-                old = old_bytes(name)
-                loaded = time.perf_counter()
-                waited = stager.stats.budget_wait_s
-                staged = stager.stage(name, tensor)
-                metrics["load_s"] += loaded - begun
-                metrics["copy_s"] += (
-                    time.perf_counter() - loaded - (stager.stats.budget_wait_s - waited)
-                )
+                old, staged = _load_and_stage(name, tensor, old_bytes, stager, metrics)
                 pending.append(
                     pool.submit(_encode, settings, spool, metrics, lock, name, old, staged)
                 )
@@ -157,6 +177,25 @@ def diff_tensors(
     metrics["copy_s"] += stager.stats.copy_wait_s
     metrics["diff_s"] = time.perf_counter() - started
     return result
+
+
+def _load_and_stage(
+    name: str,
+    tensor: Any,
+    old_bytes: Callable[[str], ByteArray],
+    stager: HostStager,
+    metrics: dict[str, float],
+) -> tuple[ByteArray, Staged]:
+    """The snapshot's bytes and a staged host copy of ``tensor`` (``load_s``, ``copy_s``)."""
+    begun = time.perf_counter()
+    old = old_bytes(name)
+    loaded = time.perf_counter()
+    waited = stager.stats.budget_wait_s
+    staged = stager.stage(name, tensor)
+    metrics["load_s"] += loaded - begun
+    # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
+    metrics["copy_s"] += time.perf_counter() - loaded - (stager.stats.budget_wait_s - waited)
+    return old, staged
 
 
 def _check_tensor(

@@ -7,7 +7,16 @@ path (and one error contract) serves every world size.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from deltastore.errors import (
+    DeltastoreError,
+    HookError,
+    PublishError,
+    SnapshotError,
+    VersionConflictError,
+)
 
 
 @dataclass(frozen=True)
@@ -19,6 +28,16 @@ class Failure:
     """``publish``: nothing was committed (``PublishError``); ``conflict``: another writer
     holds the version (``VersionConflictError``); ``uncertain``: the commit may have landed
     (``SnapshotError``)."""
+
+    def error(self) -> DeltastoreError:
+        """The exception every rank raises for this failure."""
+        if self.kind == "conflict":
+            return VersionConflictError(self.message)
+        if self.kind == "uncertain":
+            return SnapshotError(
+                f"{self.message}; check store.latest() and restart every rank with resume=True"
+            )
+        return PublishError(self.message)
 
 
 @dataclass(frozen=True)
@@ -141,3 +160,22 @@ class Final:
 def describe(exc: BaseException | None) -> str | None:
     """``Type: message`` of an exception, for a message to other ranks."""
     return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+def after_commit_error(where: str, finals: Sequence[Final]) -> DeltastoreError | None:
+    """The error every rank raises after a commit (``where`` names the committed version):
+    :class:`SnapshotError` if a snapshot could not advance, :class:`HookError` if a hook
+    failed, else None."""
+    broken = [f"rank {f.rank}: {f.advance_error}" for f in finals if f.advance_error]
+    if broken:
+        return SnapshotError(
+            f"{where}, but advancing the snapshot failed on {'; '.join(broken)}; restart "
+            "every rank with resume=True"
+        )
+    hooks = [f"rank {f.rank}: {f.hook_error}" for f in finals if f.hook_error]
+    if hooks:
+        return HookError(
+            f"{where} but the post-write hook failed on {'; '.join(hooks)}; fix the hook "
+            "and run it again on those ranks before engines pull"
+        )
+    return None

@@ -24,42 +24,47 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 from deltastore.codecs import get_checksum, get_encoding
 from deltastore.errors import (
     ConfigError,
-    HookError,
     PublishError,
     SnapshotError,
-    VersionConflictError,
 )
-from deltastore.format.index import VersionIndex
 from deltastore.hooks.context import publishing_rank
 from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.coordination import Coordinator, make_coordinator
 from deltastore.publish.device import StagerStats
-from deltastore.publish.diff import DiffResult, DiffSettings, NamedTensors, diff_tensors
+from deltastore.publish.diff import (
+    DiffResult,
+    DiffSettings,
+    NamedTensors,
+    diff_tensors,
+    report_of,
+)
 from deltastore.publish.messages import (
     DiffReport,
     Failure,
     Final,
     Outcome,
     Plan,
-    TensorChange,
     Written,
+    after_commit_error,
     describe,
 )
-from deltastore.publish.metrics import METRIC_KEYS, SECONDS_KEYS, PublishResult, result_of
+from deltastore.publish.metrics import (
+    METRIC_KEYS,
+    SECONDS_KEYS,
+    PublishResult,
+    record,
+    result_of,
+    warn_if_dense,
+)
 from deltastore.publish.planning import (
-    build_index,
-    check_written,
     plan_layout,
-    version_totals,
-    written_failure,
 )
 from deltastore.publish.rank_state import RankSnapshot
 from deltastore.publish.seeding import seed_rank
@@ -71,9 +76,6 @@ from deltastore.storage import VersionStore
 from deltastore.storage.writer import VersionWriter
 
 log = logging.getLogger("deltastore.publish")
-
-HIGH_DENSITY = 0.20
-"""Above this share of changed bytes a version is far denser than an RL step makes."""
 
 
 class DeltaPublisher:
@@ -126,6 +128,9 @@ class DeltaPublisher:
         self.world_size = self.coordinator.world_size
         preload = self.config.preload
         self.preload = self.world_size == 1 if preload is None else preload
+        self._diff_settings = DiffSettings.of(
+            self.config, self.encoding, self.checksum, self.base_checkpoint
+        )
         self.stream: StreamState | None = None
         """Where the stream stands; replaced (never changed) after each commit."""
         self._held: RankSnapshot | None = None
@@ -192,7 +197,9 @@ class DeltaPublisher:
         metrics = dict.fromkeys(METRIC_KEYS, 0.0)
         with PayloadSpool(self.config.spool_memory_bytes) as spool:
             diff, local_error = self._diff_phase(named_tensors, held, stream, spool, metrics)
-            plan, slot = self._plan_phase(self._report(diff, local_error, full), stream, metrics)
+            plan, slot = self._plan_phase(
+                report_of(self.rank, diff, local_error, full=full), stream, metrics
+            )
             self._raise_failure(plan.failure, local_error)
             written, local_error = self._write_phase(plan, slot, diff, held, stream, spool, metrics)
             outcome = self._commit_phase(plan, slot, written, stream, metrics)
@@ -209,9 +216,16 @@ class DeltaPublisher:
         metrics["publish_s"] = time.perf_counter() - started
         result = result_of(plan, outcome)
         finals = self._finish_phase(plan.version, advance_error, hook_error, metrics)
-        self._record(metrics, result)
-        self._warn_if_dense(result)
-        self._raise_after_commit(plan.version, finals, advance_error, hook_error)
+        self._metrics = record(metrics, result, tensors=len(held.snapshot), world=self.world_size)
+        if not self._warned_density:
+            self._warned_density = warn_if_dense(result)
+        error = after_commit_error(
+            f"weight_v{plan.version:06d} is committed in {self.store.url}", finals
+        )
+        if error is not None:
+            if isinstance(error, SnapshotError):
+                self._held = None
+            raise error from (advance_error or hook_error)
         return result
 
     def pop_metrics(self) -> dict[str, float]:
@@ -224,6 +238,14 @@ class DeltaPublisher:
         return metrics
 
     # -------------------------------------------------------------------- phases
+    def _raise_failure(self, failure: Failure | None, local_error: BaseException | None) -> None:
+        """Raise a phase's failure on every rank (see :meth:`Failure.error`)."""
+        if failure is None:
+            return
+        if failure.kind == "uncertain":
+            self._held = None
+        raise failure.error() from local_error
+
     def _seeded(self) -> tuple[RankSnapshot, StreamState]:
         if self._held is None or self.stream is None:
             raise PublishError("publish() before seed(): call seed() once first")
@@ -237,21 +259,12 @@ class DeltaPublisher:
         spool: PayloadSpool,
         metrics: dict[str, float],
     ) -> tuple[DiffResult, BaseException | None]:
-        settings = DiffSettings(
-            encoding=self.encoding,
-            checksum=self.checksum,
-            workers=self.config.threads,
-            max_inflight_bytes=self.config.max_inflight_bytes,
-            pin_memory=self.config.pin_memory,
-            stage_host_tensors=self.config.stage_host_tensors,
-            base_checkpoint=self.base_checkpoint,
-        )
         try:
             diff = diff_tensors(
                 named_tensors,
                 held.snapshot.sources,
                 lambda name: held.old_bytes(name, stream),
-                settings,
+                self._diff_settings,
                 spool,
                 metrics,
             )
@@ -259,15 +272,6 @@ class DeltaPublisher:
             return DiffResult(), exc
         self.last_staging = diff.staging
         return diff, None
-
-    def _report(
-        self, diff: DiffResult, local_error: BaseException | None, full: bool
-    ) -> DiffReport:
-        passed = {
-            name: None if e is None else TensorChange(e.digest, e.length, e.changed_bytes)
-            for name, e in diff.passed.items()
-        }
-        return DiffReport(self.rank, describe(local_error), passed, full)
 
     def _plan_phase(
         self, report: DiffReport, stream: StreamState, metrics: dict[str, float]
@@ -302,19 +306,10 @@ class DeltaPublisher:
         )
         if isinstance(layout, Failure):
             return Plan(failure=layout), None
-        try:
-            slot = commit_protocol.claim(self.store, stream)
-        except Exception as exc:
-            return Plan(failure=self._claim_failure(stream, exc)), None
+        slot, failure = commit_protocol.claim(self.store, stream)
+        if slot is None:
+            return Plan(failure=failure), None
         return Plan(failure=None, version=slot.version, token=slot.token, layout=layout), slot
-
-    def _claim_failure(self, stream: StreamState, exc: Exception) -> Failure:
-        kind = "conflict" if isinstance(exc, VersionConflictError) else "publish"
-        return Failure(
-            f"claiming weight_v{stream.next_version:06d} in {self.store.url} failed on rank 0: "
-            f"{describe(exc)}; nothing was committed",
-            kind=kind,
-        )
 
     def _write_phase(
         self,
@@ -361,7 +356,17 @@ class DeltaPublisher:
         if writes is not None:
             assert slot is not None
             commit_started = time.perf_counter()
-            outcome = self._commit(plan, slot, writes, stream)
+            assert self._held is not None and plan.layout is not None
+            sizes = {name: src.nbytes for name, src in self._held.snapshot.sources.items()}
+            outcome = commit_protocol.commit_version(
+                slot,
+                plan,
+                writes,
+                stream,
+                sizes,
+                encoding=self.encoding.name,
+                checksum=self.checksum.name,
+            )
             metrics["commit_s"] = time.perf_counter() - commit_started
         try:
             outcome = self.coordinator.broadcast(outcome, what=what)
@@ -371,66 +376,6 @@ class DeltaPublisher:
             ) from exc
         metrics["coord_s"] += time.perf_counter() - begun - metrics["commit_s"]
         return outcome
-
-    def _commit(
-        self,
-        plan: Plan,
-        slot: VersionWriter,
-        writes: list[Written],
-        stream: StreamState,
-    ) -> Outcome:
-        """Rank 0: check every rank's shards and commit the index, or abort the version."""
-        assert self._held is not None and plan.layout is not None
-        version, url = plan.version, self.store.url
-        failure = written_failure(writes, version, url)
-        if failure is not None:
-            slot.abort()
-            return Outcome(failure)
-        sources = self._held.snapshot.sources
-        sizes = {name: s.nbytes for name, s in sources.items()}
-        reason = f"committing weight_v{version:06d} to {url} failed on rank 0"
-        try:
-            entries = check_written(plan.layout, writes, sizes, version)
-            totals = version_totals(plan.layout, writes, stream, sum(sizes.values()))
-            index = build_index(
-                version,
-                plan.token,
-                plan.layout,
-                entries,
-                totals,
-                stream,
-                encoding=self.encoding.name,
-                checksum=self.checksum.name,
-            )
-        except Exception as exc:
-            slot.abort()
-            return Outcome(Failure(f"{reason}: {describe(exc)}; nothing was committed"))
-        failure = self._commit_index(slot, index, f"{reason}")
-        if failure is not None:
-            return Outcome(failure)
-        return Outcome(None, entries, totals)
-
-    def _commit_index(
-        self, slot: VersionWriter, index: VersionIndex, reason: str
-    ) -> Failure | None:
-        """Rank 0: commit through the writer; a failure says whether anything landed."""
-        try:
-            slot.commit(index)
-            return None
-        except VersionConflictError as exc:
-            slot.abort()
-            return Failure(f"{reason}: {describe(exc)}; nothing was committed", "conflict")
-        except Exception as exc:
-            reason = f"{reason}: {describe(exc)}"
-            landed = commit_protocol.index_landed(self.store, slot.version, slot.token)
-        if landed is None:
-            # The index may stand (a check after it failed): never say nothing was committed.
-            return Failure(f"{reason}; whether it landed is unknown", "uncertain")
-        if landed:
-            log.warning("%s, but readers see its index with this token: it stands", reason)
-            return None
-        slot.abort()
-        return Failure(f"{reason}; nothing was committed and no snapshot advanced")
 
     def _advance_phase(
         self,
@@ -494,71 +439,6 @@ class DeltaPublisher:
         for key in SECONDS_KEYS:
             metrics[key] = max(f.seconds[key] for f in finals)
         return finals
-
-    # ------------------------------------------------------------------- errors
-    def _raise_failure(self, failure: Failure | None, local_error: BaseException | None) -> None:
-        """Raise a phase's failure on every rank, as the class its kind names."""
-        if failure is None:
-            return
-        if failure.kind == "conflict":
-            raise VersionConflictError(failure.message) from local_error
-        if failure.kind == "uncertain":
-            self._held = None
-            raise SnapshotError(
-                f"{failure.message}; check store.latest() and restart every rank with resume=True"
-            ) from local_error
-        raise PublishError(failure.message) from local_error
-
-    def _raise_after_commit(
-        self,
-        version: int,
-        finals: list[Final],
-        advance_error: BaseException | None,
-        hook_error: BaseException | None,
-    ) -> None:
-        where = f"weight_v{version:06d} is committed in {self.store.url}"
-        broken = [f"rank {f.rank}: {f.advance_error}" for f in finals if f.advance_error]
-        if broken:
-            self._held = None
-            raise SnapshotError(
-                f"{where}, but advancing the snapshot failed on {'; '.join(broken)}; restart "
-                "every rank with resume=True"
-            ) from advance_error
-        hooks = [f"rank {f.rank}: {f.hook_error}" for f in finals if f.hook_error]
-        if hooks:
-            raise HookError(
-                f"{where} but the post-write hook failed on {'; '.join(hooks)}; fix the hook "
-                "and run it again on those ranks before engines pull"
-            ) from hook_error
-
-    # ------------------------------------------------------------------ metrics
-    def _record(self, metrics: dict[str, float], result: PublishResult) -> None:
-        metrics.update(
-            version=result.version,
-            full=1.0 if result.kind == "full" else 0.0,
-            density=result.density,
-            changed_bytes=result.changed_bytes,
-            total_bytes=result.total_bytes,
-            wire_bytes=result.wire_bytes,
-            tensors_changed=result.tensors_changed,
-            tensors=len(self.snapshot or ()),
-            world_size=self.world_size,
-        )
-        self._metrics = metrics
-
-    def _warn_if_dense(self, result: PublishResult) -> None:
-        """Once per publisher: say why a version is far denser than an RL step makes."""
-        if self._warned_density or result.density <= HIGH_DENSITY:
-            return
-        self._warned_density = True
-        message = (
-            f"weight_v{result.version:06d} changed {result.density:.0%} of the model's bytes; "
-            "RL steps usually change under 5 %. Publishing the dtype the engines load "
-            "(usually bf16, not fp32 master weights) gives far lower density: cast the "
-            "tensors and seed from a base checkpoint in that dtype"
-        )
-        log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 __all__ = ["METRIC_KEYS", "DeltaPublisher", "PublishResult", "PublisherConfig"]
