@@ -138,7 +138,8 @@ def make_coordinator(process_group: Any = None, *, collective: bool | None = Non
     if process_group is not None or collective:
         if not available:
             raise ConfigError(
-                "a collective publish needs torch.distributed initialised (init_process_group)"
+                "a collective publish (process_group or collective=True) needs torch.distributed, "
+                "which is not initialised; call torch.distributed.init_process_group first"
             )
         return TorchCoordinator(process_group)
     if available and dist.get_world_size() > 1:

@@ -28,7 +28,7 @@ from deltastore.errors import (
     VersionConflictError,
 )
 from deltastore.format.names import INDEX_NAME
-from deltastore.publish import METRIC_KEYS
+from deltastore.publish import METRIC_KEYS, PublisherConfig
 from tests.conftest import checkpoint_bytes, perturb, raw_bytes
 
 Model = dict[str, torch.Tensor]
@@ -400,3 +400,20 @@ def test_a_dense_version_warns_once_and_says_why(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         publisher.publish(v1.items())  # dense again: warned once per publisher
+
+
+def test_a_collective_without_torch_distributed_is_a_config_error(tmp_path: Path, base_dir: Path):
+    with pytest.raises(ConfigError, match="not initialised"):
+        ds.DeltaPublisher(str(tmp_path / "store"), base_dir, collective=True)
+    with pytest.raises(ConfigError, match="not initialised"):
+        ds.DeltaPublisher(str(tmp_path / "store"), base_dir, process_group=object())
+
+
+def test_settings_come_as_keywords_or_one_config(tmp_path: Path, base_dir: Path):
+    config = PublisherConfig(encoding="overwrite", anchor_every=3)
+    publisher = ds.DeltaPublisher(str(tmp_path / "store"), base_dir, config, workers=1)
+    assert publisher.config == PublisherConfig(encoding="overwrite", anchor_every=3, workers=1)
+    with pytest.raises(ConfigError, match="anchor_evry"):
+        ds.DeltaPublisher(str(tmp_path / "store"), base_dir, anchor_evry=3)
+    with pytest.raises(ConfigError, match="anchor_every"):
+        PublisherConfig(anchor_every=0)
