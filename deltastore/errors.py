@@ -70,3 +70,12 @@ class LockTimeoutError(DeltastoreError, TimeoutError):
 
 class HookError(DeltastoreError):
     """A hook could not be loaded, or raised while running."""
+
+
+class SnapshotError(DeltastoreError):
+    """A publish failed at or after its commit: the version is (or may be) in the store and
+    the publisher's snapshot did not follow it.
+
+    Unlike :class:`PublishError` nothing is promised about the store: check
+    ``store.latest()`` and restart every rank of the publisher with ``resume=True``.
+    """

@@ -1,6 +1,16 @@
 """Trainer side: the snapshot, the diff pipeline and ``DeltaPublisher``."""
 
-from deltastore.publish.publisher import METRIC_KEYS, DeltaPublisher, PublishResult
+from deltastore.errors import SnapshotError
+from deltastore.publish.config import PublisherConfig
+from deltastore.publish.metrics import METRIC_KEYS, PublishResult
+from deltastore.publish.publisher import DeltaPublisher
 from deltastore.publish.snapshot import Snapshot
 
-__all__ = ["METRIC_KEYS", "DeltaPublisher", "PublishResult", "Snapshot"]
+__all__ = [
+    "METRIC_KEYS",
+    "DeltaPublisher",
+    "PublishResult",
+    "PublisherConfig",
+    "Snapshot",
+    "SnapshotError",
+]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, TypeVar
 
-from deltastore.errors import PublishError
+from deltastore.errors import ConfigError, PublishError
 
 log = logging.getLogger("deltastore.publish")
 
@@ -73,7 +73,7 @@ class TorchCoordinator:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise PublishError(
+            raise ConfigError(
                 "a process group was given but torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group first"
             )
@@ -137,8 +137,9 @@ def make_coordinator(process_group: Any = None, *, collective: bool | None = Non
     available = dist is not None and dist.is_available() and dist.is_initialized()
     if process_group is not None or collective:
         if not available:
-            raise PublishError(
-                "a collective publish needs torch.distributed initialised (init_process_group)"
+            raise ConfigError(
+                "a collective publish (process_group or collective=True) needs torch.distributed, "
+                "which is not initialised; call torch.distributed.init_process_group first"
             )
         return TorchCoordinator(process_group)
     if available and dist.get_world_size() > 1:

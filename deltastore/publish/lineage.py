@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from deltastore.codecs import check_compression, get_checksum, get_encoding
 from deltastore.errors import ConfigError, FormatError, StreamError
-from deltastore.format.index import check_shard_names
+from deltastore.format.index import VersionIndex, check_shard_names
 from deltastore.publish.snapshot import PayloadRef, Snapshot, TensorSource
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import walk_chain
@@ -80,66 +80,11 @@ def rebuild_lineage(
     overlays: dict[str, Overlay] = {}
     wanted = set(sources) if names is None else set(names)
     if start is not None:
-        where = f"{store.url}/weight_v{start.version:06d}"
-        missing = sorted(set(sources) - set(start.weight_map))
-        if missing:
-            raise FormatError(
-                f"full version {where} lacks base tensors {missing[:5]}; a full version must be "
-                "complete"
-            )
-        if start.checksum:
-            get_checksum(start.checksum)
-        for shard, shard_names in start.shards().items():
-            if names is not None and not wanted.intersection(shard_names):
-                continue
-            header = store.read_shard_header(start.version, shard)
-            check_shard_names(start, shard, set(header.tensors), source=f"{where}/{shard}")
-            for name in shard_names:
-                entry = header.tensors[name]
-                _check_layout(name, entry.nbytes, sources, where)
-                if name in wanted:
-                    overlays[name] = Overlay(
-                        start.version,
-                        shard,
-                        entry.start,
-                        (),
-                        start.checksum,
-                        header.metadata.get(name),
-                    )
+        _overlay_full(store, start, sources, wanted, names is not None, overlays)
     wire = 0
     for delta in deltas:
-        where = f"{store.url}/weight_v{delta.version:06d}"
-        try:
-            encoding = get_encoding(delta.encoding or "")
-            check_compression(delta.compression)
-            get_checksum(delta.checksum or "")
-        except ConfigError as exc:
-            raise FormatError(f"{where} cannot be replayed: {exc}") from None
         wire += int(delta.totals.get("wire_bytes", 0))
-        for shard, shard_names in delta.shards().items():
-            if names is not None and not wanted.intersection(shard_names):
-                continue
-            header = store.read_shard_header(delta.version, shard)
-            check_shard_names(delta, shard, set(header.tensors), source=f"{where}/{shard}")
-            for name in shard_names:
-                if name not in sources:
-                    _check_layout(name, 0, sources, where)
-                if name not in wanted:
-                    continue
-                entry = header.tensors[name]
-                ref = PayloadRef(delta.version, shard, entry.start, entry.end, encoding.name)
-                digest = header.metadata.get(name)
-                if digest is None:
-                    raise FormatError(f"{where}/{shard}: tensor {name!r} has no digest")
-                previous = overlays.get(name)
-                overlays[name] = Overlay(
-                    previous.full_version if previous else None,
-                    previous.shard if previous else None,
-                    previous.offset if previous else 0,
-                    (previous.deltas if previous else ()) + (ref,),
-                    delta.checksum,
-                    digest,
-                )
+        _overlay_delta(store, delta, sources, wanted, names is not None, overlays)
     return Lineage(
         version=target,
         start=start.version if start else 0,
@@ -148,6 +93,82 @@ def rebuild_lineage(
         deltas=len(deltas),
         wire_bytes=wire,
     )
+
+
+def _overlay_full(
+    store: VersionStore,
+    start: VersionIndex,
+    sources: dict[str, TensorSource],
+    wanted: set[str],
+    limited: bool,
+    overlays: dict[str, Overlay],
+) -> None:
+    """Point the ``wanted`` tensors at the full version ``start`` (every base tensor checked
+    there; only shards holding a wanted tensor are read when ``limited``)."""
+    where = f"{store.url}/weight_v{start.version:06d}"
+    missing = sorted(set(sources) - set(start.weight_map))
+    if missing:
+        raise FormatError(
+            f"full version {where} lacks base tensors {missing[:5]}; a full version must be "
+            "complete"
+        )
+    if start.checksum:
+        get_checksum(start.checksum)
+    for shard, shard_names in start.shards().items():
+        if limited and not wanted.intersection(shard_names):
+            continue
+        header = store.read_shard_header(start.version, shard)
+        check_shard_names(start, shard, set(header.tensors), source=f"{where}/{shard}")
+        for name in shard_names:
+            entry = header.tensors[name]
+            _check_layout(name, entry.nbytes, sources, where)
+            if name in wanted:
+                digest = header.metadata.get(name)
+                overlays[name] = Overlay(
+                    start.version, shard, entry.start, (), start.checksum, digest
+                )
+
+
+def _overlay_delta(
+    store: VersionStore,
+    delta: VersionIndex,
+    sources: dict[str, TensorSource],
+    wanted: set[str],
+    limited: bool,
+    overlays: dict[str, Overlay],
+) -> None:
+    """Append one delta's payloads to the ``wanted`` tensors' overlays."""
+    where = f"{store.url}/weight_v{delta.version:06d}"
+    try:
+        encoding = get_encoding(delta.encoding or "")
+        check_compression(delta.compression)
+        get_checksum(delta.checksum or "")
+    except ConfigError as exc:
+        raise FormatError(f"{where} cannot be replayed: {exc}") from None
+    for shard, shard_names in delta.shards().items():
+        if limited and not wanted.intersection(shard_names):
+            continue
+        header = store.read_shard_header(delta.version, shard)
+        check_shard_names(delta, shard, set(header.tensors), source=f"{where}/{shard}")
+        for name in shard_names:
+            if name not in sources:
+                _check_layout(name, 0, sources, where)
+            if name not in wanted:
+                continue
+            entry = header.tensors[name]
+            ref = PayloadRef(delta.version, shard, entry.start, entry.end, encoding.name)
+            digest = header.metadata.get(name)
+            if digest is None:
+                raise FormatError(f"{where}/{shard}: tensor {name!r} has no digest")
+            previous = overlays.get(name)
+            overlays[name] = Overlay(
+                previous.full_version if previous else None,
+                previous.shard if previous else None,
+                previous.offset if previous else 0,
+                (previous.deltas if previous else ()) + (ref,),
+                delta.checksum,
+                digest,
+            )
 
 
 def apply_lineage(

@@ -172,9 +172,6 @@ class Snapshot:
         with self._lock:
             return name in self._loaded
 
-    def largest_tensor_bytes(self) -> int:
-        return max((s.nbytes for s in self.sources.values()), default=0)
-
     # --------------------------------------------------------------- loading
     def load(self, name: str) -> ByteArray:
         """The tensor's bytes, read (and kept) on first access. Raises like :meth:`peek`."""
@@ -319,9 +316,3 @@ def check_layout(name: str, tensor: Any, nbytes: int, base: TensorSource) -> Non
         raise PublishError(
             f"tensor {name!r} has shape {list(shape)}, the base has {list(base.shape)}"
         )
-
-
-def check_against_snapshot(name: str, tensor: Any, data: ByteArray, base: SnapshotTensor) -> None:
-    """Refuse a tensor whose byte size, dtype or shape differs from the base's."""
-    source = TensorSource(base.dtype, base.shape, int(base.data.size), 0)
-    check_layout(name, tensor, int(data.size), source)

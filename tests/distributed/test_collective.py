@@ -224,6 +224,11 @@ def _two_ranks_failing(rank: int, world: int, base: str, store_url: str) -> dict
     attempt([(LAYERS[rank], bad), (EMBED, good[EMBED])])
     # 4. Everything right: commits as version 1 (failures did not move the counter).
     attempt([(n, good[n]) for n in mine])
+    # 5. Another writer holds version 2: every rank raises VersionConflictError, as a single
+    #    process does (one error contract whatever the world size).
+    if rank == 0:
+        VersionStore(store_url).begin(2)
+    attempt([(n, good[n]) for n in mine])
     return out
 
 
@@ -235,7 +240,9 @@ def test_two_ranks_divergent_replicas_and_failing_rank_commit_nothing(tmp_path: 
         2, _two_ranks_failing, tmp_path / "ranks", base=str(base), store_url=str(store_dir)
     )
     for rank, out in enumerate(outs):
-        divergent, write_failed, diff_failed, ok = out["errors"]
+        divergent, write_failed, diff_failed, ok, conflict = out["errors"]
+        assert conflict is not None and conflict[0] == "VersionConflictError", rank
+        assert "weight_v000002" in conflict[1]
         assert divergent is not None and divergent[0] == "PublishError", rank
         assert repr(EMBED) in divergent[1] and "ranks [0, 1]" in divergent[1]
         assert write_failed is not None and write_failed[0] == "PublishError"
@@ -243,7 +250,7 @@ def test_two_ranks_divergent_replicas_and_failing_rank_commit_nothing(tmp_path: 
         assert diff_failed is not None and diff_failed[0] == "PublishError"
         assert "failed on rank 1" in diff_failed[1] and "512 bytes" in diff_failed[1]
         assert ok is None
-        assert out["next"] == [1, 1, 1, 2]
+        assert out["next"] == [1, 1, 1, 2, 2]
     # After each failure rank 0 saw no version directory and no claim left behind.
     for state in outs[0]["states"][:3]:
         assert state == {"dirs": [], "claims": []}

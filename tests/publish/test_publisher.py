@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,12 @@ from deltastore.errors import (
     ConfigError,
     HookError,
     PublishError,
+    SnapshotError,
     StreamError,
     VersionConflictError,
 )
 from deltastore.format.names import INDEX_NAME
-from deltastore.publish import METRIC_KEYS
+from deltastore.publish import METRIC_KEYS, PublisherConfig
 from tests.conftest import checkpoint_bytes, perturb, raw_bytes
 
 Model = dict[str, torch.Tensor]
@@ -259,10 +261,15 @@ def test_post_write_hook_gets_the_reference_arguments(
 def test_failing_post_write_hook_commits_and_advances(
     tmp_path: Path, base_dir: Path, small_model: Model
 ):
-    def hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
-        raise RuntimeError("mount refused the upload")
+    failures = [RuntimeError("mount refused the upload")]
 
-    publisher = ds.DeltaPublisher(str(tmp_path / "store"), base_dir, post_write=hook)
+    def hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
+        if failures:
+            raise failures.pop()
+
+    store = ds.VersionStore(tmp_path / "store")
+    publisher = ds.DeltaPublisher(store, base_dir, post_write=hook)
+    assert store.post_write is None, "the caller's store is not modified"
     publisher.seed()
     v1 = perturb(small_model, 1)
     with pytest.raises(HookError, match="weight_v000001") as info:
@@ -271,7 +278,6 @@ def test_failing_post_write_hook_commits_and_advances(
     assert publisher.store.versions() == [1]
     assert publisher.pop_metrics()["version"] == 1
     v2 = perturb(v1, 2)
-    publisher.store.post_write = None
     result = publisher.publish(v2.items())
     assert (result.version, result.base_version) == (2, 1)
     assert result.changed_bytes == _changed_bytes(v1, v2), "the snapshot advanced to v1"
@@ -281,15 +287,60 @@ def test_failing_post_write_hook_commits_and_advances(
 
 
 class FlakyCommitStore(ds.VersionStore):
-    """A store whose next ``fail`` commits raise, as a lost connection would."""
+    """A store whose next ``fail`` index writes raise, as a lost connection would; with
+    ``land=True`` the index lands before the error (a lost acknowledgement)."""
 
     fail = 0
+    land = False
+    blind = False
+    """Reads of the version listing fail (the store cannot tell what landed)."""
 
-    def commit(self, version: int, index: ds.VersionIndex) -> None:
-        if self.fail:
+    def create_or_read(self, path: str, data: bytes) -> bytes | None:
+        if self.fail and path.endswith(INDEX_NAME):
             self.fail -= 1
+            if self.land:
+                super().create_or_read(path, data)
             raise OSError("connection reset while writing the index")
-        super().commit(version, index)
+        return super().create_or_read(path, data)
+
+    def refresh(self, version: int | None = None) -> None:
+        if self.blind:
+            raise OSError("connection reset while listing")
+        super().refresh(version)
+
+
+def test_commit_whose_outcome_is_unknown_is_not_a_publish_error(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    """The index landed but the store cannot say so: the error must not promise that nothing
+    was committed (a PublishError would), and the stream restarts from the store."""
+    store = FlakyCommitStore(tmp_path / "store")
+    publisher = ds.DeltaPublisher(store, base_dir)
+    publisher.seed()
+    store.fail, store.land, store.blind = 1, True, True
+    with pytest.raises(SnapshotError, match="weight_v000001") as info:
+        publisher.publish(perturb(small_model, 1).items())
+    assert not isinstance(info.value, PublishError)
+    assert "resume=True" in str(info.value)
+    store.blind = False
+    assert store.versions() == [1], "the index did land"
+    with pytest.raises(PublishError, match="seed"):
+        publisher.publish(perturb(small_model, 2).items())
+
+
+def test_commit_with_a_lost_acknowledgement_stands(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    store = FlakyCommitStore(tmp_path / "store")
+    publisher = ds.DeltaPublisher(store, base_dir)
+    publisher.seed()
+    store.fail, store.land = 1, True
+    v1 = perturb(small_model, 1)
+    assert publisher.publish(v1.items()).version == 1
+    v2 = perturb(v1, 2)
+    result = publisher.publish(v2.items())
+    assert (result.version, result.base_version) == (2, 1)
+    assert result.changed_bytes == _changed_bytes(v1, v2), "the snapshot advanced to v1"
 
 
 @pytest.mark.parametrize("full", [False, True])
@@ -314,3 +365,55 @@ def test_failed_commit_does_not_advance(
     assert (result.version, result.base_version) == (1, 0)
     assert result.changed_bytes == _changed_bytes(small_model, v1b)
     assert _pull_bytes(tmp_path, store, 1, base_dir) == {n: raw_bytes(t) for n, t in v1b.items()}
+
+
+# ------------------------------------------------------------------ API edges
+def test_a_state_dict_mapping_is_accepted_like_pairs(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    publisher = _publisher(tmp_path, base_dir)
+    new = perturb(small_model, 1)
+    result = publisher.publish(new)  # a Mapping name -> tensor, as model.state_dict() is
+    assert result.version == 1
+    assert result.changed_bytes == _changed_bytes(small_model, new)
+    assert _pull_bytes(tmp_path, publisher.store, 1, base_dir) == {
+        n: raw_bytes(t) for n, t in new.items()
+    }
+    with pytest.raises(PublishError, match=r"mapping name -> tensor or \(name, tensor\) pairs"):
+        publisher.publish(list(new))  # names only
+
+
+def test_a_dense_version_warns_once_and_says_why(
+    tmp_path: Path, base_dir: Path, small_model: Model, caplog: pytest.LogCaptureFixture
+):
+    publisher = _publisher(tmp_path, base_dir)
+    v1 = perturb(small_model, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert publisher.publish(v1.items()).density < 0.2, "an RL-like step does not warn"
+    dense = {n: (t.reshape(-1).view(torch.uint8) ^ 0xFF).view(t.dtype).reshape(t.shape)
+             for n, t in v1.items()}  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="bf16") as record:
+        result = publisher.publish(dense.items())
+    assert result.density > 0.9 and len(record) == 1
+    assert "weight_v000002" in caplog.text and "bf16" in caplog.text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        publisher.publish(v1.items())  # dense again: warned once per publisher
+
+
+def test_a_collective_without_torch_distributed_is_a_config_error(tmp_path: Path, base_dir: Path):
+    with pytest.raises(ConfigError, match="not initialised"):
+        ds.DeltaPublisher(str(tmp_path / "store"), base_dir, collective=True)
+    with pytest.raises(ConfigError, match="not initialised"):
+        ds.DeltaPublisher(str(tmp_path / "store"), base_dir, process_group=object())
+
+
+def test_settings_come_as_keywords_or_one_config(tmp_path: Path, base_dir: Path):
+    config = PublisherConfig(encoding="overwrite", anchor_every=3)
+    publisher = ds.DeltaPublisher(str(tmp_path / "store"), base_dir, config, workers=1)
+    assert publisher.config == PublisherConfig(encoding="overwrite", anchor_every=3, workers=1)
+    with pytest.raises(ConfigError, match="anchor_evry"):
+        ds.DeltaPublisher(str(tmp_path / "store"), base_dir, anchor_evry=3)
+    with pytest.raises(ConfigError, match="anchor_every"):
+        PublisherConfig(anchor_every=0)

@@ -1,0 +1,220 @@
+"""The diff pipeline: each passed tensor against the snapshot, encoded, compressed and digested
+in a thread pool, its payload straight into the spool.
+
+Every per-tensor step is O(1) amortised: at most ``2 * workers`` encodes are in flight
+(the producer blocks on the oldest, as the reference writer does), and finished results are
+taken from the front of a queue, so no step scans the tensors already submitted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltastore.codecs import ByteArray, Checksum, Encoding, compress
+from deltastore.errors import PublishError
+from deltastore.publish.config import PublisherConfig
+from deltastore.publish.device import HostStager, Staged, StagerStats
+from deltastore.publish.messages import DiffReport, TensorChange, describe
+from deltastore.publish.rank_state import Encoded
+from deltastore.publish.snapshot import TensorSource, check_layout, nbytes_of
+from deltastore.publish.spool import PayloadSpool
+
+NamedTensors = Iterable[tuple[str, Any]] | Mapping[str, Any]
+"""What ``publish()`` takes: a mapping name → tensor (a state dict) or (name, tensor) pairs."""
+
+
+@dataclass
+class DiffResult:
+    """What one rank's diff produced."""
+
+    encoded: dict[str, Encoded] = field(default_factory=dict)
+    """The changed tensors."""
+    passed: dict[str, Encoded | None] = field(default_factory=dict)
+    """Every passed name; None where unchanged."""
+    staging: StagerStats | None = None
+
+
+@dataclass
+class DiffSettings:
+    """What the pipeline needs besides the tensors (one publisher's fixed settings)."""
+
+    encoding: Encoding
+    checksum: Checksum
+    workers: int
+    max_inflight_bytes: int
+    pin_memory: bool | None
+    stage_host_tensors: bool
+    base_checkpoint: str
+    """Named in the error for a tensor the base lacks."""
+
+    @classmethod
+    def of(
+        cls, config: PublisherConfig, encoding: Encoding, checksum: Checksum, base: str
+    ) -> DiffSettings:
+        """The settings of a publisher with ``config``."""
+        return cls(
+            encoding=encoding,
+            checksum=checksum,
+            workers=config.threads,
+            max_inflight_bytes=config.max_inflight_bytes,
+            pin_memory=config.pin_memory,
+            stage_host_tensors=config.stage_host_tensors,
+            base_checkpoint=base,
+        )
+
+
+def report_of(
+    rank: int, diff: DiffResult, error: BaseException | None, *, full: bool
+) -> DiffReport:
+    """The message a rank sends rank 0 after its diff."""
+    passed = {
+        name: None if e is None else TensorChange(e.digest, e.length, e.changed_bytes)
+        for name, e in diff.passed.items()
+    }
+    return DiffReport(rank, describe(error), passed, full)
+
+
+def named_pairs(named_tensors: NamedTensors) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) pairs from a mapping or an iterable of pairs.
+
+    Raises :class:`PublishError` for an item that is not a (name, tensor) pair.
+    """
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
+            raise PublishError(
+                f"publish() takes a mapping name -> tensor or (name, tensor) pairs; got an item "
+                f"of type {type(item).__name__}"
+            )
+        yield item[0], item[1]
+
+
+def _encode(
+    settings: DiffSettings,
+    spool: PayloadSpool,
+    metrics: dict[str, float],
+    lock: threading.Lock,
+    name: str,
+    old: ByteArray,
+    staged: Staged,
+) -> tuple[str, Encoded | None]:
+    """Worker: encode one tensor; a changed one's frame goes straight into the spool."""
+    try:
+        new = staged.wait()
+        begun = time.perf_counter()
+        delta = settings.encoding.encode(old, new)
+        result = None
+        if delta.changed_bytes:
+            digest = settings.checksum.hexdigest(new)
+            offset, length = spool.append(compress(delta.payload))
+            result = Encoded(name, delta.changed_bytes, digest, offset, length)
+        del delta
+        with lock:
+            metrics["encode_s"] += time.perf_counter() - begun
+        return name, result
+    finally:
+        staged.release()
+
+
+def diff_tensors(
+    named_tensors: NamedTensors,
+    sources: Mapping[str, TensorSource],
+    old_bytes: Callable[[str], ByteArray],
+    settings: DiffSettings,
+    spool: PayloadSpool,
+    metrics: dict[str, float],
+) -> DiffResult:
+    """Diff every passed tensor against ``old_bytes(name)`` (the snapshot).
+
+    Host copies are staged under the in-flight byte budget and at most ``2 * workers``
+    encodes are pending, so a slow pool holds the producer back. Adds ``load_s``, ``copy_s``,
+    ``encode_s`` and ``diff_s`` to ``metrics``. Raises :class:`PublishError` naming a tensor
+    passed twice, unknown to the base, or of another size, dtype or shape.
+    """
+    result = DiffResult()
+    stager = HostStager(
+        settings.max_inflight_bytes,
+        pin_memory=settings.pin_memory,
+        stage_host_tensors=settings.stage_host_tensors,
+    )
+    lock = threading.Lock()
+    window = 2 * settings.workers
+    pending: deque[cf.Future[tuple[str, Encoded | None]]] = deque()
+
+    def take_oldest() -> None:
+        name, encoded = pending.popleft().result()
+        result.passed[name] = encoded
+        if encoded is not None:
+            result.encoded[name] = encoded
+
+    seen: set[str] = set()
+    started = time.perf_counter()
+    with cf.ThreadPoolExecutor(settings.workers, thread_name_prefix="deltastore-encode") as pool:
+        try:
+            for name, tensor in named_pairs(named_tensors):
+                _check_tensor(name, tensor, sources, seen, settings)
+                old, staged = _load_and_stage(name, tensor, old_bytes, stager, metrics)
+                pending.append(
+                    pool.submit(_encode, settings, spool, metrics, lock, name, old, staged)
+                )
+                while pending and (len(pending) > window or pending[0].done()):
+                    take_oldest()
+            while pending:
+                take_oldest()
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+        finally:
+            stager.close()
+    result.staging = stager.stats
+    metrics["copy_s"] += stager.stats.copy_wait_s
+    metrics["diff_s"] = time.perf_counter() - started
+    return result
+
+
+def _load_and_stage(
+    name: str,
+    tensor: Any,
+    old_bytes: Callable[[str], ByteArray],
+    stager: HostStager,
+    metrics: dict[str, float],
+) -> tuple[ByteArray, Staged]:
+    """The snapshot's bytes and a staged host copy of ``tensor`` (``load_s``, ``copy_s``)."""
+    begun = time.perf_counter()
+    old = old_bytes(name)
+    loaded = time.perf_counter()
+    waited = stager.stats.budget_wait_s
+    staged = stager.stage(name, tensor)
+    metrics["load_s"] += loaded - begun
+    # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
+    metrics["copy_s"] += time.perf_counter() - loaded - (stager.stats.budget_wait_s - waited)
+    return old, staged
+
+
+def _check_tensor(
+    name: str,
+    tensor: Any,
+    sources: Mapping[str, TensorSource],
+    seen: set[str],
+    settings: DiffSettings,
+) -> None:
+    """Refuse a tensor passed twice, unknown to the base, or of another layout."""
+    if name in seen:
+        raise PublishError(f"tensor {name!r} was passed twice in one publish")
+    seen.add(name)
+    source = sources.get(name)
+    if source is None:
+        raise PublishError(
+            f"tensor {name!r} is not in the base checkpoint {settings.base_checkpoint}; a "
+            "delta cannot add tensors"
+        )
+    nbytes = nbytes_of(name, tensor)
+    check_layout(name, tensor, nbytes, source)
+    settings.encoding.check_size(nbytes, tensor=name)

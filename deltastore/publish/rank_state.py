@@ -1,0 +1,117 @@
+"""What one rank holds of the published model: its snapshot, and which tensors another rank
+has moved on since (their bytes are re-read from the store's chain before use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from deltastore.codecs import ByteArray, Encoding, decompress
+from deltastore.errors import PublishError
+from deltastore.publish.lineage import apply_lineage, rebuild_lineage
+from deltastore.publish.messages import Layout, Placement
+from deltastore.publish.snapshot import Snapshot, TensorSource
+from deltastore.publish.spool import PayloadSpool
+from deltastore.publish.stream import StreamState
+from deltastore.storage import VersionStore
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One diffed tensor: its new digest and where its compressed payload sits in the spool."""
+
+    name: str
+    changed_bytes: int
+    digest: str
+    offset: int
+    length: int
+
+
+def apply_payload(
+    encoding: Encoding, name: str, target: ByteArray, entry: Encoded, spool: PayloadSpool
+) -> None:
+    """Apply a spooled payload to ``target`` in place (size-checked before decompressing)."""
+    payload = decompress(
+        spool.read(entry.offset, entry.length),
+        max_size=encoding.max_payload_size(target.size),
+        what=f"payload of tensor {name!r}",
+    )
+    encoding.apply(target, payload, tensor=name)
+
+
+class RankSnapshot:
+    """A rank's snapshot plus the bookkeeping that keeps it true across ranks.
+
+    ``base_sources`` describe the base checkpoint (version 0); ``store`` is where the chain
+    is re-read from when a tensor another rank published is needed here.
+    """
+
+    def __init__(
+        self, snapshot: Snapshot, base_sources: dict[str, TensorSource], store: VersionStore
+    ) -> None:
+        self.snapshot = snapshot
+        self.base_sources = base_sources
+        self.store = store
+        self.moved: set[str] = set()
+        """Tensors changed by another rank since this rank's snapshot of them."""
+
+    def old_bytes(self, name: str, stream: StreamState, *, keep: bool = True) -> ByteArray:
+        """The snapshot's bytes of ``name`` (kept loaded unless ``keep=False``)."""
+        self.refresh(name, stream)
+        return self.snapshot.load(name) if keep else self.snapshot.peek(name)
+
+    def refresh(self, name: str, stream: StreamState) -> None:
+        """Point a tensor another rank changed since this rank held it at the store's chain.
+
+        Raises :class:`PublishError` when the stream cannot be walked from its base.
+        """
+        if name not in self.moved or self.snapshot.is_loaded(name):
+            return
+        if not stream.walk_from_base:
+            raise PublishError(
+                f"tensor {name!r} was published by another rank since this rank last held "
+                "it, and this stream continues a checkpoint (continue_latest) rather than "
+                "its base: pass each tensor on the same rank, or publish a full version"
+            )
+        lineage = rebuild_lineage(self.store, stream.base_version, self.base_sources, names=[name])
+        apply_lineage(self.snapshot, lineage, self.base_sources)
+        self.moved.discard(name)
+
+    def advance(
+        self,
+        layout: Layout,
+        entries: dict[str, Placement],
+        encoded: dict[str, Encoded],
+        spool: PayloadSpool,
+        *,
+        encoding: Encoding,
+        version: int,
+        checksum: str,
+    ) -> None:
+        """Move the snapshot to the committed ``version`` (call only after the commit).
+
+        Replicas this rank diffed but did not write advance too: their state is the committed
+        one. Tensors another rank changed are forgotten; after a full version every tensor is
+        read back from it.
+        """
+        for name, entry in encoded.items():
+            apply_payload(encoding, name, self.snapshot.load(name), entry, spool)
+        for name in layout.changed:
+            if name not in encoded:
+                self.snapshot.evict(name)
+                self.moved.add(name)
+        if not layout.full:
+            return
+        for name, placement in entries.items():
+            source = replace(
+                self.base_sources[name],
+                file=None,
+                full_version=version,
+                shard=placement.shard,
+                offset=placement.start,
+                deltas=(),
+                checksum=checksum,
+                digest=placement.digest,
+            )
+            self.snapshot.set_source(name, source, keep_loaded=True)
+        self.moved.clear()

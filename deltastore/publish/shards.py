@@ -1,0 +1,115 @@
+"""Writing a rank's shards of a version: delta shards from spooled payloads, full shards from
+the snapshot plus this publish's payloads. Files are opened through ``open_write(shard)``
+(the version's writer), so this module never decides where or how a version is committed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from deltastore.codecs import ByteArray, Checksum, Encoding
+from deltastore.format.safetensors_io import TensorLayout, build_header
+from deltastore.publish.messages import Placement, ShardJob
+from deltastore.publish.rank_state import Encoded, RankSnapshot, apply_payload
+from deltastore.publish.spool import COPY_CHUNK, PayloadSpool
+from deltastore.publish.stream import StreamState
+
+OpenWrite = Callable[[str], AbstractContextManager[BinaryIO]]
+"""Opens one file of the version being written, by shard name."""
+
+
+@dataclass(frozen=True)
+class ShardWriter:
+    """Writes one rank's shards of one version."""
+
+    open_write: OpenWrite
+    encoded: dict[str, Encoded]
+    spool: PayloadSpool
+    encoding: Encoding
+    checksum: Checksum
+    workers: int
+
+    def write_all(
+        self, jobs: Sequence[ShardJob], *, full: bool, held: RankSnapshot, stream: StreamState
+    ) -> tuple[dict[str, Placement], int]:
+        """Write every job; returns each tensor's placement and the bytes written."""
+        entries: dict[str, Placement] = {}
+        wire = 0
+        for job in jobs:
+            if full:
+                placed, size = self.write_full(job, held, stream)
+            else:
+                placed, size = self.write_delta(job)
+            entries.update(placed)
+            wire += size
+        return entries, wire
+
+    def write_delta(self, job: ShardJob) -> tuple[dict[str, Placement], int]:
+        """One delta shard: every tensor's compressed payload as a ``U8`` entry."""
+        encoded = self.encoded
+        layouts = [TensorLayout(n, "U8", (encoded[n].length,)) for n in job.names]
+        header = build_header(layouts, {n: encoded[n].digest for n in job.names})
+        entries = {}
+        offset = len(header)
+        with self.open_write(job.shard) as out:
+            out.write(header)
+            for n in job.names:
+                self.spool.copy_to(out, encoded[n].offset, encoded[n].length)
+                end = offset + encoded[n].length
+                entries[n] = Placement(job.shard, offset, end, encoded[n].digest)
+                offset = end
+        return entries, offset
+
+    def write_full(
+        self, job: ShardJob, held: RankSnapshot, stream: StreamState
+    ) -> tuple[dict[str, Placement], int]:
+        """One shard of a complete HF checkpoint: every tensor's new bytes and digest."""
+        sources = held.snapshot.sources
+        for name in job.names:
+            held.refresh(name, stream)
+        with cf.ThreadPoolExecutor(self.workers, thread_name_prefix="deltastore-digest") as pool:
+            digests = dict(
+                zip(job.names, pool.map(lambda n: self._digest(n, held, stream), job.names))
+            )
+        layouts = [TensorLayout(n, sources[n].dtype, sources[n].shape) for n in job.names]
+        header = build_header(layouts, {"format": "pt", **digests})
+        entries = {}
+        offset = len(header)
+        with self.open_write(job.shard) as out:
+            out.write(header)
+            for n in job.names:
+                data = self._new_bytes(n, held, stream)
+                for lo in range(0, data.size, COPY_CHUNK):
+                    out.write(memoryview(data[lo : lo + COPY_CHUNK]))
+                end = offset + int(data.size)
+                entries[n] = Placement(job.shard, offset, end, digests[n])
+                offset = end
+                del data
+        return entries, offset
+
+    def _digest(self, name: str, held: RankSnapshot, stream: StreamState) -> str:
+        """A tensor's digest after this publish, reusing a verified one where it can."""
+        if name in self.encoded:
+            return self.encoded[name].digest
+        source = held.snapshot.sources[name]
+        if (
+            source.digest is not None
+            and source.checksum == self.checksum.name
+            and not held.snapshot.is_loaded(name)
+        ):
+            return source.digest
+        return self.checksum.hexdigest(held.old_bytes(name, stream, keep=False))
+
+    def _new_bytes(self, name: str, held: RankSnapshot, stream: StreamState) -> ByteArray:
+        """A tensor's bytes after this publish: snapshot + payload, snapshot untouched."""
+        current = held.old_bytes(name, stream, keep=False)
+        entry = self.encoded.get(name)
+        if entry is None:
+            return current
+        result = current.copy()
+        apply_payload(self.encoding, name, result, entry, self.spool)
+        return result

@@ -1,0 +1,87 @@
+"""Compressed delta payloads of one publish, held between the diff and the shard writes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from types import TracebackType
+from typing import Any, BinaryIO
+
+COPY_CHUNK = 64 * 1024**2
+"""Bytes copied per write call when streaming a payload or tensor into a shard."""
+
+
+class PayloadSpool:
+    """Compressed payloads kept as they are produced: in memory up to a bound, then on disk.
+
+    Each in-memory frame stays its own ``bytes`` object (no growing buffer to reallocate and
+    copy); once ``memory_bytes`` are held, later frames go to an anonymous temp file. Frames
+    are addressed by a virtual offset. Thread-safe: encode workers append directly.
+    """
+
+    def __init__(self, memory_bytes: int) -> None:
+        self.memory_bytes = memory_bytes
+        self.size = 0
+        self._memory: dict[int, bytes] = {}
+        self._in_memory = 0
+        self._file: Any = None
+        self._on_disk: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def append(self, frame: bytes) -> tuple[int, int]:
+        with self._lock:
+            offset = self.size
+            self.size += len(frame)
+            if self._in_memory + len(frame) <= self.memory_bytes:
+                self._memory[offset] = frame
+                self._in_memory += len(frame)
+            else:
+                if self._file is None:
+                    self._file = tempfile.TemporaryFile(prefix="deltastore-spool-")  # noqa: SIM115
+                self._file.seek(0, os.SEEK_END)
+                self._on_disk[offset] = self._file.tell()
+                self._file.write(frame)
+            return offset, len(frame)
+
+    def read(self, offset: int, length: int) -> bytes:
+        with self._lock:
+            frame = self._memory.get(offset)
+            if frame is not None:
+                return frame
+            self._file.seek(self._on_disk[offset])
+            return bytes(self._file.read(length))
+
+    def copy_to(self, out: BinaryIO, offset: int, length: int) -> None:
+        with self._lock:
+            frame = self._memory.get(offset)
+            position = self._on_disk.get(offset)
+        if frame is not None:
+            view = memoryview(frame)
+            for lo in range(0, length, COPY_CHUNK):
+                out.write(view[lo : lo + COPY_CHUNK])
+            return
+        assert position is not None
+        done = 0
+        while done < length:
+            with self._lock:
+                self._file.seek(position + done)
+                chunk = self._file.read(min(length - done, COPY_CHUNK))
+            out.write(chunk)
+            done += len(chunk)
+
+    def close(self) -> None:
+        self._memory.clear()
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self) -> PayloadSpool:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
