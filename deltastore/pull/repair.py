@@ -2,9 +2,9 @@
 
 An in-place apply writes each changed tensor at most once, with bytes verified beforehand, so
 after a crash each tensor the transition touches is at the version the transition started from,
-at the version it was going to, or (a write torn mid-tensor) neither. XOR is an involution, so
-blindly re-applying would revert the tensors already written; instead each touched tensor is
-hashed and
+at the version it was going to, or (a write torn mid-tensor) neither. Blindly re-applying would
+revert the tensors already written under a self-inverse encoding (XOR); instead each touched
+tensor is hashed and
 
 * **kept** when it already matches the target digest,
 * **applied** (the transition's payloads, folded) when it matches its previous digest,
@@ -24,23 +24,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deltastore.codecs import ByteArray, Checksum, get_checksum
+from deltastore.codecs import ByteArray, Checksum, Digest, get_checksum
 from deltastore.errors import ApplyError, ConfigError, IntegrityError, NameMismatchError
-from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
+from deltastore.format.checkpoint import CheckpointTensor, read_tensor, scan_checkpoint
 from deltastore.format.safetensors_io import TensorEntry
 from deltastore.format.state import PendingTransition
-from deltastore.pull.apply import (
-    ApplyStats,
-    Digest,
-    check_local_names,
-    collect_history,
-    fold_apply,
-    mapped_files,
-    read_payloads,
-    run_pool,
-)
 from deltastore.pull.chain import Chain, resolve_chain
+from deltastore.pull.fold import fold_apply, read_payloads
+from deltastore.pull.history import check_local_names, collect_history
 from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.mapped import mapped_files
+from deltastore.pull.stats import ApplyStats, run_pool
 from deltastore.storage import VersionStore
 
 log = logging.getLogger("deltastore.pull")
@@ -109,12 +103,7 @@ class _ChainStart:
             tensor = self._base_tensors().get(name)
             if tensor is None or tensor.entry.nbytes != nbytes:
                 raise NameMismatchError(f"tensor {name!r} differs in {where} and the local dir")
-            data = np.empty(nbytes, dtype=np.uint8)
-            with open(tensor.file, "rb") as fh:
-                fh.seek(tensor.entry.start)
-                if fh.readinto(memoryview(data)) != nbytes:
-                    raise IntegrityError(f"{tensor.file} is truncated at tensor {name!r}")
-            return data
+            return read_tensor(tensor, name)
         found = self._full_tensors().get(name)
         if found is None or found[1].nbytes != nbytes:
             raise NameMismatchError(f"tensor {name!r} differs in {where} and the local dir")
@@ -130,7 +119,7 @@ class _ChainStart:
             found = self._full_tensors().get(name)
             if found is not None and found[2] is not None and self._full_checksum is not None:
                 return Digest(self._full_checksum, found[2])
-        return Digest(checksum, checksum.hexdigest(self.read(name, nbytes, None)))
+        return Digest.of(checksum, self.read(name, nbytes, None))
 
 
 def repair_chain(store: VersionStore, pending: PendingTransition) -> tuple[Chain, list[int]]:
