@@ -97,7 +97,7 @@ def test_a_registered_encoding_is_put_back_from_recorded_bytes(
     publisher.seed()
     # Change every tensor so some are written before the corrupt one fails.
     model = {n: t.clone() for n, t in small_model.items()}
-    for name, tensor in model.items():
+    for tensor in model.values():
         if tensor.numel():
             tensor.reshape(-1).view(torch.uint8)[0] ^= 1 if tensor.dtype == torch.bool else 0x11
     publisher.publish(model.items())

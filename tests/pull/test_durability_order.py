@@ -92,7 +92,6 @@ class Recorder:
             assert self._name_durable(path, before), f"{path}'s rename not durable before state"
 
 
-
 def _weight_files(host: Path) -> list[str]:
     return sorted(str(p) for p in host.iterdir() if p.suffix == ".safetensors")
 
