@@ -31,7 +31,7 @@ from deltastore.format.safetensors_io import TensorEntry
 from deltastore.format.state import PendingTransition
 from deltastore.pull.chain import Chain, resolve_chain
 from deltastore.pull.fold import fold_apply, read_payloads
-from deltastore.pull.history import check_local_names, collect_history
+from deltastore.pull.history import TensorHistory, check_local_names, collect_history
 from deltastore.pull.local import LocalCheckpoint
 from deltastore.pull.mapped import mapped_files
 from deltastore.pull.stats import ApplyStats, run_pool
@@ -148,6 +148,40 @@ def repair_chain(store: VersionStore, pending: PendingTransition) -> tuple[Chain
     return chain, versions
 
 
+def _repair_tensor(
+    store: VersionStore,
+    start: _ChainStart,
+    tensor: TensorHistory,
+    view: ByteArray,
+    start_version: int,
+    stats: ApplyStats | None,
+) -> tuple[str, ByteArray | None]:
+    """How one touched tensor is brought to its target: (kind, verified bytes to write).
+
+    ``kept`` (None: nothing to write), ``applied`` or ``restored``; raises
+    :class:`IntegrityError` when the result does not match the target digest.
+    """
+    name, nbytes, final = tensor.name, view.size, tensor.final
+    if final.matches(view):
+        return "kept", None
+    previous = tensor.digest_at(start_version) or start.digest(name, nbytes, final.checksum)
+    if previous.matches(view):
+        payloads = tensor.after(start_version)
+        result = fold_apply(view, payloads, read_payloads(store, payloads, stats), name)
+        kind = "applied"
+    else:
+        base_bytes = start.read(name, nbytes, stats)
+        frames = read_payloads(store, tensor.payloads, stats)
+        result = fold_apply(base_bytes, tensor.payloads, frames, name)
+        kind = "restored"
+    if not final.matches(result):
+        raise IntegrityError(
+            f"repair from v{start_version:06d}: tensor {name!r} does not match its published "
+            f"digest after being {kind}; the chain is corrupt"
+        )
+    return kind, result
+
+
 def repair_pending(
     store: VersionStore,
     local: LocalCheckpoint,
@@ -176,39 +210,17 @@ def repair_pending(
     check_local_names(touched, tensors, local.dir)
     start = _ChainStart(store, chain, base_dir)
     outcomes: list[str] = []
-    where = f"repair of v{start_version:06d} -> v{pending.to_version:06d}"
 
     with mapped_files() as files:
 
         def fix(name: str) -> None:
-            tensor = touched[name]
-            target = tensors[name]
-            nbytes = target.entry.nbytes
-            view = files.view(target)
-            final = tensor.final
-            if final.matches(view):
-                outcomes.append("kept")
-                return
-            previous = tensor.digest_at(start_version) or start.digest(name, nbytes, final.checksum)
-            if previous.matches(view):
-                payloads = tensor.after(start_version)
-                frames = read_payloads(store, payloads, stats)
-                result = fold_apply(view, payloads, frames, name)
-                kind = "applied"
-            else:
-                base_bytes = start.read(name, nbytes, stats)
-                frames = read_payloads(store, tensor.payloads, stats)
-                result = fold_apply(base_bytes, tensor.payloads, frames, name)
-                kind = "restored"
-            if not final.matches(result):
-                raise IntegrityError(
-                    f"{where}: tensor {name!r} does not match its published digest after being "
-                    f"{kind}; the chain is corrupt"
-                )
-            view[:] = result
+            view = files.view(tensors[name])
+            kind, result = _repair_tensor(store, start, touched[name], view, start_version, stats)
+            if result is not None:
+                view[:] = result
+                if stats is not None:
+                    stats.add(tensors=1, bytes_written=view.size)
             outcomes.append(kind)
-            if stats is not None:
-                stats.add(tensors=1, bytes_written=nbytes)
 
         run_pool(sorted(touched), fix, workers, name="deltastore-repair")
         files.flush()
