@@ -14,20 +14,24 @@ from deltastore.errors import (
     ConfigError,
     DeltastoreError,
     FormatError,
+    GroupPullError,
     HookError,
     IntegrityError,
+    LockTimeoutError,
     NameMismatchError,
     OutOfOrderError,
     PublishError,
+    PutBackError,
     StoreError,
     StreamError,
+    TransientStoreError,
     VersionConflictError,
     VersionNotFoundError,
 )
 from deltastore.format import VersionIndex
 from deltastore.publish import DeltaPublisher, PublishResult
-from deltastore.pull import PullResult, pull_weights, verify_local
-from deltastore.storage import VersionStore
+from deltastore.pull import HostOutcome, PullResult, RepairSummary, pull_weights, verify_local
+from deltastore.storage import RetryPolicy, VersionStore
 
 __version__ = "0.1.0"
 
@@ -37,15 +41,22 @@ __all__ = [
     "DeltaPublisher",
     "DeltastoreError",
     "FormatError",
+    "GroupPullError",
     "HookError",
+    "HostOutcome",
     "IntegrityError",
+    "LockTimeoutError",
     "NameMismatchError",
     "OutOfOrderError",
     "PublishError",
     "PublishResult",
     "PullResult",
+    "PutBackError",
+    "RepairSummary",
+    "RetryPolicy",
     "StoreError",
     "StreamError",
+    "TransientStoreError",
     "VersionConflictError",
     "VersionIndex",
     "VersionNotFoundError",

@@ -8,6 +8,9 @@ what to do about it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 
 class DeltastoreError(Exception):
     """Root of every error deltastore raises on purpose."""
@@ -58,6 +61,28 @@ class OutOfOrderError(ApplyError):
 
 class NameMismatchError(ApplyError):
     """Published tensor names or sizes do not match the local checkpoint (wrong base)."""
+
+
+class PutBackError(ApplyError):
+    """A failed apply could not put back the tensors it had written: the checkpoint is dirty
+    (its pending record stays, and the next pull repairs it)."""
+
+
+class GroupPullError(ApplyError):
+    """A pull failed on at least one rank of the group.
+
+    ``outcomes`` holds every rank's :class:`deltastore.pull.HostOutcome` (rank, host, local
+    dir, success, message), in rank order.
+    """
+
+    def __init__(self, message: str, outcomes: Sequence[Any]) -> None:
+        super().__init__(message)
+        self.outcomes = list(outcomes)
+
+    @property
+    def failed(self) -> list[Any]:
+        """The outcomes of the ranks that failed."""
+        return [o for o in self.outcomes if not o.success]
 
 
 class StreamError(DeltastoreError):

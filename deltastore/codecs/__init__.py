@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deltastore.codecs.base import ByteArray, Checksum, EncodedDelta, Encoding
+from deltastore.codecs.base import ByteArray, Checksum, Digest, EncodedDelta, Encoding
 from deltastore.codecs.checksums import Adler32Checksum, Blake3Checksum, Xxh3Checksum
 from deltastore.codecs.compression import COMPRESSION_NAME, compress, decompress
 from deltastore.codecs.encodings import OverwriteEncoding, XorEncoding
@@ -12,6 +12,17 @@ ENCODINGS: dict[str, Encoding] = {e.name: e for e in (XorEncoding(), OverwriteEn
 CHECKSUMS: dict[str, Checksum] = {
     c.name: c for c in (Xxh3Checksum(), Blake3Checksum(), Adler32Checksum())
 }
+
+
+def register_encoding(encoding: Encoding) -> None:
+    """Make ``encoding`` known by its ``name`` to publishers and pulls in this process.
+
+    Raises :class:`ConfigError` when another encoding already has that name.
+    """
+    known = ENCODINGS.get(encoding.name)
+    if known is not None and known is not encoding:
+        raise ConfigError(f"an encoding named {encoding.name!r} is already registered")
+    ENCODINGS[encoding.name] = encoding
 
 
 def get_encoding(name: str) -> Encoding:
@@ -48,6 +59,7 @@ __all__ = [
     "ENCODINGS",
     "ByteArray",
     "Checksum",
+    "Digest",
     "EncodedDelta",
     "Encoding",
     "check_compression",
@@ -55,4 +67,5 @@ __all__ = [
     "decompress",
     "get_checksum",
     "get_encoding",
+    "register_encoding",
 ]

@@ -28,11 +28,29 @@ class EncodedDelta:
 
 
 class Encoding(ABC):
-    """A byte-level, dtype-blind delta encoding."""
+    """A byte-level, dtype-blind delta encoding.
+
+    Besides encoding and applying, an encoding declares its semantics as class attributes, so
+    callers (the pull side, repair) ask the encoding instead of comparing names:
+
+    * ``idempotent``: applying the same payload twice gives the bytes of applying it once.
+    * ``self_inverse``: applying a payload to its own result gives back the original bytes
+      (so a written tensor is put back by applying its payloads again, newest first).
+    * ``foldable``: :meth:`fold` combines the payloads of consecutive versions into one
+      payload of this encoding, applied once.
+    * ``exact_payload_size``: a decompressed payload always has exactly the tensor's byte
+      size (so a frame declaring any other size is refused before it is decompressed).
+    """
 
     name: ClassVar[str]
     idempotent: ClassVar[bool]
     """True when applying the same payload twice gives the same bytes as applying it once."""
+    self_inverse: ClassVar[bool] = False
+    """True when applying a payload to its own result restores the bytes it was applied to."""
+    foldable: ClassVar[bool] = False
+    """True when :meth:`fold` can combine consecutive payloads into one."""
+    exact_payload_size: ClassVar[bool] = False
+    """True when every decompressed payload is exactly the tensor's byte size."""
 
     def check_size(self, nbytes: int, *, tensor: str) -> None:  # noqa: B027 - optional hook
         """Raise :class:`ConfigError` if this encoding cannot represent a tensor of this size."""
@@ -52,6 +70,14 @@ class Encoding(ABC):
         Raises :class:`FormatError` (naming ``tensor``) if the payload does not fit the target.
         """
 
+    def fold(self, folded: ByteArray, later: bytes | memoryview, *, tensor: str) -> ByteArray:
+        """One payload equal to applying ``folded`` and then ``later`` (only if ``foldable``).
+
+        ``folded`` is a writable array the caller owns (it may be updated in place and
+        returned). Raises :class:`FormatError` (naming ``tensor``) if the payloads disagree.
+        """
+        raise NotImplementedError(f"encoding {self.name!r} is not foldable")
+
 
 class Checksum(ABC):
     """A digest of a tensor's full bytes, in the reference hex form."""
@@ -62,3 +88,21 @@ class Checksum(ABC):
     @abstractmethod
     def hexdigest(self, data: ByteArray | bytes | memoryview) -> str:
         """Lower-case hex digest of ``data``."""
+
+
+@dataclass(frozen=True)
+class Digest:
+    """A digest of a tensor's full bytes, with the checksum algorithm that made it."""
+
+    checksum: Checksum
+    hex: str
+    """Lower-case hex digest, ``checksum.hex_length`` characters."""
+
+    def matches(self, data: ByteArray | bytes | memoryview) -> bool:
+        """True when ``data`` hashes to this digest."""
+        return self.checksum.hexdigest(data) == self.hex
+
+    @classmethod
+    def of(cls, checksum: Checksum, data: ByteArray | bytes | memoryview) -> Digest:
+        """The digest of ``data`` under ``checksum``."""
+        return cls(checksum, checksum.hexdigest(data))

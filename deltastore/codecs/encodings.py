@@ -21,6 +21,9 @@ class XorEncoding(Encoding):
 
     name = "xor"
     idempotent = False
+    self_inverse = True
+    foldable = True
+    exact_payload_size = True
 
     def encode(self, old: ByteArray, new: ByteArray) -> EncodedDelta:
         delta = np.bitwise_xor(old, new)
@@ -34,9 +37,19 @@ class XorEncoding(Encoding):
         if delta.size != target.size:
             raise FormatError(
                 f"xor payload of tensor {tensor!r} has {delta.size} bytes, the tensor has "
-                f"{target.size}; the delta was made for another checkpoint"
+                f"{target.size}; the delta is corrupt or was made for another checkpoint"
             )
         np.bitwise_xor(target, delta, out=target)
+
+    def fold(self, folded: ByteArray, later: bytes | memoryview, *, tensor: str) -> ByteArray:
+        delta = _as_bytes(later)
+        if delta.size != folded.size:
+            raise FormatError(
+                f"xor payloads of tensor {tensor!r} have {folded.size} and {delta.size} bytes; "
+                "the delta is corrupt or was made for another checkpoint"
+            )
+        np.bitwise_xor(folded, delta, out=folded)
+        return folded
 
 
 class OverwriteEncoding(Encoding):
@@ -83,7 +96,7 @@ class OverwriteEncoding(Encoding):
         if count and int(positions.max()) >= nbytes:
             raise FormatError(
                 f"overwrite payload of tensor {tensor!r} writes byte {int(positions.max())} of a "
-                f"{nbytes}-byte tensor; the delta was made for another checkpoint"
+                f"{nbytes}-byte tensor; the delta is corrupt or was made for another checkpoint"
             )
         return positions, values
 

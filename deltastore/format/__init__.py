@@ -9,6 +9,7 @@ from deltastore.format.names import (
     parse_version_dir,
     version_dir_name,
 )
+from deltastore.format.payload import PayloadRef
 from deltastore.format.safetensors_io import (
     SafetensorsHeader,
     TensorEntry,
@@ -23,6 +24,7 @@ from deltastore.format.state import AppliedState, PendingTransition
 __all__ = [
     "INDEX_NAME",
     "AppliedState",
+    "PayloadRef",
     "PendingTransition",
     "SafetensorsHeader",
     "TensorEntry",

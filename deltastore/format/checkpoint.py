@@ -6,6 +6,9 @@ import json
 import os
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from deltastore.errors import ConfigError, FormatError
 from deltastore.format.names import INDEX_NAME
 from deltastore.format.safetensors_io import TensorEntry, read_header_file
@@ -67,3 +70,23 @@ def scan_checkpoint(directory: str) -> dict[str, CheckpointTensor]:
                 )
             tensors[name] = CheckpointTensor(path, entry)
     return tensors
+
+
+def read_file_range(path: str, offset: int, nbytes: int, *, what: str) -> npt.NDArray[np.uint8]:
+    """``nbytes`` bytes of ``path`` from ``offset``, as a fresh writable 1-D uint8 array.
+
+    Raises :class:`FormatError` naming ``what`` when the file ends first.
+    """
+    data = np.empty(nbytes, dtype=np.uint8)
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        if nbytes and fh.readinto(memoryview(data)) != nbytes:
+            raise FormatError(f"{path} is truncated inside {what}")
+    return data
+
+
+def read_tensor(tensor: CheckpointTensor, name: str) -> npt.NDArray[np.uint8]:
+    """One tensor's raw bytes from a local checkpoint file (a fresh writable array)."""
+    return read_file_range(
+        tensor.file, tensor.entry.start, tensor.entry.nbytes, what=f"tensor {name!r}"
+    )

@@ -23,6 +23,9 @@ class AppliedState:
     """Stream of the applied version; None for version 0 (the base) or a foreign publisher."""
     source: str | None = None
     """Store URL the version came from (informational)."""
+    files: dict[str, tuple[int, int]] | None = None
+    """Weight file name → (size in bytes, mtime in ns) when the state was written; a pull that
+    finds other values fully verifies the checkpoint. None: not recorded (a foreign writer)."""
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {"version": format_version(self.version)}
@@ -30,6 +33,8 @@ class AppliedState:
             body["stream_id"] = self.stream_id
         if self.source is not None:
             body["source"] = self.source
+        if self.files is not None:
+            body["files"] = {name: list(value) for name, value in sorted(self.files.items())}
         return (json.dumps(body) + "\n").encode()
 
     @classmethod
@@ -49,7 +54,24 @@ class AppliedState:
             version,
             stream if isinstance(stream, str) else None,
             src if isinstance(src, str) else None,
+            _parse_files(body.get("files")),
         )
+
+
+def _parse_files(value: object) -> dict[str, tuple[int, int]] | None:
+    """The ``files`` fingerprints, or None when absent or malformed (then a pull verifies)."""
+    if not isinstance(value, dict):
+        return None
+    files: dict[str, tuple[int, int]] = {}
+    for name, pair in value.items():
+        if (
+            not isinstance(pair, list)
+            or len(pair) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+        ):
+            return None
+        files[name] = (pair[0], pair[1])
+    return files
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from deltastore.errors import OutOfOrderError
 from deltastore.format.index import VersionIndex
 from deltastore.format.state import AppliedState
 from deltastore.storage import VersionStore
@@ -70,14 +69,6 @@ def resolve_chain(store: VersionStore, target: int) -> Chain:
     """
     start, deltas = walk_chain(store, target)
     return Chain(target, start.version if start else 0, start, deltas)
-
-
-def check_builds_on(index: VersionIndex, applied_version: int) -> None:
-    if index.base_version != applied_version:
-        raise OutOfOrderError(
-            f"out-of-order delta: local checkpoint at v{applied_version:06d}, "
-            f"weight_v{index.version:06d} builds on v{index.base_version:06d}"
-        )
 
 
 def version_bytes(store: VersionStore, index: VersionIndex) -> int:

@@ -16,22 +16,10 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from deltastore.errors import ApplyError, ConfigError
+from deltastore.errors import ConfigError, GroupPullError
 from deltastore.pull.result import HostOutcome, PullResult
 
 log = logging.getLogger("deltastore.pull")
-
-
-class GroupPullError(ApplyError):
-    """A pull failed on at least one rank of the group; ``outcomes`` holds every rank's."""
-
-    def __init__(self, message: str, outcomes: list[HostOutcome]) -> None:
-        super().__init__(message)
-        self.outcomes = outcomes
-
-    @property
-    def failed(self) -> list[HostOutcome]:
-        return [o for o in self.outcomes if not o.success]
 
 
 def resolve_group(process_group: Any) -> Any | None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 
 import xxhash
@@ -16,22 +18,11 @@ import xxhash
 from deltastore.errors import ConfigError, FormatError, IntegrityError, LockTimeoutError
 from deltastore.format.names import INDEX_NAME, LOCK_NAME, PENDING_NAME, STATE_DIR, STATE_NAME
 from deltastore.format.state import AppliedState, PendingTransition
-from deltastore.storage.durable import fsync_path
+from deltastore.storage.durable import atomic_replace, fsync_path
 
 log = logging.getLogger("deltastore.pull")
 
 _COPY_CHUNK = 16 * 1024**2
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``path`` through a fsynced sibling temp file and an atomic replace."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_path(os.path.dirname(path))
 
 
 def _reflink(src: str, dst: str) -> bool:
@@ -47,13 +38,18 @@ def _reflink(src: str, dst: str) -> bool:
         return False
 
 
+def temp_sibling(path: str) -> str:
+    """A fresh temp name beside ``path``: ``<name>.<token>.tmp`` (as ``atomic_replace`` uses)."""
+    return f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+
+
 def copy_verified(src: str, dst: str) -> None:
     """Copy a file (never a hard link: the source must stay untouched) and verify the content.
 
     The source is hashed while it is copied and the copy is hashed again after an fsync, so a
     short or corrupt copy is caught. Raises :class:`IntegrityError` on a mismatch.
     """
-    tmp = f"{dst}.partial"
+    tmp = temp_sibling(dst)
     source_hash = xxhash.xxh3_128()
     if _reflink(src, tmp):
         with open(src, "rb") as fh:
@@ -130,8 +126,26 @@ class LocalCheckpoint:
             return None
 
     def write_state(self, state: AppliedState) -> None:
+        """Record ``state`` with the weight files' fingerprints as they are now."""
         os.makedirs(self.state_dir, exist_ok=True)
-        atomic_write(self.state_path, state.to_json())
+        state = dataclasses.replace(state, files=self.fingerprints())
+        atomic_replace(self.state_path, state.to_json())
+
+    def fingerprints(self) -> dict[str, tuple[int, int]]:
+        """Weight file name → (size, mtime_ns), following links (one ``stat`` per file)."""
+        out = {}
+        for name in self.weight_files():
+            info = os.stat(os.path.join(self.dir, name))
+            out[name] = (info.st_size, info.st_mtime_ns)
+        return out
+
+    def unchanged_since(self, state: AppliedState) -> bool:
+        """True when the state recorded fingerprints and every weight file still matches them.
+
+        A cheap check (a ``stat`` per file): a file rewritten behind the state's back with
+        the same size within the filesystem's mtime granularity is not noticed.
+        """
+        return state.files is not None and state.files == self.fingerprints()
 
     def invalidate_state(self) -> None:
         """Remove the state so a reference reader sees no version (it then reseeds)."""
@@ -153,7 +167,7 @@ class LocalCheckpoint:
         """Before the first in-place write: drop the state, then record the transition."""
         os.makedirs(self.state_dir, exist_ok=True)
         self.invalidate_state()
-        atomic_write(self.pending_path, pending.to_json())
+        atomic_replace(self.pending_path, pending.to_json())
 
     def finish(self, state: AppliedState) -> None:
         """After the data is durable: write the new state, then clear the pending record."""
@@ -172,9 +186,9 @@ class LocalCheckpoint:
         )
 
     def clear_weights(self) -> None:
-        """Remove the weight files, and copies a crash left half-written (``*.partial``)."""
+        """Remove the weight files, and copies a crash left half-written (``*.tmp``)."""
         partial = (
-            [n for n in os.listdir(self.dir) if n.endswith(".partial")]
+            [n for n in os.listdir(self.dir) if n.endswith((".tmp", ".partial"))]
             if os.path.isdir(self.dir)
             else []
         )

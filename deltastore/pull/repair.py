@@ -2,9 +2,9 @@
 
 An in-place apply writes each changed tensor at most once, with bytes verified beforehand, so
 after a crash each tensor the transition touches is at the version the transition started from,
-at the version it was going to, or (a write torn mid-tensor) neither. XOR is an involution, so
-blindly re-applying would revert the tensors already written; instead each touched tensor is
-hashed and
+at the version it was going to, or (a write torn mid-tensor) neither. Blindly re-applying would
+revert the tensors already written under a self-inverse encoding (XOR); instead each touched
+tensor is hashed and
 
 * **kept** when it already matches the target digest,
 * **applied** (the transition's payloads, folded) when it matches its previous digest,
@@ -24,23 +24,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deltastore.codecs import ByteArray, Checksum, get_checksum
+from deltastore.codecs import ByteArray, Checksum, Digest, get_checksum
 from deltastore.errors import ApplyError, ConfigError, IntegrityError, NameMismatchError
-from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
+from deltastore.format.checkpoint import CheckpointTensor, read_tensor, scan_checkpoint
 from deltastore.format.safetensors_io import TensorEntry
 from deltastore.format.state import PendingTransition
-from deltastore.pull.apply import (
-    ApplyStats,
-    Digest,
-    check_local_names,
-    collect_history,
-    fold_apply,
-    mapped_files,
-    read_payloads,
-    run_pool,
-)
 from deltastore.pull.chain import Chain, resolve_chain
+from deltastore.pull.fold import fold_apply, read_payloads
+from deltastore.pull.history import TensorHistory, check_local_names, collect_history
 from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.mapped import mapped_files
+from deltastore.pull.stats import ApplyStats, run_pool
 from deltastore.storage import VersionStore
 
 log = logging.getLogger("deltastore.pull")
@@ -109,12 +103,7 @@ class _ChainStart:
             tensor = self._base_tensors().get(name)
             if tensor is None or tensor.entry.nbytes != nbytes:
                 raise NameMismatchError(f"tensor {name!r} differs in {where} and the local dir")
-            data = np.empty(nbytes, dtype=np.uint8)
-            with open(tensor.file, "rb") as fh:
-                fh.seek(tensor.entry.start)
-                if fh.readinto(memoryview(data)) != nbytes:
-                    raise IntegrityError(f"{tensor.file} is truncated at tensor {name!r}")
-            return data
+            return read_tensor(tensor, name)
         found = self._full_tensors().get(name)
         if found is None or found[1].nbytes != nbytes:
             raise NameMismatchError(f"tensor {name!r} differs in {where} and the local dir")
@@ -130,7 +119,7 @@ class _ChainStart:
             found = self._full_tensors().get(name)
             if found is not None and found[2] is not None and self._full_checksum is not None:
                 return Digest(self._full_checksum, found[2])
-        return Digest(checksum, checksum.hexdigest(self.read(name, nbytes, None)))
+        return Digest.of(checksum, self.read(name, nbytes, None))
 
 
 def repair_chain(store: VersionStore, pending: PendingTransition) -> tuple[Chain, list[int]]:
@@ -157,6 +146,40 @@ def repair_chain(store: VersionStore, pending: PendingTransition) -> tuple[Chain
             f"transition was to stream {pending.stream_id}"
         )
     return chain, versions
+
+
+def _repair_tensor(
+    store: VersionStore,
+    start: _ChainStart,
+    tensor: TensorHistory,
+    view: ByteArray,
+    start_version: int,
+    stats: ApplyStats | None,
+) -> tuple[str, ByteArray | None]:
+    """How one touched tensor is brought to its target: (kind, verified bytes to write).
+
+    ``kept`` (None: nothing to write), ``applied`` or ``restored``; raises
+    :class:`IntegrityError` when the result does not match the target digest.
+    """
+    name, nbytes, final = tensor.name, view.size, tensor.final
+    if final.matches(view):
+        return "kept", None
+    previous = tensor.digest_at(start_version) or start.digest(name, nbytes, final.checksum)
+    if previous.matches(view):
+        payloads = tensor.after(start_version)
+        result = fold_apply(view, payloads, read_payloads(store, payloads, stats), name)
+        kind = "applied"
+    else:
+        base_bytes = start.read(name, nbytes, stats)
+        frames = read_payloads(store, tensor.payloads, stats)
+        result = fold_apply(base_bytes, tensor.payloads, frames, name)
+        kind = "restored"
+    if not final.matches(result):
+        raise IntegrityError(
+            f"repair from v{start_version:06d}: tensor {name!r} does not match its published "
+            f"digest after being {kind}; the chain is corrupt"
+        )
+    return kind, result
 
 
 def repair_pending(
@@ -187,39 +210,17 @@ def repair_pending(
     check_local_names(touched, tensors, local.dir)
     start = _ChainStart(store, chain, base_dir)
     outcomes: list[str] = []
-    where = f"repair of v{start_version:06d} -> v{pending.to_version:06d}"
 
     with mapped_files() as files:
 
         def fix(name: str) -> None:
-            tensor = touched[name]
-            target = tensors[name]
-            nbytes = target.entry.nbytes
-            view = files.view(target)
-            final = tensor.final
-            if final.matches(view):
-                outcomes.append("kept")
-                return
-            previous = tensor.digest_at(start_version) or start.digest(name, nbytes, final.checksum)
-            if previous.matches(view):
-                payloads = tensor.after(start_version)
-                frames = read_payloads(store, payloads, stats)
-                result = fold_apply(view, payloads, frames, name)
-                kind = "applied"
-            else:
-                base_bytes = start.read(name, nbytes, stats)
-                frames = read_payloads(store, tensor.payloads, stats)
-                result = fold_apply(base_bytes, tensor.payloads, frames, name)
-                kind = "restored"
-            if not final.matches(result):
-                raise IntegrityError(
-                    f"{where}: tensor {name!r} does not match its published digest after being "
-                    f"{kind}; the chain is corrupt"
-                )
-            view[:] = result
+            view = files.view(tensors[name])
+            kind, result = _repair_tensor(store, start, touched[name], view, start_version, stats)
+            if result is not None:
+                view[:] = result
+                if stats is not None:
+                    stats.add(tensors=1, bytes_written=view.size)
             outcomes.append(kind)
-            if stats is not None:
-                stats.add(tensors=1, bytes_written=nbytes)
 
         run_pool(sorted(touched), fix, workers, name="deltastore-repair")
         files.flush()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -37,4 +38,27 @@ def create_new_file(path: str, data: bytes) -> None:
         os.link(tmp, path)
     finally:
         os.unlink(tmp)
+    fsync_path(directory)
+
+
+def atomic_replace(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably (the file may exist or not).
+
+    ``data`` goes to a sibling temp file ``<name>.<token>.tmp``, which is fsynced, moved over
+    ``path`` with ``os.replace`` and made durable with an fsync of the directory. Readers see
+    the old content or the new, never a mix; ``path`` itself is never written through (a
+    symbolic link at ``path`` is replaced, not followed).
+    """
+    directory = os.path.dirname(path) or "."
+    tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        with open(tmp, "xb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     fsync_path(directory)

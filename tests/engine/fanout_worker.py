@@ -35,7 +35,7 @@ def main() -> int:
     if rank == args["corrupt_rank"]:
         name = args["corrupt_tensor"]
         size = scan_checkpoint(local)[name].entry.nbytes
-        write_tensor(local, name, bytes([0xA5]) * size)
+        write_tensor(local, name, bytes([0xA5]) * size, keep_mtime=True)
     dist.barrier()
     try:
         result = pull_weights(local, args["store"], 2, args["base"], process_group="world")

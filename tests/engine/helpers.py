@@ -127,13 +127,22 @@ def state_bytes(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
     return {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}
 
 
-def write_tensor(directory: str | os.PathLike[str], name: str, data: bytes) -> None:
-    """Overwrite one tensor's bytes in a local checkpoint (as a crash mid-apply would leave it)."""
+def write_tensor(
+    directory: str | os.PathLike[str], name: str, data: bytes, *, keep_mtime: bool = False
+) -> None:
+    """Overwrite one tensor's bytes in a local checkpoint (as a crash mid-apply would leave it).
+
+    ``keep_mtime`` puts the file's mtime back afterwards: a change the state's file
+    fingerprints (size, mtime) cannot see, as a disk fault would leave it.
+    """
     tensor = scan_checkpoint(os.fspath(directory))[name]
     assert len(data) == tensor.entry.nbytes
+    before = os.stat(tensor.file)
     with open(tensor.file, "r+b") as fh:
         fh.seek(tensor.entry.start)
         fh.write(data)
+    if keep_mtime:
+        os.utime(tensor.file, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
 def changed_between(published: Published, after: int, upto: int) -> set[str]:

@@ -279,6 +279,7 @@ def test_a_refused_overwrite_payload_names_the_version(
     assert "model.norm.eps" in message
     assert ds.verify_local(host, store, version=0, base_dir=base_dir) == 0
     assert "weight_v000001" in message
+    assert "corrupt or was made for another checkpoint" in message
 
 
 def test_verify_refuses_a_negative_version(tmp_path: Path, base_dir: Path, small_model: Model):

@@ -1,0 +1,128 @@
+"""Applying a tensor's run of payloads in memory, and putting a written tensor back.
+
+Everything here asks the encoding what it allows (:class:`~deltastore.codecs.Encoding`'s
+``foldable``, ``self_inverse``, ``exact_payload_size``); nothing compares encoding names, so a
+new encoding needs no change here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from deltastore.codecs import ByteArray, Encoding, decompress, get_encoding
+from deltastore.errors import FormatError
+from deltastore.format.payload import PayloadRef
+from deltastore.pull.stats import ApplyStats
+from deltastore.storage import VersionStore
+
+
+def read_payloads(
+    store: VersionStore, payloads: Sequence[PayloadRef], stats: ApplyStats | None
+) -> list[bytes]:
+    """The compressed frames of ``payloads``, one ranged read each."""
+    frames = [store.read_range(p.version, p.shard, p.start, p.end) for p in payloads]
+    if stats is not None:
+        stats.add(payloads=len(frames), bytes_read=sum(len(f) for f in frames))
+    return frames
+
+
+def decompress_payload(
+    payload: PayloadRef, encoding: Encoding, frame: bytes, nbytes: int, name: str
+) -> bytes:
+    """One payload's frame decompressed, its declared size checked before allocating."""
+    return decompress(
+        frame,
+        max_size=encoding.max_payload_size(nbytes),
+        exact_size=nbytes if encoding.exact_payload_size else None,
+        what=f"{payload.where} payload of tensor {name!r}",
+    )
+
+
+def fold_apply(
+    current: ByteArray, payloads: Sequence[PayloadRef], frames: Sequence[bytes], name: str
+) -> ByteArray:
+    """``current`` with ``payloads`` applied in order, as a new array (``current`` untouched).
+
+    Consecutive payloads of one foldable encoding are folded into one payload and applied
+    once; the others are applied one by one. Raises :class:`FormatError` naming the version
+    whose payload does not fit.
+    """
+    nbytes = current.size
+    result = current.copy()
+    folded: ByteArray | None = None
+    folding: Encoding | None = None
+    last_version = 0
+
+    def apply_folded() -> None:
+        nonlocal folded, folding
+        if folded is not None and folding is not None:
+            _apply(folding, result, folded, name, last_version)
+        folded, folding = None, None
+
+    for payload, frame in zip(payloads, frames, strict=True):
+        encoding = get_encoding(payload.encoding)
+        raw = decompress_payload(payload, encoding, frame, nbytes, name)
+        if folding is not None and encoding is not folding:
+            apply_folded()
+        if not encoding.foldable:
+            _apply(encoding, result, raw, name, payload.version)
+            continue
+        try:
+            if folded is None:
+                folded, folding = np.frombuffer(raw, dtype=np.uint8).copy(), encoding
+            else:
+                folded = encoding.fold(folded, raw, tensor=name)
+        except FormatError as exc:
+            raise FormatError(f"{payload.where}: {exc}") from None
+        last_version = payload.version
+    apply_folded()
+    return result
+
+
+def _apply(
+    encoding: Encoding, target: ByteArray, raw: bytes | ByteArray, name: str, version: int
+) -> None:
+    try:
+        encoding.apply(target, memoryview(raw), tensor=name)
+    except FormatError as exc:
+        raise FormatError(f"weight_v{version:06d}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class UndoRecord:
+    """What it takes to put one written tensor back to the bytes it held before.
+
+    ``frames`` when every payload's encoding is self-inverse (small: the payloads are applied
+    again, newest first); else the ``positions`` the write changes and their old ``values``.
+    """
+
+    payloads: tuple[PayloadRef, ...]
+    frames: tuple[bytes, ...] | None = None
+    positions: npt.NDArray[np.intp] | None = None
+    values: ByteArray | None = None
+
+    @classmethod
+    def of(
+        cls,
+        before: ByteArray,
+        after: ByteArray,
+        payloads: Sequence[PayloadRef],
+        frames: Sequence[bytes],
+    ) -> UndoRecord:
+        """The cheapest record that restores ``before`` from ``after``."""
+        if all(get_encoding(p.encoding).self_inverse for p in payloads):
+            return cls(tuple(payloads), frames=tuple(frames))
+        positions = np.flatnonzero(before != after)
+        return cls(tuple(payloads), positions=positions, values=before[positions].copy())
+
+    def restore(self, view: ByteArray, name: str) -> None:
+        """Write the old bytes back into ``view`` (the tensor as it was written)."""
+        if self.frames is not None:
+            view[:] = fold_apply(view, self.payloads[::-1], self.frames[::-1], name)
+        else:
+            assert self.positions is not None and self.values is not None
+            view[self.positions] = self.values

@@ -1,0 +1,132 @@
+"""Seeding from a full version: staged beside the checkpoint, verified, then swapped in.
+
+The full version is downloaded into ``.weight_sync/staging/`` and every tensor is checked
+(names and sizes against the model, digests against the version) before the local weights are
+touched; a corrupt or incomplete full version leaves the host at its verified version.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import xxhash
+
+from deltastore.codecs import get_checksum
+from deltastore.errors import IntegrityError, NameMismatchError
+from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
+from deltastore.format.index import VersionIndex, check_shard_names
+from deltastore.format.names import INDEX_NAME, version_dir_name
+from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.stats import ApplyStats
+from deltastore.pull.verify import full_digests, verify_tensors
+from deltastore.storage import VersionStore
+from deltastore.storage.durable import atomic_replace, fsync_path
+
+STAGING_NAME = "staging"
+_COPY_CHUNK = 16 * 1024**2
+
+
+def check_full_complete(
+    store: VersionStore, index: VersionIndex, model: dict[str, CheckpointTensor] | None
+) -> None:
+    """Refuse a full version whose tensor names or sizes differ from the model's.
+
+    ``model`` is the base's (or, without a base, the local checkpoint's) tensors; None skips
+    the check. Reads shard headers only. Raises :class:`NameMismatchError` naming what differs.
+    """
+    if model is None:
+        return
+    sizes: dict[str, int] = {}
+    for shard in index.shards():
+        header = store.read_shard_header(index.version, shard)
+        sizes.update({name: entry.nbytes for name, entry in header.tensors.items()})
+    missing = sorted(set(model) - set(sizes))
+    extra = sorted(set(sizes) - set(model))
+    resized = sorted(n for n in set(model) & set(sizes) if model[n].entry.nbytes != sizes[n])
+    if missing or extra or resized:
+        raise NameMismatchError(
+            f"{store.url}/{version_dir_name(index.version)} is a full version that does not "
+            f"match the model: missing {missing[:5]}, extra {extra[:5]}, other sizes "
+            f"{resized[:5]}; it is incomplete or of another model. Nothing local was changed"
+        )
+
+
+def _download(store: VersionStore, version: int, shard: str, dst: str) -> int:
+    """Copy one shard to ``dst`` (fsynced), hashing it as read and again as written."""
+    source_hash = xxhash.xxh3_128()
+    size = 0
+    with store.open_read(version, shard) as src, open(dst, "wb") as out:
+        while chunk := src.read(_COPY_CHUNK):
+            source_hash.update(chunk)
+            out.write(chunk)
+            size += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    copy_hash = xxhash.xxh3_128()
+    with open(dst, "rb") as fh:
+        while chunk := fh.read(_COPY_CHUNK):
+            copy_hash.update(chunk)
+    if copy_hash.digest() != source_hash.digest():
+        raise IntegrityError(
+            f"{version_dir_name(version)}/{shard}: the local copy {dst} differs from what was "
+            "read; check the local disk"
+        )
+    return size
+
+
+def stage_full(
+    store: VersionStore,
+    index: VersionIndex,
+    local: LocalCheckpoint,
+    *,
+    workers: int = 4,
+    stats: ApplyStats | None = None,
+) -> str:
+    """Download a full version into the staging dir and verify every tensor; returns the dir.
+
+    Tensors are checked against the digests in the shard metadata when the publisher recorded
+    them (deltastore always does); a foreign full version without digests is checked by
+    hashing each file as it is downloaded and again after it is written. Raises
+    :class:`IntegrityError` / :class:`NameMismatchError`; the local weights are untouched.
+    """
+    where = version_dir_name(index.version)
+    staging = os.path.join(local.state_dir, STAGING_NAME)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    shards = index.shards()
+    for shard in shards:
+        size = _download(store, index.version, shard, os.path.join(staging, shard))
+        if stats is not None:
+            stats.add(bytes_read=size, bytes_written=size)
+    # An ordinary HF index so the engine's loader finds the shards.
+    atomic_replace(os.path.join(staging, INDEX_NAME), index.to_json())
+    staged = scan_checkpoint(staging)
+    for shard in shards:
+        names = {n for n, t in staged.items() if os.path.basename(t.file) == shard}
+        check_shard_names(index, shard, names, source=f"{store.url}/{where}/{shard}")
+    if index.checksum:
+        digests = full_digests(store, index, get_checksum(index.checksum))
+        verify_tensors(staged, digests, where=f"{store.url}/{where}", workers=workers)
+    return staging
+
+
+def swap_in(staging: str, local: LocalCheckpoint) -> int:
+    """Replace the local weights with the staged files (renames, then a dir fsync).
+
+    Returns the number of tensors swapped in. Call it inside a pending reseed record: a crash
+    midway leaves a dir the next pull reseeds.
+    """
+    tensors = len(scan_checkpoint(staging))
+    local.clear_weights()
+    for name in sorted(os.listdir(staging)):
+        os.replace(os.path.join(staging, name), os.path.join(local.dir, name))
+    fsync_path(local.dir)
+    os.rmdir(staging)
+    fsync_path(local.state_dir)
+    return tensors
+
+
+def discard_staging(local: LocalCheckpoint) -> None:
+    """Remove a staging dir a failed or interrupted reseed left behind."""
+    shutil.rmtree(os.path.join(local.state_dir, STAGING_NAME), ignore_errors=True)

@@ -1,0 +1,97 @@
+"""Writable maps of the local safetensors files, each given its own regular file first.
+
+In-place writes go through ``mmap``; a file that is a symbolic link or shares its inode with
+another path (a dir cloned with ``cp -as`` or ``cp -al``, links into the base) is first
+replaced by a verified private copy, so a write never reaches another host's dir or the base.
+:func:`msync` is the one place mapped pages are flushed (tests wrap it to see the order of
+flushes and state writes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import stat
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from deltastore.codecs import ByteArray
+from deltastore.format.checkpoint import CheckpointTensor
+from deltastore.pull.local import copy_verified
+from deltastore.storage.durable import fsync_path
+
+log = logging.getLogger("deltastore.pull")
+
+
+def msync(mm: mmap.mmap, path: str) -> None:
+    """Flush a map's dirty pages to ``path`` (msync); an ``os.fsync`` of the file follows."""
+    del path  # named for the callers' logs and the durability-order test
+    mm.flush()
+
+
+def own_regular_file(path: str) -> None:
+    """Make ``path`` a regular file with one link before it is written in place.
+
+    A symbolic link, or a file sharing its inode with another path, would carry every
+    in-place write to that other path too (another host's dir, the base), behind its state's
+    back. Such a file is replaced by a verified copy of its content; the copy is durable
+    (file and directory fsynced) before this returns.
+    """
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        log.warning("%s is a symbolic link; copying its target before writing it in place", path)
+    elif info.st_nlink > 1:
+        log.warning("%s has other hard links; copying it before writing it in place", path)
+    else:
+        return
+    copy_verified(path, path)
+    fsync_path(os.path.dirname(path))
+
+
+class MappedFiles:
+    """Writable mmaps of the local safetensors files, opened lazily and flushed together."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[int, mmap.mmap]] = {}
+        self._lock = threading.Lock()
+
+    def view(self, tensor: CheckpointTensor) -> ByteArray:
+        """A writable view of ``tensor``'s bytes in its file (the file is made private first)."""
+        with self._lock:
+            if tensor.file not in self._maps:
+                own_regular_file(tensor.file)
+                # O_NOFOLLOW: never write through a link, even one that appeared since.
+                fd = os.open(tensor.file, os.O_RDWR | os.O_NOFOLLOW)
+                self._maps[tensor.file] = (fd, mmap.mmap(fd, 0))
+            mm = self._maps[tensor.file][1]
+        return np.frombuffer(
+            mm, dtype=np.uint8, count=tensor.entry.nbytes, offset=tensor.entry.start
+        )
+
+    def flush(self) -> None:
+        """msync, then fsync, every mapped file: the data is durable before any state names it."""
+        for path, (fd, mm) in self._maps.items():
+            msync(mm, path)
+            os.fsync(fd)
+
+    def close(self) -> None:
+        """Unmap and close every file (without flushing)."""
+        for fd, mm in self._maps.values():
+            with contextlib.suppress(BufferError):
+                mm.close()
+            os.close(fd)
+        self._maps.clear()
+
+
+@contextlib.contextmanager
+def mapped_files() -> Iterator[MappedFiles]:
+    """A :class:`MappedFiles` closed on exit (flushing is the caller's explicit step)."""
+    files = MappedFiles()
+    try:
+        yield files
+    finally:
+        files.close()

@@ -1,0 +1,97 @@
+"""The store a pull reads: opened once, its hook bound without touching the caller's store,
+the target resolved ("latest"), and kept apart from the local checkpoint."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from deltastore.errors import ConfigError
+from deltastore.storage import VersionStore
+
+PreRead = Callable[[str, int], None]
+
+
+def open_store(
+    source: VersionStore | str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> VersionStore:
+    """``source`` itself when it is a store (never modified), else a new store at that URL."""
+    if isinstance(source, VersionStore):
+        return source
+    return VersionStore(os.fspath(source), storage_options)
+
+
+@dataclass(frozen=True)
+class PullSource:
+    """A store and the pre-read hook this pull runs before reading a version.
+
+    The hook is this pull's own: it runs beside the store's own ``pre_read`` (if any), and the
+    store the caller passed in is not modified.
+    """
+
+    store: VersionStore
+    pre_read: PreRead | None = None
+
+    def refresh(self, version: int | None = None) -> None:
+        """Make other hosts' commits visible and run the pre-read hooks for ``version``."""
+        self.store.refresh(version)
+        if self.pre_read is not None and version is not None and version > 0:
+            self.pre_read(self.store.url, version)
+
+    def resolve_target(self, target: int | str) -> int:
+        """``target`` as a version number: ``"latest"`` is the newest committed version.
+
+        Raises :class:`ConfigError` for anything else that is not a non-negative int, and for
+        ``"latest"`` on a store root that does not exist (a mistyped path must not
+        read as an empty store and reset the host to the base).
+        """
+        if target == "latest":
+            self.store.refresh()
+            latest = self.store.latest()
+            if (
+                latest == 0
+                and not self.store.is_remote
+                and not self.store.fs.exists(self.store.root)
+            ):
+                raise ConfigError(
+                    f"no store at {self.store.url}: nothing was ever published there; check "
+                    "the store URL"
+                )
+            return latest
+        if isinstance(target, bool) or not isinstance(target, int):
+            raise ConfigError(f"target version {target!r} is neither a version number nor 'latest'")
+        if target < 0:
+            raise ConfigError(f"target version {target} is negative")
+        return target
+
+    def check_apart_from(self, local_dir: str) -> None:
+        """Refuse a local checkpoint dir that is, is inside, or contains a local store's root.
+
+        Pulling into such a dir would overwrite published versions (every host pulling them
+        afterwards would get other bytes). Real paths are compared, so links do not hide it.
+        """
+        if not self.store.is_local:
+            return
+        root = os.path.realpath(self.store.root)
+        local = os.path.realpath(local_dir)
+        if _within(local, root) or _within(root, local):
+            raise ConfigError(
+                f"local checkpoint dir {local_dir} ({local}) overlaps the store {self.store.url} "
+                f"({root}); pulling there would overwrite published versions. Pass a host-local "
+                "dir outside the store"
+            )
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def make_source(
+    source: VersionStore | str | os.PathLike[str],
+    storage_options: dict[str, Any] | None,
+    pre_read: PreRead | None,
+) -> PullSource:
+    """The :class:`PullSource` of one ``pull_weights`` call."""
+    return PullSource(open_store(source, storage_options), pre_read)

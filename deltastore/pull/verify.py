@@ -1,0 +1,165 @@
+"""Checking a local checkpoint's bytes against a published version, tensor by tensor."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import mmap
+import os
+from typing import Any
+
+from deltastore.codecs import Checksum, Digest, get_checksum
+from deltastore.errors import ConfigError, IntegrityError, NameMismatchError
+from deltastore.format.checkpoint import CheckpointTensor, read_tensor, scan_checkpoint
+from deltastore.format.index import VersionIndex
+from deltastore.format.names import version_dir_name
+from deltastore.pull.chain import Chain, resolve_chain
+from deltastore.pull.history import check_digest
+from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.source import open_store
+from deltastore.storage import VersionStore
+
+
+def full_digests(store: VersionStore, index: VersionIndex, checksum: Checksum) -> dict[str, Digest]:
+    """Per-tensor digests recorded in a full version's shard metadata (may be empty)."""
+    where = version_dir_name(index.version)
+    digests: dict[str, Digest] = {}
+    for shard in index.shards():
+        header = store.read_shard_header(index.version, shard)
+        for name in header.tensors:
+            value = header.metadata.get(name)
+            if value is not None:
+                digests[name] = check_digest(checksum, value, name=name, where=where)
+    return digests
+
+
+def hash_tensor(tensor: CheckpointTensor, checksum: Checksum) -> str:
+    """Digest of a tensor's bytes in a checkpoint file (read through a read-only mmap)."""
+    if tensor.entry.nbytes == 0:
+        return checksum.hexdigest(b"")
+    with open(tensor.file, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            view = memoryview(mm)[tensor.entry.start : tensor.entry.end]
+            try:
+                return checksum.hexdigest(view)
+            finally:
+                view.release()
+        finally:
+            mm.close()
+
+
+def verify_tensors(
+    local_tensors: dict[str, CheckpointTensor],
+    expected: dict[str, Digest],
+    *,
+    where: str,
+    workers: int = 4,
+) -> None:
+    """Hash each local tensor named in ``expected``; :class:`IntegrityError` lists mismatches.
+
+    Raises :class:`NameMismatchError` when a tensor of ``expected`` is missing locally.
+    """
+    missing = sorted(set(expected) - set(local_tensors))
+    if missing:
+        raise NameMismatchError(f"{where}: the local checkpoint lacks tensors {missing[:5]}")
+
+    def check(name: str) -> str | None:
+        digest = expected[name]
+        return None if hash_tensor(local_tensors[name], digest.checksum) == digest.hex else name
+
+    with cf.ThreadPoolExecutor(max(1, workers)) as pool:
+        bad = [n for n in pool.map(check, sorted(expected)) if n is not None]
+    if bad:
+        raise IntegrityError(
+            f"{where}: {len(bad)} tensor(s) do not match their published digests, e.g. {bad[:5]}"
+        )
+
+
+def _full_version_digests(store: VersionStore, full: VersionIndex) -> dict[str, Digest]:
+    checksum = get_checksum(full.checksum or "xxh3-128")
+    expected = full_digests(store, full, checksum)
+    # A foreign full version may record no digests: hash the version's own bytes.
+    for shard in full.shards():
+        header = store.read_shard_header(full.version, shard)
+        for name, entry in header.tensors.items():
+            if name not in expected:
+                data = store.read_range(full.version, shard, entry.start, entry.end)
+                expected[name] = Digest.of(checksum, data)
+    return expected
+
+
+def expected_digests(store: VersionStore, chain: Chain, base_dir: str | None) -> dict[str, Digest]:
+    """Digest of every tensor at the chain's target.
+
+    Tensors the chain never changed since the base are hashed from the base's bytes (so a chain
+    that starts at the base needs ``base_dir``: else :class:`ConfigError`).
+    """
+    expected: dict[str, Digest] = {}
+    if chain.start_index is not None:
+        expected.update(_full_version_digests(store, chain.start_index))
+    for delta in chain.deltas:
+        checksum = get_checksum(delta.checksum or "")
+        where = version_dir_name(delta.version)
+        for shard in delta.shards():
+            header = store.read_shard_header(delta.version, shard)
+            for name in header.tensors:
+                value = header.metadata.get(name)
+                expected[name] = check_digest(checksum, value, name=name, where=where)
+    if chain.start_index is None:
+        if base_dir is None:
+            raise ConfigError("verifying against a chain that starts at the base needs base_dir")
+        checksum = get_checksum("xxh3-128")
+        for name, tensor in scan_checkpoint(base_dir).items():
+            if name not in expected:
+                expected[name] = Digest.of(checksum, read_tensor(tensor, name))
+    return expected
+
+
+def verify_checkpoint(
+    store: VersionStore, local_dir: str, version: int, base_dir: str | None, workers: int
+) -> None:
+    """Hash every tensor of ``local_dir`` against ``version`` of ``store``.
+
+    Raises :class:`IntegrityError` / :class:`NameMismatchError` naming the tensors at fault,
+    :class:`VersionNotFoundError` when the version's chain is no longer in the store.
+    """
+    chain = resolve_chain(store, version)
+    expected = expected_digests(store, chain, base_dir)
+    local_tensors = scan_checkpoint(local_dir)
+    where = f"{local_dir} at v{version:06d}"
+    extra = sorted(set(local_tensors) - set(expected))
+    if extra:
+        raise NameMismatchError(f"{where}: local tensors {extra[:5]} are not in the version")
+    verify_tensors(local_tensors, expected, where=where, workers=workers)
+
+
+def verify_local(
+    local_checkpoint_dir: str | os.PathLike[str],
+    source_dir: VersionStore | str | os.PathLike[str],
+    version: int | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    workers: int = 4,
+) -> int:
+    """Check every tensor of a local checkpoint against ``version`` by digest (not by state).
+
+    ``version`` defaults to the one the local state records. Returns the version verified.
+    Raises :class:`IntegrityError` / :class:`NameMismatchError` naming the tensors at fault.
+    """
+    local = LocalCheckpoint(local_checkpoint_dir)
+    store = open_store(source_dir, storage_options)
+    if version is None:
+        state = local.read_state()
+        if state is None:
+            raise IntegrityError(
+                f"{local.dir} records no applied version (no state, or a pull was interrupted); "
+                "pass --version to verify against one"
+            )
+        version = state.version
+    if version < 0:
+        raise ConfigError(f"version {version} is negative; versions are 0 (the base) and up")
+    store.refresh()
+    base = os.fspath(base_dir) if base_dir is not None else None
+    verify_checkpoint(store, local.dir, version, base, workers)
+    return version
