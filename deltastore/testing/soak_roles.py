@@ -40,7 +40,9 @@ __all__ = ["HostJob", "RetryCounter", "TrainerJob", "host_main", "trainer_main"]
 # whose retries ran out under injected faults. Anything else (IntegrityError above all) ends the
 # host and fails the run.
 _RETRIED_ERRORS = (ds.VersionNotFoundError, TransientStoreError)
-_POLL_S = 0.05
+# A host with nothing new waits this long before listing again: every poll is a LIST through
+# the proxy, and eight hosts polling faster load the server more than the pulls do.
+_POLL_S = 0.2
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -31,6 +32,8 @@ CI_SOAK = SoakConfig(
 )
 
 
+# About 140 s on the shared 2-core machine under load (load average ~10): over the ~60 s line.
+@pytest.mark.slow
 def test_four_hosts_thirty_versions_through_a_faulty_proxy_all_verified(tmp_path: Path) -> None:
     report = run_soak(CI_SOAK, str(tmp_path))
     assert report.ok, "\n".join(report.problems)
