@@ -160,12 +160,14 @@ def _start(ctx: Any, target: Any, job: Any, name: str) -> Any:
     return process
 
 
-def _wait_for(path: str, process: Any, timeout_s: float) -> None:
+def _wait_for(path: str, process: Any, timeout_s: float) -> bool:
+    """Whether ``path`` appeared before ``process`` ended and within ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
         if not process.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the trainer did not seed the store (exit code {process.exitcode})")
+            return False
         time.sleep(0.05)
+    return True
 
 
 def _run_processes(
@@ -183,8 +185,9 @@ def _run_processes(
     )  # fmt: skip
     processes = [trainer]
     try:
-        _wait_for(report_path(workdir, "seeded"), trainer, _SEED_TIMEOUT_S)
-        for host in range(config.hosts):
+        # A trainer that fails to seed reports why; the hosts, never started, report nothing.
+        seeded = _wait_for(report_path(workdir, "seeded"), trainer, _SEED_TIMEOUT_S)
+        for host in range(config.hosts if seeded else 0):
             job = HostJob(host, url, proxied, workdir, config.versions, config.workers,
                           config.deadline_s)  # fmt: skip
             processes.append(_start(ctx, host_main, job, f"soak-host{host}"))

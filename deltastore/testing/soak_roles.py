@@ -43,6 +43,7 @@ _RETRIED_ERRORS = (ds.VersionNotFoundError, TransientStoreError)
 # A host with nothing new waits this long before listing again: every poll is a LIST through
 # the proxy, and eight hosts polling faster load the server more than the pulls do.
 _POLL_S = 0.2
+_VERIFY_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -312,10 +313,14 @@ class _HostTally:
     pruned_before_verify: list[int] = field(default_factory=list)
     retried_errors: Counter[str] = field(default_factory=Counter)
     actions: Counter[str] = field(default_factory=Counter)
-    # asdict() would rebuild a Counter from (key, value) pairs, counting the pairs: the
-    # report converts these two itself.
     bytes_read: int = 0
     pull_s: float = 0.0
+
+
+def _host_fields(tally: _HostTally) -> dict[str, Any]:
+    """The tally as JSON values (``asdict`` would rebuild each Counter from its pairs)."""
+    fields = {name: getattr(tally, name) for name in tally.__dataclass_fields__}
+    return {k: dict(v) if isinstance(v, Counter) else v for k, v in fields.items()}
 
 
 def _check_truth(job: HostJob, local: str, version: int) -> None:
@@ -341,15 +346,29 @@ def _pull_and_verify(job: HostJob, store: Any, local: str, target: int, tally: _
     tally.claimed.append(result.version)
     _check_truth(job, local, result.version)
     tally.verified_by_truth.append(result.version)
-    try:
-        ds.verify_local(local, store, result.version, base_dir=base, workers=job.workers)
-    except ds.VersionNotFoundError:
-        store.refresh()
-        if result.version in store.versions():
-            raise  # still published: the store failed to read it, not pruning
-        tally.pruned_before_verify.append(result.version)
-    else:
-        tally.verified_by_store.append(result.version)
+    _verify_claim(job, store, local, result.version, tally)
+
+
+def _verify_claim(job: HostJob, store: Any, local: str, version: int, tally: _HostTally) -> None:
+    """``verify_local`` on a claimed version; a store step whose retries ran out under the
+    injected faults is tried again (a few times), a version pruned meanwhile is counted."""
+    for attempt in range(_VERIFY_ATTEMPTS):
+        try:
+            ds.verify_local(local, store, version, base_dir=base_dir(job.workdir),
+                            workers=job.workers)  # fmt: skip
+        except TransientStoreError:
+            tally.retried_errors["TransientStoreError in verify_local"] += 1
+            if attempt == _VERIFY_ATTEMPTS - 1:
+                raise
+        except ds.VersionNotFoundError:
+            store.refresh()
+            if version in store.versions():
+                raise  # still published: the store failed to read it, not pruning
+            tally.pruned_before_verify.append(version)
+            return
+        else:
+            tally.verified_by_store.append(version)
+            return
 
 
 def _pull_until_last(job: HostJob, counter: RetryCounter, tally: _HostTally) -> None:
@@ -390,9 +409,7 @@ def host_main(job: HostJob) -> None:
         report["error"] = f"{type(exc).__name__}: {exc}"
         print(f"host {job.host}: {report['error']}", file=sys.stderr)
     finally:
-        report.update(asdict(tally))
-        report["retried_errors"] = dict(tally.retried_errors)
-        report["actions"] = dict(tally.actions)
+        report.update(_host_fields(tally))
         report["wall_s"] = time.perf_counter() - started
         report["retries"] = dict(counter.counts)
         report["peak_rss_mb"] = peak_rss_mb()
