@@ -125,7 +125,7 @@ class _FaultArmer:
         return Fault(action, stall_s=self.stall_s)
 
     def _run(self) -> None:
-        while not self._stop.wait(0.002):
+        while not self._stop.wait(0.005):
             if self._armed is not None and self._armed.times > 0:
                 continue
             if len(self.proxy.injected) < self.share * self.proxy.requests:
@@ -237,6 +237,7 @@ def _summarize(trainer: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str
     return {
         "versions_per_s_published": round(trainer.get("versions_per_s", 0.0), 3),
         "host_mb_per_s_in_pull": [round(x, 2) for x in mb_per_s],
+        "host_mean_pull_s": [round(h["pull_s"] / max(1, len(h["claimed"])), 2) for h in hosts],
         "host_versions_claimed": [len(h["claimed"]) for h in hosts],
         "host_peak_rss_mb": [round(h["peak_rss_mb"], 1) for h in hosts],
         "trainer_peak_rss_mb": round(trainer.get("peak_rss_mb", 0.0), 1),
