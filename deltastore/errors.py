@@ -70,3 +70,8 @@ class LockTimeoutError(DeltastoreError, TimeoutError):
 
 class HookError(DeltastoreError):
     """A hook could not be loaded, or raised while running."""
+
+
+class SignatureError(IntegrityError):
+    """A version is unsigned, its signature does not match its manifest (forged, altered or
+    replayed under another version or stream), or it is signed by a key that is not trusted."""
