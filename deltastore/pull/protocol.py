@@ -1,8 +1,8 @@
 """The ``/pull_weights`` wire types, shared by the server and every client.
 
 One typed request and one typed reply, parsed strictly: a reply without ``success`` and
-``message`` is a :class:`FormatError` naming what was received, never an "unknown error"
-(TRAPS #24). The request and reply are the reference engine endpoint's:
+``message`` is a :class:`FormatError` naming what was received, never an "unknown error".
+The request and reply are the reference engine endpoint's:
 ``POST /pull_weights {local_checkpoint_dir, source_dir, target_version}`` answered by
 ``{success, message}`` with HTTP 200 on success, 400 on failure.
 """
