@@ -139,7 +139,38 @@ def test_malformed_input_answers_4xx_json_never_500(default_server, tmp_path: Pa
     too_big = json.dumps(good | {"pad": "x" * 100_000}).encode()
     reply = raw_request(server, "POST", "/pull_weights", too_big, JSON)
     assert reply.status == 413 and "bytes" in str(reply.body["message"])
+    assert chunked_post(server, too_big).status == 413  # no Content-Length to refuse up front
     assert not (tmp_path / "h").exists()
+
+
+def chunked_post(server: Server, body: bytes) -> Reply:
+    url = urllib.parse.urlsplit(server.url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=60)
+    try:
+        pieces = (body[i : i + 4096] for i in range(0, len(body), 4096))
+        conn.request("POST", "/pull_weights", body=pieces, headers=JSON, encode_chunked=True)
+        response = conn.getresponse()
+        return Reply(response.status, json.loads(response.read()))
+    finally:
+        conn.close()
+
+
+def test_allow_host_names_are_accepted(tmp_path: Path):
+    write_checkpoint(tmp_path / "base", many_tensors(2, seed=126, elements=8))
+    server = start_server("--base", str(tmp_path / "base"), "--allow-host", "Engine-3.example")
+    port = urllib.parse.urlsplit(server.url).port
+    try:
+        for host, status in (("engine-3.example", 200), ("engine-4.example", 403)):
+            headers = {"Host": f"{host}:{port}", "Origin": f"http://{host}:{port}"}
+            reply = raw_request(
+                server, "GET", f"/state?local_checkpoint_dir={tmp_path}/h", None, headers
+            )
+            assert reply.status == status, (host, reply)
+        v6 = raw_request(server, "GET", "/healthz", None, {"Host": f"[::1]:{port}"})
+        assert v6.status == 200 and v6.body["ok"] is True
+        assert raw_request(server, "GET", "/nowhere").status == 404  # JSON too
+    finally:
+        stop_server(server)
 
 
 def test_a_non_utf8_authorization_header_is_401(tmp_path: Path):
@@ -186,11 +217,22 @@ def test_store_files_symlinked_out_of_the_allowed_roots_are_refused(two_tenants)
         assert_refused(reply, (403,), "symlink")
         assert str(shard.name) in str(reply.body["message"])
         assert not (allowed / "h").exists()
-        # A link that stays inside the allowed roots is fine.
+        # A version dir linked out of the allowed roots is refused the same way.
         shard.unlink()
+        shutil.move(secret, shard)
+        moved = other / "weight_v000002"
+        shutil.move(published.store_dir / "weight_v000002", moved)
+        (published.store_dir / "weight_v000002").symlink_to(moved)
+        reply = raw_request(server, "POST", "/pull_weights", body, JSON)
+        assert_refused(reply, (403,), "symlink")
+        (published.store_dir / "weight_v000002").unlink()
+        shutil.move(moved, published.store_dir / "weight_v000002")
+        # A link that stays inside the allowed roots is fine, and a link loop ends the walk.
+        shutil.move(shard, secret)
         inside = allowed / "moved.safetensors"
         shutil.move(secret, inside)
         shard.symlink_to(inside)
+        (published.store_dir / "loop").symlink_to(published.store_dir)
         assert raw_request(server, "POST", "/pull_weights", body, JSON).status == 200
     finally:
         stop_server(server)
