@@ -115,7 +115,8 @@ def _split_host(header: str) -> str:
     header = header.strip().lower()
     if header.startswith("["):
         return header[1:].split("]", 1)[0]
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    host = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    return host.rstrip(".")  # "localhost." is the same name as "localhost"
 
 
 class RequestRules:
@@ -330,7 +331,10 @@ class PullServer:
         try:
             body = PullRequest.from_json(await request.read())
             local_dir = self.policy.local_dir(body.local_checkpoint_dir)
-            source = self.policy.source(body.source_dir)
+            # The source check walks a local store: off the event loop, so /healthz answers.
+            source = await asyncio.get_running_loop().run_in_executor(
+                None, self.policy.source, body.source_dir
+            )
             self.policy.separate(local_dir, source)
         except web.HTTPRequestEntityTooLarge:
             message = f"the request body exceeds {MAX_REQUEST_BYTES} bytes"
