@@ -32,6 +32,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="DIR",
         help="root that request paths must lie under (repeatable; a dir or a URL prefix)",
     )
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="host name clients may call this server by (repeatable; IP literals, localhost "
+        "and, when bound beyond loopback, this machine's names always pass)",
+    )
     p.add_argument("--token-file", help="file holding a bearer token every request must carry")
     p.add_argument("--workers", type=int, default=4, help="apply threads per pull")
     p.add_argument(
@@ -61,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         allow=tuple(args.allow),
         token=token,
+        allowed_hosts=tuple(args.allow_host),
         storage_options=parse_storage_options(args.storage_option),
         pre_read=load_hook(args.pre_read_hook, PRE_READ) if args.pre_read_hook else None,
         workers=args.workers,

@@ -1,8 +1,8 @@
 """The ``/pull_weights`` wire types, shared by the server and every client.
 
 One typed request and one typed reply, parsed strictly: a reply without ``success`` and
-``message`` is a :class:`FormatError` naming what was received, never an "unknown error"
-(TRAPS #24). The request and reply are the reference engine endpoint's:
+``message`` is a :class:`FormatError` naming what was received, never an "unknown error".
+The request and reply are the reference engine endpoint's:
 ``POST /pull_weights {local_checkpoint_dir, source_dir, target_version}`` answered by
 ``{success, message}`` with HTTP 200 on success, 400 on failure.
 """
@@ -16,6 +16,22 @@ from typing import Any
 
 from deltastore.errors import FormatError
 from deltastore.format.state import AppliedState, PendingTransition
+
+MAX_PATH_CHARS = 4096
+"""Longest path or URL a request may carry (PATH_MAX on Linux)."""
+
+MAX_TARGET_VERSION = 10**18 - 1
+"""Largest target version a request may ask for: 18 digits, so every engine fits it in int64."""
+
+
+def check_request_path(value: str, key: str) -> str:
+    """Refuse a request path with a NUL or control character, or longer than
+    :data:`MAX_PATH_CHARS` (:class:`FormatError`, a 400), before any file call sees it."""
+    if len(value) > MAX_PATH_CHARS:
+        raise FormatError(f"{key} is {len(value)} characters long (at most {MAX_PATH_CHARS})")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+        raise FormatError(f"{key} {value[:200]!r} contains a NUL or control character")
+    return value
 
 
 def _load_object(data: bytes | str | Mapping[str, Any], what: str) -> Mapping[str, Any]:
@@ -57,13 +73,25 @@ class PullRequest:
             value = body.get(key)
             if not isinstance(value, str) or not value:
                 raise FormatError(f"the request needs {key!r} as a non-empty string")
-            fields[key] = value
-        raw = body.get("target_version")
-        if isinstance(raw, str) and raw.isascii() and raw.isdigit():
-            raw = int(raw)
-        if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
-            raise FormatError(f"the request needs 'target_version' as an integer >= 0, got {raw!r}")
-        return cls(fields["local_checkpoint_dir"], fields["source_dir"], raw)
+            fields[key] = check_request_path(value, key)
+        return cls(
+            fields["local_checkpoint_dir"],
+            fields["source_dir"],
+            _target_version(body.get("target_version")),
+        )
+
+
+def _target_version(raw: object) -> int:
+    """An integer in 0..MAX_TARGET_VERSION, or an all-digit string of at most 18 digits."""
+    if isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) <= 18:
+        raw = int(raw)
+    if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw <= MAX_TARGET_VERSION:
+        shown = repr(raw) if not isinstance(raw, (str, int)) or len(str(raw)) <= 40 else "..."
+        raise FormatError(
+            f"the request needs 'target_version' as an integer in 0..{MAX_TARGET_VERSION}, "
+            f"got {shown}"
+        )
+    return raw
 
 
 @dataclass(frozen=True)
@@ -151,4 +179,11 @@ class CheckpointStatus:
         )
 
 
-__all__ = ["CheckpointStatus", "PullReply", "PullRequest"]
+__all__ = [
+    "MAX_PATH_CHARS",
+    "MAX_TARGET_VERSION",
+    "CheckpointStatus",
+    "PullReply",
+    "PullRequest",
+    "check_request_path",
+]

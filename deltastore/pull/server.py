@@ -7,8 +7,18 @@ reports what a local dir holds; ``GET /healthz`` answers while pulls run (they r
 
 Safety: binds 127.0.0.1 by default; an optional bearer token (401 without it); request paths
 must lie under an ``--allow`` root (403 otherwise), and with no ``--allow`` the server refuses
-to bind anything but loopback; a local dir that is, holds or lies inside the base is refused
-(the user's model is never modified); requests for one local dir run one at a time.
+to bind anything but loopback; a local dir that is, holds or lies inside the base or the source
+store is refused (the user's model and published versions are never modified); with ``--allow``
+every file of a local source store must resolve inside the allowed roots (a symlink out is
+refused); requests for one local dir run one at a time.
+
+Request rules against browsers (:class:`RequestRules`): a web page can make a browser send a
+"simple" cross-site POST, and DNS rebinding makes one look same-site; so every request's
+``Host`` must name this server (an IP literal, ``localhost``, this machine's names when bound
+beyond loopback, or an ``--allow-host`` name), any ``Origin`` must be the server's own, and a
+POST must be ``Content-Type: application/json`` (which a page cannot send cross-site without a
+preflight this server never grants) and at most :data:`MAX_REQUEST_BYTES` long. Every refusal
+and every error is the JSON ``{success, message}`` reply.
 """
 
 from __future__ import annotations
@@ -21,7 +31,8 @@ import ipaddress
 import logging
 import os
 import signal
-from collections.abc import Callable
+import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +40,16 @@ from aiohttp import web
 
 from deltastore.errors import ConfigError, DeltastoreError, FormatError
 from deltastore.pull.local import LocalCheckpoint
-from deltastore.pull.protocol import CheckpointStatus, PullReply, PullRequest
+from deltastore.pull.protocol import CheckpointStatus, PullReply, PullRequest, check_request_path
 from deltastore.pull.pull import pull_weights
 
 log = logging.getLogger("deltastore.serve")
 
 PreReadHook = Callable[[str, int], None]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+MAX_REQUEST_BYTES = 64 * 1024
+"""Largest request body accepted (413 above): a pull request is three short fields."""
 
 
 def is_loopback(host: str) -> bool:
@@ -72,6 +87,8 @@ class ServerConfig:
     """Roots request paths must lie under: directories, or URL prefixes (``s3://bucket/``)."""
     token: str | None = None
     """Bearer token every request but ``/healthz`` must carry; None: no token."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Extra names a request's ``Host`` may carry (IP literals and ``localhost`` always pass)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     pre_read: PreReadHook | None = None
     workers: int = 4
@@ -93,6 +110,58 @@ class ServerConfig:
             raise ConfigError("the token is empty; put a secret in --token-file")
 
 
+def _split_host(header: str) -> str:
+    """The host of a ``Host`` header, lower case, without the port or IPv6 brackets."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    host = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    return host.rstrip(".")  # "localhost." is the same name as "localhost"
+
+
+class RequestRules:
+    """Which ``Host`` / ``Origin`` / content type a request may carry (403, 415, 413 otherwise).
+
+    An IP literal in ``Host`` is always accepted: DNS rebinding needs a name, and a page served
+    from another address or port of this machine is caught by its ``Origin``.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        names = {"localhost", *(h.lower() for h in config.allowed_hosts)}
+        if not is_loopback(config.host):
+            names |= {socket.gethostname().lower(), socket.getfqdn().lower(), config.host.lower()}
+        self.names = frozenset(names)
+
+    def refusal(self, request: web.Request) -> tuple[int, str] | None:
+        """``(status, message)`` when the request breaks a rule, None when it may proceed."""
+        host_header = request.headers.get("Host")
+        if host_header is not None and not self._host_ok(_split_host(host_header)):
+            return 403, (
+                f"Host {host_header!r} does not name this server (DNS rebinding?); call it by "
+                "IP address or localhost, or start it with --allow-host NAME"
+            )
+        origin = request.headers.get("Origin")
+        if origin is not None and origin.lower().rstrip("/") != f"http://{host_header}".lower():
+            return 403, f"cross-origin request from Origin {origin!r} refused"
+        if request.method == "POST":
+            if request.content_type != "application/json":
+                return 415, (
+                    f"Content-Type {request.headers.get('Content-Type')!r} refused: send the "
+                    "request body as Content-Type: application/json"
+                )
+            length = request.content_length
+            if length is not None and length > MAX_REQUEST_BYTES:
+                return 413, f"request body of {length} bytes exceeds {MAX_REQUEST_BYTES} bytes"
+        return None
+
+    def _host_ok(self, host: str) -> bool:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return host in self.names
+        return True
+
+
 class PathPolicy:
     """Which request paths the server accepts."""
 
@@ -104,6 +173,7 @@ class PathPolicy:
 
     def local_dir(self, path: str) -> str:
         """The real path of a request's local dir; :class:`PermissionError` if not allowed."""
+        check_request_path(path, "local_checkpoint_dir")
         if _is_url(path) or not os.path.isabs(_local_path(path)):
             raise FormatError(f"local_checkpoint_dir {path!r} must be an absolute local path")
         real = os.path.realpath(_local_path(path))
@@ -112,12 +182,17 @@ class PathPolicy:
                 f"local_checkpoint_dir {path!r} is, holds or lies inside the base model "
                 f"{self.base}; the base is never modified: pass a separate host-local dir"
             )
-        if not self.open and not any(_under(real, root) for root in self.dirs):
+        if not self.open and not self._allowed(real):
             raise PermissionError(f"{path!r} is not under an allowed root {list(self.dirs)}")
         return real
 
     def source(self, source: str) -> str:
-        """A request's source (dir or URL), checked against the allowed roots."""
+        """A request's source (dir or URL), checked against the allowed roots.
+
+        With allowed roots, every file and directory of a local store must resolve inside them
+        (checked by walking the store now; see docs/engines.md for the race this leaves).
+        """
+        check_request_path(source, "source_dir")
         if self.open:
             return source
         if _is_url(source):
@@ -126,9 +201,43 @@ class PathPolicy:
             raise PermissionError(f"source {source!r} is not under an allowed URL {self.urls}")
         path = _local_path(source)
         real = os.path.realpath(path)
-        if not os.path.isabs(path) or not any(_under(real, root) for root in self.dirs):
+        if not os.path.isabs(path) or not self._allowed(real):
             raise PermissionError(f"source {source!r} is not under an allowed root {self.dirs}")
+        self._check_links(real, source)
         return real
+
+    @staticmethod
+    def separate(local_dir: str, source: str) -> None:
+        """Refuse a local dir that is, holds or lies inside a local source store."""
+        if _is_url(source):
+            return
+        store = os.path.realpath(_local_path(source))
+        if local_dir == store or _under(local_dir, store) or _under(store, local_dir):
+            raise PermissionError(
+                f"local_checkpoint_dir {local_dir!r} is, holds or lies inside the source store "
+                f"{store}; pulling there would overwrite published versions: pass a host-local "
+                "dir outside the store"
+            )
+
+    def _allowed(self, real: str) -> bool:
+        return any(_under(real, root) for root in self.dirs)
+
+    def _check_links(self, store: str, shown: str) -> None:
+        seen: set[str] = set()
+        for top, dirs, files in os.walk(store, followlinks=True):
+            real_top = os.path.realpath(top)
+            if real_top in seen:  # a link loop or a second link to one dir: walked already
+                dirs[:] = []
+                continue
+            seen.add(real_top)
+            for name in (*dirs, *files):
+                path = os.path.join(top, name)
+                if os.path.islink(path) and not self._allowed(os.path.realpath(path)):
+                    raise PermissionError(
+                        f"{path} in source store {shown!r} is a symlink to "
+                        f"{os.path.realpath(path)}, outside the allowed roots {list(self.dirs)}; "
+                        "refusing to read it"
+                    )
 
 
 class PullServer:
@@ -138,6 +247,7 @@ class PullServer:
         config.check()
         self.config = config
         self.policy = PathPolicy(config)
+        self.rules = RequestRules(config)
         self.locks: dict[str, asyncio.Lock] = {}
         self.busy: set[str] = set()
         self.executor = cf.ThreadPoolExecutor(
@@ -145,7 +255,10 @@ class PullServer:
         )
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(
+            middlewares=[self._json_errors, self._guard, self._auth],
+            client_max_size=MAX_REQUEST_BYTES,
+        )
         app.router.add_post("/pull_weights", self.pull_weights)
         app.router.add_get("/state", self.state)
         app.router.add_get("/healthz", self.healthz)
@@ -156,18 +269,40 @@ class PullServer:
         await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown, True)
 
     @web.middleware
-    async def _auth(
-        self, request: web.Request, handler: Callable[[web.Request], Any]
-    ) -> web.StreamResponse:
+    async def _json_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every error (aiohttp's own 404/405/413, a bug's 500) as ``{success, message}``."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return self._reply(PullReply(False, f"{exc.status} {exc.reason}"), exc.status)
+        except Exception as exc:  # a bug must still answer {success, message}
+            log.exception("%s %s failed unexpectedly", request.method, request.path)
+            return self._reply(PullReply(False, f"unexpected {type(exc).__name__}: {exc}"), 500)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        refusal = self.rules.refusal(request)
+        if refusal is not None:
+            status, message = refusal
+            log.warning("refused %s %s: %s", request.method, request.path, message)
+            return self._reply(PullReply(False, message), status)
+        return await handler(request)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         token = self.config.token
         if token is not None and request.path != "/healthz":
             header = request.headers.get("Authorization", "")
             given = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
-            if not hmac.compare_digest(given.encode(), token.encode()):
+            # Headers are decoded with surrogateescape: this gives back the bytes sent, so a
+            # non-UTF-8 header compares unequal instead of raising.
+            sent = given.encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(sent, token.encode("utf-8")):
                 reply = PullReply(False, "missing or wrong bearer token (Authorization: Bearer)")
-                return web.json_response(reply.to_dict(), status=401)
-        response: web.StreamResponse = await handler(request)
-        return response
+                return self._reply(reply, 401)
+        return await handler(request)
 
     @staticmethod
     def _reply(reply: PullReply, status: int | None = None) -> web.Response:
@@ -196,7 +331,14 @@ class PullServer:
         try:
             body = PullRequest.from_json(await request.read())
             local_dir = self.policy.local_dir(body.local_checkpoint_dir)
-            source = self.policy.source(body.source_dir)
+            # The source check walks a local store: off the event loop, so /healthz answers.
+            source = await asyncio.get_running_loop().run_in_executor(
+                None, self.policy.source, body.source_dir
+            )
+            self.policy.separate(local_dir, source)
+        except web.HTTPRequestEntityTooLarge:
+            message = f"the request body exceeds {MAX_REQUEST_BYTES} bytes"
+            return self._reply(PullReply(False, message), 413)
         except FormatError as exc:
             return self._reply(PullReply(False, str(exc)))
         except PermissionError as exc:
@@ -271,4 +413,13 @@ def serve(config: ServerConfig, ready: Callable[[str], None] | None = None) -> N
     asyncio.run(serve_async(config, ready))
 
 
-__all__ = ["PathPolicy", "PullServer", "ServerConfig", "is_loopback", "serve", "serve_async"]
+__all__ = [
+    "MAX_REQUEST_BYTES",
+    "PathPolicy",
+    "PullServer",
+    "RequestRules",
+    "ServerConfig",
+    "is_loopback",
+    "serve",
+    "serve_async",
+]
