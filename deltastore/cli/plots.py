@@ -57,11 +57,18 @@ def plot_history(rows: Sequence[dict[str, object]], path: str, *, title: str) ->
         xs, ys = zip(*points)
         ax_density.plot(xs, ys, color="black", marker="o")
     ax_density.set_ylabel("density % (line)")
-    ax_density.set_ylim(bottom=0)
-    for row, version in zip(healthy, versions):
-        if row["kind"] == "full":
-            ax_wire.annotate("full", (version, 0), textcoords="offset points", xytext=(0, 3),
-                             ha="center", color="white", fontsize=8)  # fmt: skip
+    ax_density.set_ylim(0, 2.2 * max((y for _, y in points), default=1.0))  # below the labels
+    positive = [w for w in wire_mb if w > 0]
+    if positive and max(positive) > 20 * min(positive):  # a full version next to deltas
+        ax_wire.set_yscale("log")
+        ax_wire.set_ylabel("wire MB, log scale (bars; red = full version)")
+        ax_wire.set_ylim(top=4 * max(positive))  # room for the labels
+    elif positive:
+        ax_wire.set_ylim(0, 1.2 * max(positive))
+    for row, version, wire in zip(healthy, versions, wire_mb):
+        label = f"full\n{wire:.3g}" if row["kind"] == "full" else f"{wire:.3g}"
+        ax_wire.annotate(label, (version, wire), textcoords="offset points", xytext=(0, 2),
+                         ha="center", va="bottom", fontsize=8)  # fmt: skip
     ax_wire.set_title(f"{title}: {len(healthy)} version(s)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
