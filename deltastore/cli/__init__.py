@@ -2,22 +2,48 @@
 
 Each subcommand lives in its own module of this package and exposes ``register(subparsers)``,
 which adds its parser and sets ``func`` (taking the parsed namespace, returning an exit code).
-Errors print one line and exit non-zero; ``--debug`` shows the traceback.
+Errors print one line and exit non-zero; ``--debug`` shows the traceback. The common flags
+(``--debug``, ``-v``, ``--quiet``) work before or after the subcommand; see
+:mod:`deltastore.cli.common` for them, the exit codes and the progress display.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import sys
 from collections.abc import Sequence
 
+from deltastore.cli.common import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_storage_option_flag,
+    common_flags,
+    missing_extra_hint,
+    parse_storage_options,
+    report_error,
+)
 from deltastore.errors import DeltastoreError
+
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "add_storage_option_flag",
+    "build_parser",
+    "main",
+    "parse_storage_options",
+]
 
 # Subcommand modules, in the order `deltastore --help` lists them.
 COMMAND_MODULES = (
     "demo",
+    "emulate",
     "publish",
     "pull",
     "ls",
@@ -29,84 +55,76 @@ COMMAND_MODULES = (
     "keygen",
 )
 
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-
-
-def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, object]:
-    """``--storage-option KEY=VALUE`` pairs → fsspec storage options (JSON values allowed).
-
-    Dotted keys nest: ``client_kwargs.endpoint_url=http://...``.
-    """
-    import json
-
-    options: dict[str, object] = {}
-    for pair in pairs or ():
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise DeltastoreError(f"--storage-option {pair!r} is not KEY=VALUE")
-        try:
-            value: object = json.loads(raw)
-        except ValueError:
-            value = raw
-        target = options
-        *parents, leaf = key.split(".")
-        for part in parents:
-            nested = target.setdefault(part, {})
-            if not isinstance(nested, dict):
-                raise DeltastoreError(f"--storage-option {pair!r} conflicts with {part}={nested!r}")
-            target = nested
-        target[leaf] = value
-    return options
-
-
-def add_storage_option_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--storage-option",
-        "-o",
-        action="append",
-        metavar="KEY=VALUE",
-        help="fsspec storage option for the store (repeatable; dotted keys nest, JSON values)",
-    )
-
 
 def build_parser() -> argparse.ArgumentParser:
+    from deltastore import __version__
+
     parser = argparse.ArgumentParser(
         prog="deltastore",
         description="Ship only the bytes that changed from a trainer to inference engines.",
+        parents=[common_flags(top_level=True)],
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    parser.add_argument("--version", action="version", version=f"deltastore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"deltastore.cli.{name}").register(sub)
+    for subparser in sub.choices.values():
+        # The common flags after the subcommand too (`deltastore pull --debug ...`).
+        for action in common_flags(top_level=False)._actions:
+            if action.option_strings and not set(action.option_strings) & set(
+                subparser._option_string_actions
+            ):
+                subparser._add_action(action)
     return parser
 
 
+def suggest_command(argv: Sequence[str], commands: Sequence[str]) -> str | None:
+    """A "did you mean" line for a mistyped subcommand in ``argv``, else None."""
+    for token in argv:
+        if token.startswith("-"):
+            continue
+        if token in commands:
+            return None
+        close = difflib.get_close_matches(token, commands, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"deltastore: error: unknown command {token!r}{hint} (see deltastore --help)"
+    return None
+
+
+def _log_level(verbose: int) -> int:
+    return logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 failed, 2 usage, 130 interrupted)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    commands = list(COMMAND_MODULES)
+    suggestion = suggest_command(argv, commands)
+    if suggestion:
+        print(suggestion, file=sys.stderr)
+        return EXIT_USAGE
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
-    level = (
-        logging.WARNING
-        if args.verbose == 0
-        else logging.INFO
-        if args.verbose == 1
-        else logging.DEBUG
+    logging.basicConfig(
+        level=_log_level(args.verbose), format="%(levelname)s %(name)s: %(message)s"
     )
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return int(args.func(args) or 0)
+        return int(args.func(args) or EXIT_OK)
     except KeyboardInterrupt:
         print("deltastore: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except (DeltastoreError, OSError) as exc:
         if args.debug:
             raise
-        print(f"deltastore {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return report_error(args, str(exc))
+    except ImportError as exc:
+        hint = missing_extra_hint(exc)
+        if args.debug or hint is None:
+            raise
+        return report_error(args, hint)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -11,7 +11,13 @@ import os
 import tempfile
 import time
 
-from deltastore.cli import add_storage_option_flag, parse_storage_options
+from deltastore.cli.common import (
+    add_json_flag,
+    add_storage_option_flag,
+    parse_storage_options,
+    print_json,
+    step_progress,
+)
 from deltastore.cli.demo import SyntheticTraining
 from deltastore.codecs import CHECKSUMS, ENCODINGS
 from deltastore.publish import DeltaPublisher
@@ -35,6 +41,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--checksum", default="xxh3-128", choices=sorted(CHECKSUMS))
     p.add_argument("--store", default=None, help="store URL prefix (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
+    add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
 
@@ -47,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
         base = os.path.join(workdir, "base")
         os.makedirs(base)
         training = SyntheticTraining(args.size, args.seed)
-        model = training.model
-        save_file(model, os.path.join(base, "model.safetensors"))
+        save_file(training.model, os.path.join(base, "model.safetensors"))
         total = training.total_bytes
         root = args.store or workdir
         modes = {"delta": False, "full": True}
@@ -61,25 +67,51 @@ def run(args: argparse.Namespace) -> int:
             publishers[mode].seed()
             pull_weights(os.path.join(workdir, f"host-{mode}"), store, 0, base_dir=base)
         sums = {mode: {"wire": 0.0, "publish": 0.0, "pull": 0.0} for mode in modes}
-        for _ in range(args.steps):
-            training.step(args.lr)
-            for mode, full in modes.items():
-                publisher = publishers[mode]
-                t0 = time.perf_counter()
-                result = publisher.publish(model.items(), full=full)
-                t1 = time.perf_counter()
-                host = os.path.join(workdir, f"host-{mode}")
-                pull_weights(host, publisher.store, result.version, base_dir=base)
-                t2 = time.perf_counter()
-                sums[mode]["wire"] += result.wire_bytes
-                sums[mode]["publish"] += t1 - t0
-                sums[mode]["pull"] += t2 - t1
+        with step_progress(args, "publish + pull, delta and full", args.steps) as advance:
+            for _ in range(args.steps):
+                _measure_step(args, training, publishers, modes, sums, workdir, base)
+                advance()
+    per_step = {mode: {k: v / args.steps for k, v in sums[mode].items()} for mode in modes}
+    if args.json:
+        print_json({"model_bytes": total, "steps": args.steps, "encoding": args.encoding,
+                    "checksum": args.checksum, "per_step": per_step})  # fmt: skip
+        return 0
+    _print_table(args, total, per_step)
+    return 0
+
+
+def _measure_step(
+    args: argparse.Namespace,
+    training: SyntheticTraining,
+    publishers: dict[str, DeltaPublisher],
+    modes: dict[str, bool],
+    sums: dict[str, dict[str, float]],
+    workdir: str,
+    base: str,
+) -> None:
+    """One training step, published and pulled as a delta and as a full checkpoint."""
+    training.step(args.lr)
+    for mode, full in modes.items():
+        publisher = publishers[mode]
+        t0 = time.perf_counter()
+        result = publisher.publish(training.model.items(), full=full)
+        t1 = time.perf_counter()
+        host = os.path.join(workdir, f"host-{mode}")
+        pull_weights(host, publisher.store, result.version, base_dir=base)
+        t2 = time.perf_counter()
+        sums[mode]["wire"] += result.wire_bytes
+        sums[mode]["publish"] += t1 - t0
+        sums[mode]["pull"] += t2 - t1
+
+
+def _print_table(
+    args: argparse.Namespace, total: int, per_step: dict[str, dict[str, float]]
+) -> None:
     print(f"model {total / 1e6:.1f} MB bf16, {args.steps} steps, {args.encoding} + {args.checksum}")
     print(f"{'per step':<12}{'delta':>12}{'full':>12}{'delta/full':>12}")
     for key, unit, scale in (("wire", "MB", 1e6), ("publish", "s", 1.0), ("pull", "s", 1.0)):
-        delta, full = sums["delta"][key] / args.steps, sums["full"][key] / args.steps
+        delta, full = per_step["delta"][key], per_step["full"][key]
         print(
             f"{key + ' ' + unit:<12}{delta / scale:>12.3f}{full / scale:>12.3f}"
             f"{(delta / full if full else float('nan')):>12.4f}"
         )
-    return 0

@@ -15,7 +15,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from deltastore.cli import add_storage_option_flag, parse_storage_options
+from deltastore.cli.common import (
+    add_storage_option_flag,
+    parse_storage_options,
+    phase,
+    step_progress,
+)
 from deltastore.codecs import CHECKSUMS, ENCODINGS
 from deltastore.errors import ConfigError
 from deltastore.publish import DeltaPublisher
@@ -43,9 +48,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--store", default=None, help="store URL (default: a local dir in a temp dir)")
     p.add_argument(
         "--backend",
-        choices=("local", "memory", "s3"),
+        choices=("local", "memory", "s3", "gcs"),
         default="local",
-        help="where the default store lives; s3 starts an embedded S3 server (moto)",
+        help="where the default store lives; s3 / gcs start an embedded emulator (moto / "
+        "fake-gcs-server, as `deltastore emulate` does)",
     )
     p.add_argument("--encoding", default="xor", choices=sorted(ENCODINGS))
     p.add_argument("--checksum", default="xxh3-128", choices=sorted(CHECKSUMS))
@@ -55,21 +61,39 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
+def _layout_bytes(hidden: int) -> tuple[int, int, int, int]:
+    """(intermediate, vocab, bf16 bytes per layer, bf16 bytes of embed + lm_head)."""
+    intermediate = hidden * 11 // 4  # 2816 for hidden 1024, as in small Llama-like models
+    vocab = 8 * hidden
+    per_layer = 2 * (4 * hidden * hidden + 3 * hidden * intermediate)  # attention + MLP
+    return intermediate, vocab, per_layer, 2 * 2 * vocab * hidden
+
+
 def layer_shapes(size_mb: float) -> list[tuple[str, tuple[int, int]]]:
-    """A transformer-like layout of bf16 tensors adding up to about ``size_mb`` MB."""
-    hidden = 1024
-    per_layer = 2 * (4 * hidden * hidden + 3 * hidden * 2816)  # attention + MLP, bf16 bytes
-    vocab = 8192
-    embed = 2 * vocab * hidden
-    layers = max(1, round((size_mb * 1e6 - 2 * embed) / per_layer))
+    """A transformer-like layout of bf16 tensors adding up to about ``size_mb`` MB.
+
+    The widest hidden size (1024 down to 64) whose layer count brings the total within 10 %
+    of ``size_mb`` is used (else the closest): small sizes give a narrow model, not a big one.
+    """
+    target = size_mb * 1e6
+
+    def fit(hidden: int) -> tuple[int, float]:
+        _, _, per_layer, embed = _layout_bytes(hidden)
+        layers = max(1, round((target - embed) / per_layer))
+        return layers, abs(embed + layers * per_layer - target) / target
+
+    widths = [1024, 512, 256, 128, 64]
+    hidden = next((h for h in widths if fit(h)[1] <= 0.1), min(widths, key=lambda h: fit(h)[1]))
+    layers = fit(hidden)[0]
+    intermediate, vocab, _, _ = _layout_bytes(hidden)
     shapes = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         prefix = f"model.layers.{i}"
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             shapes.append((f"{prefix}.self_attn.{proj}.weight", (hidden, hidden)))
-        shapes.append((f"{prefix}.mlp.gate_proj.weight", (2816, hidden)))
-        shapes.append((f"{prefix}.mlp.up_proj.weight", (2816, hidden)))
-        shapes.append((f"{prefix}.mlp.down_proj.weight", (hidden, 2816)))
+        shapes.append((f"{prefix}.mlp.gate_proj.weight", (intermediate, hidden)))
+        shapes.append((f"{prefix}.mlp.up_proj.weight", (intermediate, hidden)))
+        shapes.append((f"{prefix}.mlp.down_proj.weight", (hidden, intermediate)))
     shapes.append(("lm_head.weight", (vocab, hidden)))
     return shapes
 
@@ -107,17 +131,11 @@ def _store_url(args: argparse.Namespace, workdir: str) -> Iterator[tuple[str, di
         yield args.store, options
     elif args.backend == "memory":
         yield f"memory://deltastore-demo-{os.getpid()}", options
-    elif args.backend == "s3":
-        try:
-            from deltastore.testing.servers import start_moto_s3
-        except ImportError as exc:  # moto is an optional dependency
-            raise ConfigError(
-                "--backend s3 needs the embedded S3 server: "
-                f"pip install 'deltastore[emulators]' ({exc})"
-            ) from None
-        with start_moto_s3() as server:
-            server.make_bucket("deltastore-demo")
-            yield "s3://deltastore-demo/run", {**server.storage_options, **options}
+    elif args.backend in ("s3", "gcs"):
+        from deltastore.cli.emulate import running_emulator
+
+        with running_emulator(args.backend, "deltastore-demo") as emulator:
+            yield f"{emulator.url}/run", {**emulator.storage_options, **options}
     else:
         yield os.path.join(workdir, "store"), options
 
@@ -144,22 +162,27 @@ def run(args: argparse.Namespace) -> int:
         save_file(model, os.path.join(base, "model.safetensors"))
         total = training.total_bytes
         console.print(
-            f"synthetic model: {len(model)} bf16 tensors, {total / 1e6:.1f} MB; store {url}"
+            f"synthetic model: {len(model)} bf16 tensors, {total / 1e6:.1f} MB (--size "
+            f"{args.size:g}); store {url}"
         )
 
         store = VersionStore(url, options)
         publisher = DeltaPublisher(store, base, encoding=args.encoding, checksum=args.checksum)
         started = time.perf_counter()
-        publisher.seed()
-        seed_s = time.perf_counter() - started
-        for host in hosts:  # version 0: each host materialises the base
-            pull_weights(host, store, 0, base_dir=base)
+        with phase(args, "seeding the snapshot and the two hosts"):
+            publisher.seed()
+            seed_s = time.perf_counter() - started
+            for host in hosts:  # version 0: each host materialises the base
+                pull_weights(host, store, 0, base_dir=base)
         console.print(f"seeded snapshot in {seed_s:.2f} s; hosts hold the base (v0)")
 
         table = Table(title=f"deltastore demo: {args.encoding} + {args.checksum}, zstd-1")
         for column in ("version", "density", "wire MB", "wire % of full", "publish s",
                        "pull s host0", "pull s host1"):  # fmt: skip
             table.add_column(column, justify="right")
+        advance = stack.enter_context(
+            step_progress(args, "train, publish, pull x2, verify", args.steps)
+        )
         for _ in range(args.steps):
             training.step(args.lr)
             result = publisher.publish(model.items())
@@ -179,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{pulls[0]:.2f}",
                 f"{pulls[1]:.2f}",
             )
+            advance()
         console.print(table)
         console.print(
             f"every version was verified on both hosts by per-tensor digests; the last step "

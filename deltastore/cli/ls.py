@@ -1,49 +1,96 @@
-"""``deltastore ls``: list the committed versions of a store."""
+"""``deltastore ls``: list the committed versions of a store.
+
+A path that holds no store is an error (a typo must not read as an empty store). A version
+whose index cannot be read is listed as ``corrupt`` with the reason, beside the healthy ones.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 
-from deltastore.cli import add_storage_option_flag, parse_storage_options
-from deltastore.storage import VersionStore
+from deltastore.cli.common import (
+    add_json_flag,
+    add_storage_option_flag,
+    parse_storage_options,
+    phase,
+    print_json,
+)
+from deltastore.errors import ConfigError, DeltastoreError
+from deltastore.storage import StoreListing, VersionStore
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("ls", help="list committed versions", description="List committed versions.")
+    p = sub.add_parser(
+        "ls",
+        help="list committed versions",
+        description=(
+            "List committed versions. Exits 1 when URL holds no store; a version whose index "
+            "is unreadable is listed as corrupt (exit 0, a warning on stderr)."
+        ),
+    )
     p.add_argument("url", help="store URL")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
 
 
-def list_versions(store: VersionStore) -> list[dict[str, object]]:
-    """One row per committed version: version, kind, base_version, encoding, tensors, wire_bytes."""
-    rows = []
-    for version in store.versions():
+def require_store(store: VersionStore, listing: StoreListing) -> None:
+    """Raise :class:`ConfigError` when nothing under the store's root was written by a
+    publisher: a missing path, or a model directory passed where a store was meant."""
+    if listing.files or listing.claims or listing.aborted or listing.other:
+        return
+    root = store.root.rstrip("/")
+    checkpoint = store.fs.glob(f"{root}/*.safetensors") if store.fs.exists(root) else []
+    if checkpoint:
+        raise ConfigError(
+            f"{store.url} holds a checkpoint ({len(checkpoint)} .safetensors file(s)) but no "
+            "published versions: it is a model directory, not a store; pass the URL that "
+            "`deltastore publish --store` wrote weight_v*/ into"
+        )
+    raise ConfigError(f"no store at {store.url}: nothing was ever published there; check the URL")
+
+
+def version_row(store: VersionStore, version: int) -> dict[str, object]:
+    """version, kind, base_version, encoding, tensors, wire_bytes (and ``error`` when the
+    index is unreadable: kind ``corrupt``, the other fields null)."""
+    try:
         index = store.index(version)
         wire = index.totals.get("wire_bytes")
         if wire is None:  # a foreign publisher: count the shard files
             wire = sum(store.file_size(version, shard) for shard in index.shards())
-        rows.append(
-            {
-                "version": version,
-                "kind": index.kind,
-                "base_version": index.base_version,
-                "encoding": index.encoding,
-                "tensors": len(index.weight_map),
-                "wire_bytes": wire,
-            }
-        )
-    return rows
+    except DeltastoreError as exc:
+        return {"version": version, "kind": "corrupt", "base_version": None, "encoding": None,
+                "tensors": None, "wire_bytes": None, "error": str(exc)}  # fmt: skip
+    return {
+        "version": version,
+        "kind": index.kind,
+        "base_version": index.base_version,
+        "encoding": index.encoding,
+        "tensors": len(index.weight_map),
+        "wire_bytes": wire,
+    }
+
+
+def list_versions(store: VersionStore) -> list[dict[str, object]]:
+    """One row per committed version (see :func:`version_row`); raises :class:`ConfigError`
+    when the URL holds no store."""
+    listing = store.listing()
+    require_store(store, listing)
+    return [version_row(store, version) for version in listing.committed]
 
 
 def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.url, parse_storage_options(args.storage_option))
     store.refresh()
-    rows = list_versions(store)
+    with phase(args, f"listing {store.url}"):
+        rows = list_versions(store)
+    corrupt = [row for row in rows if row["kind"] == "corrupt"]
+    for row in corrupt:
+        print(f"deltastore ls: warning: weight_v{row['version']:06d}: {row['error']}",
+              file=sys.stderr)  # fmt: skip
     if args.json:
-        print(json.dumps({"versions": rows}))
+        print_json({"url": store.url, "versions": rows})
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -52,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
     for column in ("version", "kind", "base version", "encoding", "tensors", "wire bytes"):
         table.add_column(column, justify="right" if column != "kind" else "left")
     for row in rows:
+        if row["kind"] == "corrupt":
+            table.add_row(f"{row['version']:06d}", "corrupt index", "-", "-", "-", "-")
+            continue
         table.add_row(
             f"{row['version']:06d}",
             str(row["kind"]),

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict
 
-from deltastore.cli import add_storage_option_flag, parse_storage_options
+from deltastore.cli.common import (
+    add_json_flag,
+    add_storage_option_flag,
+    parse_storage_options,
+    phase,
+    print_json,
+)
 from deltastore.storage import VersionStore
 
 
@@ -33,16 +38,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(default 3600: longer than any pull or publish)",
     )
     p.add_argument("--yes", action="store_true", help="really change the store")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.url, parse_storage_options(args.storage_option))
-    report = store.prune(keep=args.keep, grace_s=args.grace, dry_run=not args.yes)
+    with phase(args, f"pruning {store.url}" + ("" if args.yes else " (dry run)")):
+        report = store.prune(keep=args.keep, grace_s=args.grace, dry_run=not args.yes)
     if args.json:
-        print(json.dumps(asdict(report)))
+        print_json({"url": store.url, **asdict(report), "lines": report.lines()})
         return 0
     mode = "dry run" if report.dry_run else "pruned"
     print(f"{store.url} ({mode}, keep {args.keep}):")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from deltastore.cli import add_storage_option_flag, parse_storage_options
+from deltastore.cli.common import (
+    add_json_flag,
+    add_storage_option_flag,
+    parse_storage_options,
+    phase,
+    print_json,
+)
 from deltastore.codecs import CHECKSUMS, ENCODINGS, get_checksum
 from deltastore.errors import ConfigError, IntegrityError, PublishError, VersionConflictError
 from deltastore.format.checkpoint import scan_checkpoint
@@ -35,6 +41,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--full", action="store_true", help="publish a full checkpoint (resets the chain)"
     )
     p.add_argument("--workers", type=int, default=None, help="encode threads (default: cores, ≤8)")
+    add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
 
@@ -92,11 +99,13 @@ def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.store, parse_storage_options(args.storage_option))
     prev, new = os.path.abspath(args.prev), os.path.abspath(args.new)
     latest = store.latest()
-    checked = check_prev_against_chain(store, prev, latest)
+    with phase(args, f"checking --prev against weight_v{latest:06d}'s chain"):
+        checked = check_prev_against_chain(store, prev, latest)
     publisher = DeltaPublisher(
         store, prev, encoding=args.encoding, checksum=args.checksum, workers=args.workers
     )
-    publisher.seed(continue_latest=True)
+    with phase(args, f"seeding from --prev {prev}"):
+        publisher.seed(continue_latest=True)
     if publisher.next_version != latest + 1:
         # Another publisher committed after --prev was checked against weight_v{latest}.
         raise VersionConflictError(
@@ -116,9 +125,25 @@ def run(args: argparse.Namespace) -> int:
                 f"tensor {name!r} is {tensor.dtype}{list(tensor.shape)} in --new but "
                 f"{base.dtype}{list(base.shape)} in --prev"
             )
-    result = publisher.publish(
-        ((name, t.data) for name, t in target.tensors.items()), full=args.full
-    )
+    with phase(args, f"publishing weight_v{publisher.next_version:06d} to {store.url}"):
+        result = publisher.publish(
+            ((name, t.data) for name, t in target.tensors.items()), full=args.full
+        )
+    if args.json:
+        print_json(
+            {
+                "url": store.url,
+                "version": result.version,
+                "kind": result.kind,
+                "tensors_changed": result.tensors_changed,
+                "density": result.density,
+                "changed_bytes": result.changed_bytes,
+                "total_bytes": result.total_bytes,
+                "wire_bytes": result.wire_bytes,
+                "prev_digests_checked": checked,
+            }
+        )
+        return 0
     print(
         f"published weight_v{result.version:06d} ({result.kind}) to {store.url}: "
         f"{result.tensors_changed} tensors changed, density {result.density:.4%}, "

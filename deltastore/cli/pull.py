@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from deltastore.cli import add_storage_option_flag, parse_storage_options
+from deltastore.cli.common import (
+    add_json_flag,
+    add_storage_option_flag,
+    parse_storage_options,
+    phase,
+    print_json,
+)
 from deltastore.errors import ConfigError
 from deltastore.pull import pull_weights
 from deltastore.storage import VersionStore
@@ -15,7 +21,26 @@ def parse_target(value: str) -> int | str:
         return value
     if value.isdigit():
         return int(value)
-    raise argparse.ArgumentTypeError(f"--version must be a number or 'latest', not {value!r}")
+    raise argparse.ArgumentTypeError(f"version must be a number or 'latest', not {value!r}")
+
+
+def resolve_target(store: VersionStore, target: int | str) -> int:
+    """A version number, or the newest committed version for ``"latest"``.
+
+    Raises :class:`ConfigError` for ``"latest"`` of a URL where nothing was ever published:
+    a mistyped path must not read as an empty store (and reset a host to the base).
+    """
+    if target != "latest":
+        if not isinstance(target, int):
+            raise ConfigError(f"bad version {target!r}: a number or 'latest'")
+        return target
+    store.refresh()
+    latest = store.latest()
+    if latest == 0 and not store.fs.exists(store.root):
+        raise ConfigError(
+            f"no store at {store.url}: nothing was ever published there; check the URL"
+        )
+    return latest
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,23 +57,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--base", required=True, help="the engine's base model dir (version 0)")
     p.add_argument("--version", required=True, type=parse_target, help="N or 'latest'")
     p.add_argument("--workers", type=int, default=4, help="apply threads")
+    add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.store, parse_storage_options(args.storage_option))
-    target = args.version
-    if target == "latest":
-        store.refresh()
-        target = store.latest()
-        if target == 0 and not store.fs.exists(store.root):
-            # A mistyped path must not read as an empty store and reset the host to the base.
-            raise ConfigError(
-                f"no store at {store.url}: nothing was ever published there; check --store"
-            )
-    if not isinstance(target, int):
-        raise ConfigError(f"bad --version {args.version!r}")
-    result = pull_weights(args.local, store, target, base_dir=args.base, workers=args.workers)
-    print(f"{args.local}: {result.message}")
+    target = resolve_target(store, args.version)
+    with phase(args, f"pulling weight_v{target:06d} into {args.local}"):
+        result = pull_weights(args.local, store, target, base_dir=args.base, workers=args.workers)
+    if args.json:
+        print_json(
+            {
+                "local": args.local,
+                "version": result.version,
+                "action": result.action,
+                "versions_applied": result.versions_applied,
+                "tensors_applied": result.tensors_applied,
+                "bytes_read": result.bytes_read,
+                "seconds": result.seconds,
+                "message": result.message,
+            }
+        )
+    else:
+        print(f"{args.local}: {result.message}")
     return 0

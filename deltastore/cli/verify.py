@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from deltastore.cli import add_storage_option_flag, parse_storage_options
+from deltastore.cli.common import (
+    add_json_flag,
+    add_storage_option_flag,
+    parse_storage_options,
+    phase,
+    print_json,
+)
 from deltastore.pull import verify_local
 from deltastore.storage import VersionStore
 
@@ -22,12 +28,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--local", required=True, help="host-local checkpoint dir")
     p.add_argument("--base", required=True, help="the engine's base model dir (version 0)")
     p.add_argument("--version", type=int, default=None, help="version to verify against")
+    add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.store, parse_storage_options(args.storage_option))
-    version = verify_local(args.local, store, args.version, base_dir=args.base)
-    print(f"{args.local}: every tensor matches weight_v{version:06d}")
+    with phase(args, f"hashing every tensor of {args.local}"):
+        version = verify_local(args.local, store, args.version, base_dir=args.base)
+    if args.json:
+        print_json({"local": args.local, "version": version, "matches": True})
+    else:
+        print(f"{args.local}: every tensor matches weight_v{version:06d}")
     return 0

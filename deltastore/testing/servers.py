@@ -201,10 +201,12 @@ def start_moto_s3() -> S3Server:
 def s3_env(server: S3Server) -> dict[str, str]:
     """Environment variables that point a subprocess's botocore/s3fs at ``server``.
 
-    botocore reads ``AWS_ENDPOINT_URL_S3`` when no endpoint is passed explicitly, so an
-    ``s3fs.S3FileSystem()`` built without options reaches the emulator.
+    botocore reads ``AWS_ENDPOINT_URL_S3`` (then ``AWS_ENDPOINT_URL``, which other S3 tools
+    read too) when no endpoint is passed explicitly, so an ``s3fs.S3FileSystem()`` built
+    without options reaches the emulator.
     """
     return {
+        "AWS_ENDPOINT_URL": server.endpoint_url,
         "AWS_ENDPOINT_URL_S3": server.endpoint_url,
         "AWS_ACCESS_KEY_ID": _S3_KEY,
         "AWS_SECRET_ACCESS_KEY": _S3_SECRET,

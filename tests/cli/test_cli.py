@@ -204,10 +204,12 @@ def test_pull_latest_from_a_missing_store_is_an_error(
     assert not local.exists() or not list(local.glob("*.safetensors")), "the host was reseeded"
 
 
-@pytest.mark.parametrize("backend", ["s3", "memory"])
+@pytest.mark.parametrize("backend", ["s3", "gcs", "memory"])
 def test_demo_on_other_backends(tmp_path: Path, backend: str) -> None:
-    """``--backend s3`` starts its own embedded S3 server (no account, no docker)."""
+    """``--backend s3|gcs`` starts its own embedded emulator (no account, no docker)."""
     proc = deltastore("demo", "--backend", backend, "--size", "4", "--steps", "1",
                       "--workdir", str(tmp_path / "demo"))  # fmt: skip
     assert "000001" in proc.stdout and "verified on both hosts" in proc.stdout
     assert ("s3://" in proc.stdout) == (backend == "s3")
+    assert ("gs://" in proc.stdout) == (backend == "gcs")
+    assert "WARNING" not in proc.stderr, proc.stderr  # gcsfs's bucket-type probe is off

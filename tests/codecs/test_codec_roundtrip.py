@@ -4,7 +4,7 @@ Every encoding x checksum is run over the dtypes the reference must carry byte-b
 fp16, fp32, float8, int8, uint8, bool), shapes including 0-d, empty and 1-element, and
 non-contiguous views (transposed, sliced), which go through the publisher's ``tensor_bytes``.
 The expected bytes of a view are derived independently of torch, from the parent's raw bytes
-with numpy (TRAPS 3: byte views of non-contiguous tensors read the wrong bytes).
+with numpy (byte views of non-contiguous tensors read the wrong bytes).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Streams and backward targets: a reset and a replay, never a silent no-op (TRAPS #6)."""
+"""Streams and backward targets: a reset and a replay, never a silent no-op (a restarted
+trainer or a wiped store reuses version numbers for other weights)."""
 
 from __future__ import annotations
 

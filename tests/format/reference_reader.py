@@ -1,4 +1,4 @@
-"""A reader of published versions written from REFERENCE_FORMAT.md alone.
+"""A reader of published versions written from the format description alone (docs/format.md).
 
 It does what the reference engine's ``/pull_weights`` does to a host-local checkpoint, using
 only json, safetensors ``safe_open``, zstandard, numpy and the digest libraries: no deltastore

@@ -2,7 +2,7 @@
 
 * What deltastore publishes (xor and overwrite, every checksum, deltas, an empty delta and a
   full version) is applied byte-exactly by ``reference_reader``, written from
-  REFERENCE_FORMAT.md alone.
+  the format description alone (docs/format.md).
 * What a hand-written reference publisher writes (again from the format document alone: only
   the reference keys, several shards, ordinary HF full checkpoints without digests) is pulled
   byte-exactly by ``deltastore.pull_weights``.
@@ -100,7 +100,7 @@ def reference_publish_delta(
     checksum: str,
     shards: int,
 ) -> None:
-    """Publish ``old → new`` as the reference trainer does (per REFERENCE_FORMAT.md only)."""
+    """Publish ``old → new`` as the reference trainer does (per docs/format.md only)."""
     changed = sorted(n for n in new if new[n] != old[n])
     directory = source / f"weight_v{version:06d}"
     directory.mkdir(parents=True)

@@ -1,7 +1,7 @@
 """DeltaPublisher on a local store: what it commits, what it refuses, and when it advances.
 
 The snapshot (the trainer's idea of what engines hold) must advance only once a version is
-committed (TRAPS 2, 9): a failed commit leaves it and the version counter where they were, so
+committed: a failed commit leaves it and the version counter where they were, so
 the next publish reuses the number and still diffs against what engines really hold. A failed
 post-write hook happens after the commit, so there the version stands and the snapshot moves.
 """

@@ -1,4 +1,4 @@
-"""TRAPS #7: syncing every k > 1 steps must diff against the last *published* state."""
+"""Syncing every k > 1 steps must diff against the last *published* state."""
 
 from __future__ import annotations
 
