@@ -17,7 +17,8 @@ requests pass through a :class:`~deltastore.testing.faults.FaultProxy`) and
 acknowledgements, permanent errors and fencing mid-commit. ``supports_processes = False``
 skips the multi-process tests (``memory://`` lives inside one process).
 
-The tests use only the public store API plus the on-disk layout (``_claims/``, abort markers).
+The tests use only the public store API plus the on-disk layout (``_claims/``, tombstones),
+and :class:`VersionWriter`'s ``_step_hook`` to pause a writer between protocol steps.
 """
 
 from __future__ import annotations
