@@ -11,8 +11,8 @@ nothing else creates an index. The protocol, in order:
 4. **Successor** (deltas on a published version): a create-only
    ``_claims/weight_vBBBBBB.successor-G`` naming this version, for the base version B.
    Exactly one writer can extend a given version: two resumed publishers that both build on B
-   race for this one object. Generation G moves on only past a successor whose version
-   carries a tombstone (it can never become visible).
+   race for this one object. Generation G moves on only past a void successor: its version
+   carries a tombstone, or its claim no longer holds its token (its writer aborted).
 5. **Index**: create-only, carrying the token. ``FileExistsError`` is answered by reading the
    index back: this writer's token means a lost acknowledgement (the commit may stand),
    another token a :class:`VersionConflictError`.
@@ -79,7 +79,6 @@ class VersionWriter:
         self.claimant = claimant
         """True for the writer that took the claim (only it commits or aborts)."""
         self.committed = False
-        self._successor_taken = False
         self._step_hook: StepHook | None = None
 
     def __repr__(self) -> str:
@@ -221,11 +220,10 @@ class VersionWriter:
             path = store.successor_path(base, generation)
             existing = store.create_or_read(path, body)
             if existing is None or json_field(existing, "token") == self.token:
-                self._successor_taken = True
                 return
             other = json_field(existing, "version")
-            if isinstance(other, int) and other != self.version and store.is_fenced(other):
-                continue  # that successor was fenced: it can never become visible
+            if isinstance(other, int) and self._successor_void(other, existing):
+                continue
             raise VersionConflictError(
                 f"weight_v{base:06d} in {store.url} is already extended by weight_v"
                 f"{other:06d} (another writer); this writer's {self._name} was not committed. "
@@ -239,14 +237,24 @@ class VersionWriter:
             "successors; resume the stream from the latest version"
         )
 
+    def _successor_void(self, version: int, successor: bytes) -> bool:
+        """Whether another writer's successor object can never lead to a commit: its version
+        has a tombstone, or its claim no longer holds its token (the writer aborted, which
+        removes the claim; a commit needs the claim)."""
+        store = self.store
+        if store.is_fenced(version):
+            return True
+        claim = store.read_optional(store.claim_path(version))
+        return claim is None or json_field(claim, "token") != json_field(successor, "token")
+
     # ---------------------------------------------------------------- abort
     def abort(self) -> None:
         """Remove this uncommitted version's files and claim (best effort, never a commit).
 
         A version whose index exists or cannot be checked is left alone (after a lost
         acknowledgement its commit may have landed; prune fences it later if it is garbage).
-        A version that already took its base's successor gets a tombstone instead of a
-        removed claim, which frees the successor for the next writer.
+        Removing the claim also voids a successor object this writer took: the next writer
+        that extends the same base moves past it.
         """
         if self.committed or not self.claimant:
             return
@@ -262,10 +270,6 @@ class VersionWriter:
                 store.url,
                 exc,
             )
-            return
-        if self._successor_taken:
-            with contextlib.suppress(Exception):
-                store.write_tombstone(self.version, "aborted after taking its successor")
             return
         with contextlib.suppress(Exception):
             store.remove(store.version_path(self.version), recursive=True)

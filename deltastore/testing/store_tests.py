@@ -17,7 +17,8 @@ requests pass through a :class:`~deltastore.testing.faults.FaultProxy`) and
 acknowledgements, permanent errors and fencing mid-commit. ``supports_processes = False``
 skips the multi-process tests (``memory://`` lives inside one process).
 
-The tests use only the public store API plus the on-disk layout (``_claims/``, abort markers).
+The tests use only the public store API plus the on-disk layout (``_claims/``, tombstones),
+and :class:`VersionWriter`'s ``_step_hook`` to pause a writer between protocol steps.
 """
 
 from __future__ import annotations
@@ -486,7 +487,7 @@ class StoreConformance:
         write_version(self.make_store(store_url, storage_options), 1, tensors=tensors)
         reader = self.make_store(store_url, storage_options)
         reader.max_index_bytes = 1024  # the index of 200 tensors is larger
-        with pytest.raises(FormatError, match="weight_v000001.*1024 byte limit"):
+        with pytest.raises(FormatError, match=r"weight_v000001.*1024 byte limit"):
             reader.index(1)
 
     def test_only_canonical_version_names_are_versions(self, store: VersionStore) -> None:
@@ -668,6 +669,24 @@ class StoreConformance:
         assert resumed.version == 3
         resumed.commit(fill_version(resumed, base=1))
         assert self.make_store(store_url, storage_options).versions() == [1, 3]
+
+    def test_an_aborted_writer_frees_its_successor(
+        self, store_url: str, storage_options: dict[str, Any]
+    ) -> None:
+        write_version(self.make_store(store_url, storage_options), 1)
+        failing, index = start_version(self.make_store(store_url, storage_options), 2, base=1)
+
+        def fail(name: str) -> None:
+            if name == "index":
+                raise OSError("index write failed (injected)")
+
+        failing._step_hook = fail
+        with pytest.raises(OSError, match="injected"), failing:
+            failing.commit(index)  # took v1's successor, then failed: aborted on exit
+        retry = self.make_store(store_url, storage_options).begin_next(1)
+        assert retry.version == 2  # the aborted claim was removed: the number is reused
+        retry.commit(fill_version(retry, base=1))
+        assert self.make_store(store_url, storage_options).versions() == [1, 2]
 
     def test_begin_next_refuses_to_pass_a_committed_version(
         self, store_url: str, storage_options: dict[str, Any]
