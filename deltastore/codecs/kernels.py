@@ -1,0 +1,109 @@
+"""numpy kernels behind the sparse encodings: find changed elements, gap-code their positions.
+
+Finding changes is the hot loop of a sparse encode. ``np.flatnonzero`` over every element is slow
+(it branches per element), so the tensor is compared as little-endian u64 words in chunks that
+stay in cache: a boolean mask of differing words (one vectorised compare), the few differing
+words gathered and XORed, and only those split into elements. At 0.4 % element density this
+reads each input once and costs about a third of a reference XOR + zstd-1 pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from deltastore.codecs.base import ByteArray
+
+ELEMENT_DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("<u1"),
+    2: np.dtype("<u2"),
+    4: np.dtype("<u4"),
+    8: np.dtype("<u8"),
+}
+"""Unsigned little-endian element types by size in bytes: the widths the sparse codecs know."""
+
+_WORD = 8
+_CHUNK_WORDS = 1 << 18
+"""Words compared per step (2 MiB of each input): the mask and gathers stay in cache."""
+
+Positions = npt.NDArray[np.int64]
+
+
+def element_size(nbytes: int, itemsize: int) -> int:
+    """The element size to code a tensor of ``nbytes`` bytes with: ``itemsize`` where it is one
+    of 1, 2, 4, 8 bytes and divides the tensor, else 1 (the dtype-blind fallback)."""
+    if itemsize in ELEMENT_DTYPES and nbytes % itemsize == 0:
+        return itemsize
+    return 1
+
+
+def changed_elements(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[Positions, np.ndarray]:
+    """Indices (int64, ascending) of the ``itemsize``-byte elements that differ, and ``old XOR
+    new`` of each (unsigned, little-endian). Both inputs are 1-D uint8 of equal length, a
+    multiple of ``itemsize`` (one of 1, 2, 4, 8)."""
+    dtype = ELEMENT_DTYPES[itemsize]
+    per_word = _WORD // itemsize
+    whole = old.size // _WORD * _WORD
+    positions: list[Positions] = []
+    values: list[np.ndarray] = []
+    if whole:
+        old_words = old[:whole].view("<u8")
+        new_words = new[:whole].view("<u8")
+        mask = np.empty(min(_CHUNK_WORDS, old_words.size), dtype=bool)
+        for start in range(0, old_words.size, _CHUNK_WORDS):
+            stop = min(start + _CHUNK_WORDS, old_words.size)
+            differs = mask[: stop - start]
+            np.not_equal(old_words[start:stop], new_words[start:stop], out=differs)
+            words = np.flatnonzero(differs)
+            if not words.size:
+                continue
+            xored = np.bitwise_xor(old_words[start:stop][words], new_words[start:stop][words])
+            elements = xored.view(dtype)
+            inside = np.flatnonzero(elements)
+            positions.append((words[inside // per_word] + start) * per_word + inside % per_word)
+            values.append(elements[inside])
+    if whole < old.size:  # the last < 8 bytes, still a whole number of elements
+        tail = np.bitwise_xor(old[whole:].view(dtype), new[whole:].view(dtype))
+        inside = np.flatnonzero(tail)
+        positions.append(inside + whole // itemsize)
+        values.append(tail[inside])
+    if not positions:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=dtype)
+    return np.concatenate(positions).astype(np.int64, copy=False), np.concatenate(values)
+
+
+def encode_gaps(positions: Positions) -> np.ndarray:
+    """``gap - 1`` between consecutive ascending positions (the first counts from -1), as the
+    narrowest unsigned little-endian integers (1, 2, 4 or 8 bytes) that hold the largest."""
+    gaps = np.diff(positions, prepend=np.int64(-1)) - 1
+    largest = int(gaps.max()) if gaps.size else 0
+    width = next((w for w in (1, 2, 4) if largest < 1 << (8 * w)), 8)
+    return gaps.astype(ELEMENT_DTYPES[width])
+
+
+def decode_gaps(gaps: np.ndarray, nelements: int) -> Positions | None:
+    """Positions from ``encode_gaps`` output; None unless they strictly increase below
+    ``nelements`` (a corrupt stream can neither wrap around nor address outside the tensor)."""
+    if not gaps.size:
+        return np.zeros(0, dtype=np.int64)
+    steps = gaps.astype(np.uint64) + np.uint64(1)
+    positions = np.cumsum(steps, dtype=np.uint64) - np.uint64(1)
+    # A step of 0 means the stored gap wrapped (2**64 - 1 + 1); a decrease means the sum did.
+    if not bool(np.all(steps)) or int(positions[-1]) >= nelements:
+        return None
+    if positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1])):
+        return None
+    return positions.astype(np.int64)
+
+
+def to_planes(values: np.ndarray) -> ByteArray:
+    """Byte planes: byte 0 of every value, then byte 1 of every value, ... (little-endian)."""
+    width = values.dtype.itemsize
+    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T).reshape(-1)
+
+
+def from_planes(planes: ByteArray, width: int) -> np.ndarray:
+    """Inverse of :func:`to_planes` for ``width``-byte unsigned little-endian values."""
+    count = planes.size // width
+    interleaved = np.ascontiguousarray(planes.reshape(width, count).T)
+    return interleaved.reshape(-1).view(ELEMENT_DTYPES[width])
