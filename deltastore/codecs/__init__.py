@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from deltastore.codecs.auto import AutoEncoding
 from deltastore.codecs.base import ByteArray, Checksum, EncodedDelta, Encoding
 from deltastore.codecs.checksums import Adler32Checksum, Blake3Checksum, Xxh3Checksum
 from deltastore.codecs.compression import COMPRESSION_NAME, compress, decompress
-from deltastore.codecs.auto import AutoEncoding
 from deltastore.codecs.encodings import OverwriteEncoding, XorEncoding
 from deltastore.codecs.sparse import SparseXorEncoding
 from deltastore.errors import ConfigError
