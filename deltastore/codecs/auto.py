@@ -11,12 +11,14 @@ So the choice travels with the bytes it describes: no side table in the index or
 metadata, and a reader needs nothing but the payload. Both choices XOR their values in, so an
 ``auto`` payload applied twice reverts, like ``xor``.
 
-The choice: sparse-v1 is encoded first (it is cheap: it reads each input once). When its raw
-payload is at most 1/16 of the tensor, it is taken without compressing anything: at that
-density the XOR array is mostly zero runs broken every few elements, and zstd-1 spends more per
-change on it than gap coding does. Above that, both payloads are compressed with the store's
-zstd-1 and the smaller is kept (a dense tensor stays ``xor``), so a dense tensor costs one extra
-compression of its XOR.
+The choice: sparse-v1 is encoded first (it reads each input once). When its payload (already
+compressed) is at most 1/16 of the tensor it is kept without trying ``xor``: at that density
+zstd-1 spends more per change on a XOR array of zero runs than the Rice code does. Otherwise
+the XOR is compressed with the store's zstd-1 and the smaller is kept, so such a tensor costs
+one extra compression of its XOR. Measured on bf16 Adam-like steps, sparse-v1 stays smaller up
+to ~90 % element density (its byte planes compress better than interleaved XOR bytes); a tensor
+of fully random changes stays ``xor``. Building positions costs up to 8 bytes of memory per
+changed element while a tensor is encoded.
 """
 
 from __future__ import annotations
@@ -59,12 +61,12 @@ class AutoEncoding(Encoding):
     def choose(
         self, old: ByteArray, new: ByteArray, *, itemsize: int = 1
     ) -> tuple[int, EncodedDelta]:
-        """(tag, inner delta) of the smaller encoding for this tensor."""
+        """(tag, inner delta) of the smaller encoding for this tensor (see the module's notes)."""
         sparse = self.sparse.encode(old, new, itemsize=itemsize)
         if len(sparse.payload) * SPARSE_WITHOUT_COMPARING <= old.size:
             return TAG_SPARSE, sparse
         dense = self.xor.encode(old, new)
-        if len(compress(sparse.payload)) < len(compress(dense.payload)):
+        if len(sparse.payload) < len(compress(dense.payload)):
             return TAG_SPARSE, sparse
         return TAG_XOR, dense
 

@@ -107,3 +107,56 @@ def from_planes(planes: ByteArray, width: int) -> np.ndarray:
     count = planes.size // width
     interleaved = np.ascontiguousarray(planes.reshape(width, count).T)
     return interleaved.reshape(-1).view(ELEMENT_DTYPES[width])
+
+
+def rice_parameter(gaps: np.ndarray) -> int:
+    """The Rice parameter ``k`` (bits kept verbatim per gap) that codes ``gaps`` in the fewest
+    bits. Tried around log2 of the mean gap: there sum(gap >> k) is at most the gap count, so
+    the unary part stays small whatever the spread."""
+    if not gaps.size:
+        return 0
+    mean = float(gaps.mean(dtype=np.float64))
+    centre = max(int(mean).bit_length() - 1, 0)
+    candidates = range(max(centre - 2, 0), min(centre + 2, 63) + 1)
+    wide = gaps.astype(np.uint64)
+    cost = {
+        k: int((wide >> np.uint64(k)).sum(dtype=np.uint64)) + gaps.size * (1 + k)
+        for k in candidates
+    }
+    return min(cost, key=cost.__getitem__)
+
+
+def rice_encode(gaps: np.ndarray, k: int) -> tuple[ByteArray, int, ByteArray]:
+    """Rice code of ``gaps`` split in two bit streams (MSB first, zero-padded to bytes): unary
+    quotients (``gap >> k`` ones, then a zero) and ``k``-bit remainders. Returns (unary bytes,
+    unary length in bits, remainder bytes). Split, both streams decode without a bit loop."""
+    wide = gaps.astype(np.uint64)
+    quotients = (wide >> np.uint64(k)).astype(np.int64)
+    ends = np.cumsum(quotients + 1) - 1  # index of each terminating zero
+    nbits = int(ends[-1]) + 1 if ends.size else 0
+    unary = np.ones(nbits, dtype=np.uint8)
+    unary[ends] = 0
+    bits = np.empty((gaps.size, k), dtype=np.uint8)  # one pass per bit: k bytes per gap
+    for j in range(k):
+        bits[:, j] = (wide >> np.uint64(k - 1 - j)) & np.uint64(1)
+    return np.packbits(unary), nbits, np.packbits(bits.reshape(-1))
+
+
+def rice_decode(
+    unary: ByteArray, nbits: int, remainders: ByteArray, k: int, count: int
+) -> np.ndarray | None:
+    """Gaps (uint64) from :func:`rice_encode` streams; None if the streams do not hold exactly
+    ``count`` codes (sizes are the caller's to check: ``unary`` ≥ nbits/8, ``remainders`` ≥
+    count*k/8) or a quotient would overflow 64 bits."""
+    bits = np.unpackbits(unary, count=nbits)
+    ends = np.flatnonzero(bits == 0)
+    if ends.size != count or (count and int(ends[-1]) != nbits - 1):
+        return None
+    quotients = np.diff(ends, prepend=np.int64(-1)) - 1
+    if count and int(quotients.max()) >> (63 - k):
+        return None
+    gaps = quotients.astype(np.uint64) << np.uint64(k)
+    fields = np.unpackbits(remainders, count=count * k).reshape(count, k)
+    for j in range(k):
+        gaps |= fields[:, j].astype(np.uint64) << np.uint64(k - 1 - j)
+    return gaps

@@ -11,12 +11,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore.codecs import compress, decompress, get_encoding
 from deltastore.codecs.auto import TAG_SPARSE, TAG_XOR, AutoEncoding
-from deltastore.codecs.kernels import _CHUNK_WORDS, decode_gaps, encode_gaps
+from deltastore.codecs.kernels import (
+    _CHUNK_WORDS,
+    decode_gaps,
+    encode_gaps,
+    rice_decode,
+    rice_encode,
+    rice_parameter,
+    to_planes,
+)
 from deltastore.codecs.sparse import HEADER, SparseXorEncoding
 from deltastore.publish.snapshot import tensor_bytes
 
@@ -113,7 +122,9 @@ def test_changes_across_chunk_boundaries_and_the_tail(itemsize: int):
         new[byte] ^= 0x5A
     payload = roundtrip("sparse-v1", old, new, itemsize)
     positions, _ = SparseXorEncoding().decode(payload, nbytes, tensor="t")
-    expected = sorted({b // itemsize for b in (0, edge - 1, edge, 2 * edge - 1, 2 * edge, nbytes - 1)})
+    expected = sorted(
+        {b // itemsize for b in (0, edge - 1, edge, 2 * edge - 1, 2 * edge, nbytes - 1)}
+    )
     assert positions.tolist() == expected
 
 
@@ -129,46 +140,76 @@ def test_element_size_is_recorded_and_odd_sizes_fall_back_to_bytes():
     assert HEADER.unpack_from(payload)[1] == 1
 
 
+def _read_rice(unary: bytes, nbits: int, remainders: bytes, k: int, count: int) -> list[int]:
+    """A plain bit-by-bit reader of the documented streams (independent of the kernels)."""
+    ubits = "".join(f"{b:08b}" for b in unary)[:nbits]
+    quotients = [len(run) for run in ubits.split("0")[:-1]]
+    rbits = "".join(f"{b:08b}" for b in remainders)
+    return [
+        (q << k) | int(rbits[i * k : (i + 1) * k] or "0", 2)
+        for i, q in enumerate(quotients[:count])
+    ]
+
+
 def test_payload_layout():
-    """Header, then gap planes, then value planes, exactly as docs/encodings.md describes."""
+    """Header, unary stream, remainder stream, values frame, exactly as the docs describe."""
     old = np.zeros(2000, dtype=np.uint8)
     new = old.copy()
-    new.view("<u2")[[3, 300]] = [0x0102, 0x0304]
+    new.view("<u2")[[3, 300, 301]] = [0x0102, 0x0304, 0x0506]
     payload = bytes(SparseXorEncoding().encode(old, new, itemsize=2).payload)
-    assert payload[:6] == b"DSS\x02\x02\x00"
-    assert HEADER.unpack_from(payload)[4:] == (2000, 2)
-    # gaps - 1: 3 and 296 as u16, byte planes: low bytes (3, 0x28), high bytes (0, 1)
-    assert payload[22:26] == bytes([3, 296 & 0xFF, 0, 296 >> 8])
-    assert payload[26:] == bytes([0x02, 0x04, 0x01, 0x03])
+    magic, itemsize, k, coding, nbytes, count, unary_bits, values_len = HEADER.unpack_from(payload)
+    assert (magic, itemsize, coding, nbytes, count) == (b"DSS", 2, 0, 2000, 3)
+    unary_end = HEADER.size + (unary_bits + 7) // 8
+    values_start = unary_end + (3 * k + 7) // 8
+    assert len(payload) == values_start + values_len
+    gaps = _read_rice(
+        payload[HEADER.size : unary_end], unary_bits, payload[unary_end:values_start], k, 3
+    )
+    assert gaps == [3, 296, 0]
+    planes = zstandard.ZstdDecompressor().decompress(payload[values_start:])
+    assert planes == bytes([0x02, 0x04, 0x06, 0x01, 0x03, 0x05])
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    gaps=st.lists(st.integers(0, 2**40), max_size=40),
-)
-def test_gap_coding_takes_positions_past_4_gib(gaps: list[int]):
-    """Positions are u64 at most: gap widths grow to 8 bytes and decode back exactly."""
+@settings(max_examples=80, deadline=None)
+@given(gaps=st.lists(st.integers(0, 2**40), max_size=40), skew=st.booleans())
+def test_gap_coding_takes_positions_past_4_gib(gaps: list[int], skew: bool):
+    """Positions are u64: gaps beyond 2**32 Rice-code and decode back exactly, whatever k."""
+    if skew:
+        gaps = [*gaps, *([0] * 50)]  # mostly small gaps with a few huge ones
     positions = np.cumsum(np.array(gaps, dtype=np.int64) + 1) - 1
     coded = encode_gaps(positions)
-    largest = max(gaps, default=0)
-    assert coded.dtype.itemsize == next((w for w in (1, 2, 4) if largest < 1 << (8 * w)), 8)
-    decoded = decode_gaps(coded, int(positions[-1]) + 1 if gaps else 0)
+    assert coded.dtype.itemsize == next(
+        (w for w in (1, 2, 4) if max(gaps, default=0) < 1 << (8 * w)), 8
+    )
+    k = rice_parameter(coded)
+    unary, nbits, remainders = rice_encode(coded, k)
+    assert nbits <= 2 * len(gaps) + sum(g >> k for g in gaps)
+    back = rice_decode(unary, nbits, remainders, k, len(gaps))
+    assert back is not None and back.tolist() == gaps
+    assert _read_rice(unary.tobytes(), nbits, remainders.tobytes(), k, len(gaps)) == gaps
+    decoded = decode_gaps(back, int(positions[-1]) + 1 if gaps else 0)
     assert decoded is not None and decoded.tolist() == positions.tolist()
+
+
+def craft(nbytes: int, itemsize: int, positions: list[int], values: np.ndarray) -> bytes:
+    """A sparse-v1 payload built from its parts with the kernels (no tensor needed)."""
+    gaps = encode_gaps(np.array(positions, dtype=np.int64))
+    k = rice_parameter(gaps)
+    unary, nbits, remainders = rice_encode(gaps, k)
+    frame = compress(memoryview(to_planes(values))) if values.size else b""
+    header = HEADER.pack(b"DSS", itemsize, k, 0, nbytes, len(positions), nbits, len(frame))
+    return header + unary.tobytes() + remainders.tobytes() + frame
 
 
 def test_header_of_a_tensor_over_4_gib_without_allocating_it():
     """A crafted payload for a 6 GiB tensor with changes past 2**32 decodes to u64 positions;
     only the header's declared size is compared with the tensor's, nothing that large exists."""
     nbytes = 6 << 30
-    positions = np.array([5, 2**32 + 11, nbytes - 1], dtype=np.int64)
-    gaps = encode_gaps(positions)
-    values = np.array([1, 2, 3], dtype=np.uint8)
-    # plane layout of 8-byte gaps: byte 0 of each gap, then byte 1, ...
-    planes = gaps.view(np.uint8).reshape(-1, 8).T.tobytes()
-    payload = HEADER.pack(b"DSS", 1, 8, 0, nbytes, 3) + planes + values.tobytes()
+    positions = [5, 2**32 + 11, nbytes - 1]
+    payload = craft(nbytes, 1, positions, np.array([1, 2, 3], dtype=np.uint8))
     decoded, got = SparseXorEncoding().decode(payload, nbytes, tensor="big")
-    assert decoded.tolist() == positions.tolist() and got.tolist() == [1, 2, 3]
-    assert SparseXorEncoding().max_payload_size(nbytes) == HEADER.size + 9 * nbytes
+    assert decoded.tolist() == positions and got.tolist() == [1, 2, 3]
+    assert len(payload) < SparseXorEncoding().max_payload_size(nbytes)
 
 
 def test_a_real_tensor_over_4_gib_round_trips():

@@ -22,9 +22,22 @@ def _payload(nbytes: int = 64, itemsize: int = 2, changed: tuple[int, ...] = (1,
 
 
 def _header(**fields: int | bytes) -> bytes:
-    values = {"magic": b"DSS", "itemsize": 1, "width": 1, "coding": 0, "nbytes": 64, "count": 0}
+    values: dict[str, int | bytes] = {
+        "magic": b"DSS",
+        "itemsize": 1,
+        "k": 0,
+        "coding": 0,
+        "nbytes": 64,
+        "count": 0,
+        "unary_bits": 0,
+        "values_len": 0,
+    }
     values.update(fields)
     return HEADER.pack(*values.values())
+
+
+def _values(*xors: int) -> bytes:
+    return compress(bytes(xors))
 
 
 def _apply_error(payload: bytes, nbytes: int = 64, name: str = "sparse-v1") -> str:
@@ -47,14 +60,30 @@ def _apply_error(payload: bytes, nbytes: int = 64, name: str = "sparse-v1") -> s
         (_header(nbytes=65), "65-byte tensor.*another checkpoint"),
         (_header(itemsize=3), "element size 3"),
         (_header(itemsize=16), "element size 16"),
-        (_header(itemsize=8, nbytes=64) + b"", None),  # valid: nothing changed
-        (_header(width=2), "2-byte gaps for 64 elements"),
-        (_header(count=65), "65 changed elements of 64"),
-        (_header(count=2) + b"\0", "holds 23 bytes"),
-        (_header(count=1) + b"\0\0\0", "holds 25 bytes"),
-        (_header(count=2) + bytes([63, 0, 1, 1]), "not ascending"),  # position 64 of 64
-        (_header(count=1) + bytes([64, 1]), "not ascending"),
-        (_header(count=2) + bytes([3, 255, 1, 1]), "not ascending"),  # 3 + 256 > 64
+        (_header(itemsize=8), None),  # valid: nothing changed
+        (_header(k=9), "k=9 for 64 elements"),
+        (_header(count=65), "65 changes"),
+        (_header(count=1, unary_bits=200), "200 unary bits"),
+        (_header(count=2, unary_bits=2) + b"\0", "expected 39"),  # no values frame
+        (_header(count=1, unary_bits=1, values_len=3) + b"\0" + b"abc" + b"x", "holds 43"),
+        # unary "0 0" = gaps 0, 0 but only one change declared
+        (
+            _header(count=1, unary_bits=2, values_len=len(_values(1))) + b"\0" + _values(1),
+            "not ascending",
+        ),
+        # unary "1110" with k=4 remainder 0b1111: gap 3*16+15 = 63 -> position 63, ok; then
+        # a second gap of 0 -> position 64 of 64
+        (
+            _header(count=2, k=4, unary_bits=5, values_len=len(_values(1, 1)))
+            + bytes([0b11100000, 0b11110000])
+            + _values(1, 1),
+            "not ascending",
+        ),
+        (
+            _header(count=1, unary_bits=1, values_len=len(_values(1, 2))) + b"\0" + _values(1, 2),
+            "values of sparse-v1 payload.*exactly 1",
+        ),
+        (_header(count=1, unary_bits=1, values_len=4) + b"\0" + b"junk", "values of.*zstd"),
     ],
 )
 def test_corrupt_payloads_are_refused_before_writing(payload: bytes, match: str | None):
@@ -66,11 +95,20 @@ def test_corrupt_payloads_are_refused_before_writing(payload: bytes, match: str 
     assert __import__("re").search(match, _apply_error(payload))
 
 
-def test_wrapped_u64_gaps_are_refused():
-    """A gap of 2**64 - 1 wraps the u64 sum back into range: the decoder must notice."""
-    nbytes = 1 << 33  # declared only: decode checks bounds without a target
-    gaps = np.array([10, 2**64 - 1], dtype="<u8").view(np.uint8).reshape(-1, 8).T.tobytes()
-    payload = _header(width=8, nbytes=nbytes, count=2) + gaps + b"\1\1"
+def test_quotients_that_overflow_64_bits_are_refused():
+    """A unary run long enough to push (q << k) past 2**64 would wrap into a valid-looking gap."""
+    nbytes = 1 << 40  # declared only: decode checks bounds without a target
+    k = 41
+    ones = (1 << 23) + 1  # q = 2**23 + 1; q << 41 overflows 64 bits
+    unary = np.packbits(np.r_[np.ones(ones, np.uint8), 0]).tobytes()
+    payload = (
+        _header(
+            itemsize=1, k=k, nbytes=nbytes, count=1, unary_bits=ones + 1, values_len=len(_values(1))
+        )
+        + unary
+        + bytes(6)
+        + _values(1)
+    )
     with pytest.raises(FormatError, match="not ascending"):
         SparseXorEncoding().decode(payload, nbytes, tensor="t")
 
