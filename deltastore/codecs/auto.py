@@ -49,6 +49,8 @@ class AutoEncoding(Encoding):
 
     name = "auto"
     idempotent = False
+    self_inverse = True
+    """Values are XORed in: applying a payload to its own result restores the bytes."""
     foldable = False
     """Payloads of different encodings do not combine without decoding."""
     exact_payload_size = False

@@ -22,6 +22,14 @@ ELEMENT_DTYPES: dict[int, np.dtype] = {
 }
 """Unsigned little-endian element types by size in bytes: the widths the sparse codecs know."""
 
+SAFETENSORS_ITEMSIZES: dict[str, int] = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2"), 1),
+    **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+    **dict.fromkeys(("U32", "I32", "F32"), 4),
+    **dict.fromkeys(("U64", "I64", "F64", "C64"), 8),
+}
+"""Element size in bytes of each safetensors dtype string (what a checkpoint header names)."""
+
 _WORD = 8
 _CHUNK_WORDS = 1 << 18
 """Words compared per step (2 MiB of each input): the mask and gathers stay in cache."""
@@ -35,6 +43,12 @@ def element_size(nbytes: int, itemsize: int) -> int:
     if itemsize in ELEMENT_DTYPES and nbytes % itemsize == 0:
         return itemsize
     return 1
+
+
+def itemsize_of_dtype(dtype: str) -> int:
+    """Element size in bytes of a safetensors dtype string; 1 (dtype-blind) for one not known
+    here, which every sparse encoding accepts."""
+    return SAFETENSORS_ITEMSIZES.get(dtype, 1)
 
 
 def changed_elements(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[Positions, np.ndarray]:

@@ -67,6 +67,8 @@ class SparseXorEncoding(Encoding):
 
     name = "sparse-v1"
     idempotent = False
+    self_inverse = True
+    """Values are XORed in: applying a payload to its own result restores the bytes."""
     foldable = False
     """Two payloads do not combine into one without decoding both."""
     exact_payload_size = False

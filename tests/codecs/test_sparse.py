@@ -21,6 +21,7 @@ from deltastore.codecs.kernels import (
     _CHUNK_WORDS,
     decode_gaps,
     encode_gaps,
+    itemsize_of_dtype,
     rice_decode,
     rice_encode,
     rice_parameter,
@@ -245,3 +246,15 @@ def test_auto_keeps_a_dense_tensor_as_xor_and_a_sparse_one_as_sparse():
         TAG_SPARSE: len(compress(SparseXorEncoding().encode(old, middle, itemsize=2).payload)),
     }
     assert tag == min(sizes, key=sizes.__getitem__)
+
+
+def test_itemsize_of_safetensors_dtypes():
+    """The publisher's element size comes from the base checkpoint's dtype string."""
+    assert [itemsize_of_dtype(d) for d in ("BF16", "F32", "F8_E4M3", "BOOL", "I64")] == [
+        2,
+        4,
+        1,
+        1,
+        8,
+    ]
+    assert itemsize_of_dtype("NEW_DTYPE") == 1  # dtype-blind fallback

@@ -154,4 +154,5 @@ def test_new_encodings_declare_their_semantics():
     for name in ("sparse-v1", "auto"):
         encoding = ENCODINGS[name]
         assert encoding.idempotent is False  # both XOR values in: twice reverts
+        assert encoding.self_inverse is True  # type: ignore[attr-defined]
         assert encoding.name == name
