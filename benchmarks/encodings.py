@@ -14,12 +14,15 @@ Models:
 - ``--model synthetic`` (default): ``deltastore demo``'s transformer layout, fp32 master weights
   and their bf16 cast, one Adam-like step (every master weight moves by ±lr); ``--lr`` sets
   the element density (6.5e-8 gives about 0.40 %).
+- ``--model moe``: ``--tensors`` expert tensors of 64 KB bf16 (8,000: 524 MB), the same
+  Adam-like step: per-tensor overhead at scale (``--lr 1.4e-7`` gives about 0.85 %).
 - ``--model tiny-transformer``: a small torch ``nn.TransformerEncoder`` (hundreds of small
   tensors: biases, norms) trained one real Adam step on random tokens, bf16 copies before and
   after: per-tensor overhead and a real optimizer's update pattern.
 
     python benchmarks/encodings.py                              # 512 MB synthetic, 2 threads
     python benchmarks/encodings.py --size 64 --repeat 1         # quick look
+    python benchmarks/encodings.py --model moe --lr 1.4e-7
     python benchmarks/encodings.py --model tiny-transformer --lr 1e-5
     python benchmarks/encodings.py --json                       # one JSON object
 """
@@ -64,6 +67,21 @@ def synthetic_pairs(size_mb: float, lr: float, seed: int) -> list[Pair]:
     before = {name: tensor_bytes(name, t).copy() for name, t in training.model.items()}
     training.step(lr)
     return [(n, before[n], tensor_bytes(n, t), 2) for n, t in training.model.items()]
+
+
+def moe_pairs(tensors: int, lr: float, seed: int) -> list[Pair]:
+    """``tensors`` expert tensors of 64 KB bf16 (32,768 elements each), one Adam-like step."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    master = torch.randn((tensors, 32768), generator=generator) * 0.02
+    before = master.to(torch.bfloat16)
+    master.add_(torch.randn(master.shape, generator=generator).sign_() * lr)
+    after = master.to(torch.bfloat16)
+    return [
+        (f"experts.{i}.weight", tensor_bytes("e", before[i]), tensor_bytes("e", after[i]), 2)
+        for i in range(tensors)
+    ]
 
 
 def tiny_transformer_pairs(lr: float, seed: int) -> list[Pair]:
@@ -145,6 +163,8 @@ def measure(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.model == "synthetic":
         pairs = synthetic_pairs(args.size, args.lr, args.seed)
+    elif args.model == "moe":
+        pairs = moe_pairs(args.tensors, args.lr, args.seed)
     else:
         pairs = tiny_transformer_pairs(args.lr, args.seed)
     total = sum(old.size for _, old, _, _ in pairs)
@@ -183,7 +203,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--model", choices=["synthetic", "tiny-transformer"], default="synthetic")
+    p.add_argument("--model", choices=["synthetic", "moe", "tiny-transformer"], default="synthetic")
+    p.add_argument("--tensors", type=int, default=8000, help="expert tensors of 64 KB (moe)")
     p.add_argument("--size", type=float, default=512, help="synthetic model size in MB")
     p.add_argument(
         "--lr", type=float, default=6.5e-8, help="per-element step (synthetic) or Adam lr"
