@@ -124,20 +124,41 @@ def from_planes(planes: ByteArray, width: int) -> np.ndarray:
 
 
 def rice_parameter(gaps: np.ndarray) -> int:
-    """The Rice parameter ``k`` (bits kept verbatim per gap) that codes ``gaps`` in the fewest
-    bits. Tried around log2 of the mean gap: there sum(gap >> k) is at most the gap count, so
-    the unary part stays small whatever the spread."""
+    """The Rice parameter ``k`` (bits kept verbatim per gap) for ``gaps``: of the two next to
+    log2(mean * ln 2) (the optimum for geometric gaps), the one that codes them in fewer bits.
+    With 2**k ≥ mean / 3, the unary part stays under 4 bits per gap whatever the spread."""
     if not gaps.size:
         return 0
     mean = float(gaps.mean(dtype=np.float64))
-    centre = max(int(mean).bit_length() - 1, 0)
-    candidates = range(max(centre - 2, 0), min(centre + 2, 63) + 1)
+    low = max(int(mean * 0.6931).bit_length() - 1, 0)
     wide = gaps.astype(np.uint64)
     cost = {
         k: int((wide >> np.uint64(k)).sum(dtype=np.uint64)) + gaps.size * (1 + k)
-        for k in candidates
+        for k in (low, min(low + 1, 63))
     }
     return min(cost, key=cost.__getitem__)
+
+
+def _field_bits(k: int) -> int:
+    """Bits of the smallest unsigned integer type that holds ``k`` bits."""
+    return next(b for b in (8, 16, 32, 64) if k <= b)
+
+
+def _fields_to_bits(values: np.ndarray, k: int) -> ByteArray:
+    """The low ``k`` bits of each value, MSB first, packed back to back into bytes."""
+    per_value = _field_bits(k)
+    big_endian = values.astype(f">u{per_value // 8}")  # keeps the low bits
+    bits = np.unpackbits(big_endian.view(np.uint8).reshape(-1, per_value // 8), axis=1)
+    return np.packbits(bits[:, per_value - k :].reshape(-1))
+
+
+def _bits_to_fields(packed: ByteArray, k: int, count: int) -> np.ndarray:
+    """Inverse of :func:`_fields_to_bits`: ``count`` values of ``k`` bits, as uint64."""
+    per_value = _field_bits(k)
+    bits = np.zeros((count, per_value), dtype=np.uint8)
+    bits[:, per_value - k :] = np.unpackbits(packed, count=count * k).reshape(count, k)
+    fields = np.packbits(bits, axis=1).reshape(-1).view(f">u{per_value // 8}")
+    return fields.astype(np.uint64)
 
 
 def rice_encode(gaps: np.ndarray, k: int) -> tuple[ByteArray, int, ByteArray]:
@@ -145,15 +166,11 @@ def rice_encode(gaps: np.ndarray, k: int) -> tuple[ByteArray, int, ByteArray]:
     quotients (``gap >> k`` ones, then a zero) and ``k``-bit remainders. Returns (unary bytes,
     unary length in bits, remainder bytes). Split, both streams decode without a bit loop."""
     wide = gaps.astype(np.uint64)
-    quotients = (wide >> np.uint64(k)).astype(np.int64)
-    ends = np.cumsum(quotients + 1) - 1  # index of each terminating zero
+    ends = np.cumsum((wide >> np.uint64(k)).astype(np.int64) + 1) - 1  # each terminating zero
     nbits = int(ends[-1]) + 1 if ends.size else 0
     unary = np.ones(nbits, dtype=np.uint8)
     unary[ends] = 0
-    bits = np.empty((gaps.size, k), dtype=np.uint8)  # one pass per bit: k bytes per gap
-    for j in range(k):
-        bits[:, j] = (wide >> np.uint64(k - 1 - j)) & np.uint64(1)
-    return np.packbits(unary), nbits, np.packbits(bits.reshape(-1))
+    return np.packbits(unary), nbits, _fields_to_bits(wide, k)
 
 
 def rice_decode(
@@ -162,15 +179,11 @@ def rice_decode(
     """Gaps (uint64) from :func:`rice_encode` streams; None if the streams do not hold exactly
     ``count`` codes (sizes are the caller's to check: ``unary`` ≥ nbits/8, ``remainders`` ≥
     count*k/8) or a quotient would overflow 64 bits."""
-    bits = np.unpackbits(unary, count=nbits)
-    ends = np.flatnonzero(bits == 0)
+    ends = np.flatnonzero(np.unpackbits(unary, count=nbits) == 0)
     if ends.size != count or (count and int(ends[-1]) != nbits - 1):
         return None
     quotients = np.diff(ends, prepend=np.int64(-1)) - 1
     if count and int(quotients.max()) >> (63 - k):
         return None
     gaps = quotients.astype(np.uint64) << np.uint64(k)
-    fields = np.unpackbits(remainders, count=count * k).reshape(count, k)
-    for j in range(k):
-        gaps |= fields[:, j].astype(np.uint64) << np.uint64(k - 1 - j)
-    return gaps
+    return gaps | _bits_to_fields(remainders, k, count)
