@@ -86,13 +86,15 @@ def changed_elements(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[Pos
     return np.concatenate(positions).astype(np.int64, copy=False), np.concatenate(values)
 
 
-def encode_gaps(positions: Positions) -> np.ndarray:
-    """``gap - 1`` between consecutive ascending positions (the first counts from -1), as the
-    narrowest unsigned little-endian integers (1, 2, 4 or 8 bytes) that hold the largest."""
-    gaps = np.diff(positions, prepend=np.int64(-1)) - 1
-    largest = int(gaps.max()) if gaps.size else 0
-    width = next((w for w in (1, 2, 4) if largest < 1 << (8 * w)), 8)
-    return gaps.astype(ELEMENT_DTYPES[width])
+def encode_gaps(positions: Positions) -> npt.NDArray[np.uint64]:
+    """``gap - 1`` between consecutive ascending positions (the first counts from -1), as
+    uint64."""
+    gaps = np.empty(positions.size, dtype=np.int64)
+    if positions.size:
+        gaps[0] = positions[0]
+        np.subtract(positions[1:], positions[:-1], out=gaps[1:])
+        gaps[1:] -= 1
+    return gaps.view(np.uint64)
 
 
 def decode_gaps(gaps: np.ndarray, nelements: int) -> Positions | None:
@@ -123,20 +125,18 @@ def from_planes(planes: ByteArray, width: int) -> np.ndarray:
     return interleaved.reshape(-1).view(ELEMENT_DTYPES[width])
 
 
-def rice_parameter(gaps: np.ndarray) -> int:
+def rice_parameter(gaps: npt.NDArray[np.uint64]) -> int:
     """The Rice parameter ``k`` (bits kept verbatim per gap) for ``gaps``: of the two next to
     log2(mean * ln 2) (the optimum for geometric gaps), the one that codes them in fewer bits.
     With 2**k ≥ mean / 3, the unary part stays under 4 bits per gap whatever the spread."""
     if not gaps.size:
         return 0
-    mean = float(gaps.mean(dtype=np.float64))
-    low = max(int(mean * 0.6931).bit_length() - 1, 0)
-    wide = gaps.astype(np.uint64)
-    cost = {
-        k: int((wide >> np.uint64(k)).sum(dtype=np.uint64)) + gaps.size * (1 + k)
-        for k in (low, min(low + 1, 63))
-    }
-    return min(cost, key=cost.__getitem__)
+    total = int(gaps.sum(dtype=np.uint64))
+    low = max(int(total / gaps.size * 0.6931).bit_length() - 1, 0)
+    high = min(low + 1, 63)
+    low_cost = int((gaps >> np.uint64(low)).sum(dtype=np.uint64)) + gaps.size * low
+    high_cost = int((gaps >> np.uint64(high)).sum(dtype=np.uint64)) + gaps.size * high
+    return low if low_cost <= high_cost else high
 
 
 def _field_bits(k: int) -> int:
@@ -165,8 +165,8 @@ def rice_encode(gaps: np.ndarray, k: int) -> tuple[ByteArray, int, ByteArray]:
     """Rice code of ``gaps`` split in two bit streams (MSB first, zero-padded to bytes): unary
     quotients (``gap >> k`` ones, then a zero) and ``k``-bit remainders. Returns (unary bytes,
     unary length in bits, remainder bytes). Split, both streams decode without a bit loop."""
-    wide = gaps.astype(np.uint64)
-    ends = np.cumsum((wide >> np.uint64(k)).astype(np.int64) + 1) - 1  # each terminating zero
+    wide = gaps.astype(np.uint64, copy=False)
+    ends = np.cumsum((wide >> np.uint64(k)).view(np.int64) + 1) - 1  # each terminating zero
     nbits = int(ends[-1]) + 1 if ends.size else 0
     unary = np.ones(nbits, dtype=np.uint8)
     unary[ends] = 0
