@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore.codecs import compress, decompress, get_encoding
-from deltastore.codecs.auto import TAG_SPARSE, TAG_XOR, AutoEncoding
+from deltastore.codecs.smallest import TAG_SPARSE, TAG_XOR, AutoEncoding
 from deltastore.codecs.kernels import (
     _CHUNK_WORDS,
     decode_gaps,
