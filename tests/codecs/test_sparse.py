@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore.codecs import compress, decompress, get_encoding
-from deltastore.codecs.smallest import TAG_SPARSE, TAG_XOR, AutoEncoding
 from deltastore.codecs.kernels import (
     _CHUNK_WORDS,
     decode_gaps,
@@ -27,6 +26,7 @@ from deltastore.codecs.kernels import (
     rice_parameter,
     to_planes,
 )
+from deltastore.codecs.smallest import TAG_SPARSE, TAG_XOR, AutoEncoding
 from deltastore.codecs.sparse import HEADER, SparseXorEncoding
 from deltastore.publish.snapshot import tensor_bytes
 
