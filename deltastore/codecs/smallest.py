@@ -1,4 +1,4 @@
-"""``auto`` (module smallest): per tensor, the smaller of ``xor`` and ``sparse-v1``, tagged in the payload.
+"""``auto``: per tensor, the smaller of ``xor`` and ``sparse-v1``, tagged in the payload.
 
 The index names ``auto`` as the version's delta encoding (a reference reader refuses it, as it
 does any name it does not know). Each tensor's payload starts with one tag byte saying which
