@@ -6,9 +6,12 @@ from deltastore.codecs.base import ByteArray, Checksum, Digest, EncodedDelta, En
 from deltastore.codecs.checksums import Adler32Checksum, Blake3Checksum, Xxh3Checksum
 from deltastore.codecs.compression import COMPRESSION_NAME, compress, decompress
 from deltastore.codecs.encodings import OverwriteEncoding, XorEncoding
+from deltastore.codecs.smallest import AutoEncoding
+from deltastore.codecs.sparse import SparseXorEncoding
 from deltastore.errors import ConfigError
 
 ENCODINGS: dict[str, Encoding] = {e.name: e for e in (XorEncoding(), OverwriteEncoding())}
+ENCODINGS.update({e.name: e for e in (SparseXorEncoding(), AutoEncoding())})  # deltastore's own
 CHECKSUMS: dict[str, Checksum] = {
     c.name: c for c in (Xxh3Checksum(), Blake3Checksum(), Adler32Checksum())
 }

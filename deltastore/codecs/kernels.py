@@ -1,0 +1,189 @@
+"""numpy kernels behind the sparse encodings: find changed elements, gap-code their positions.
+
+Finding changes is the hot loop of a sparse encode. ``np.flatnonzero`` over every element is slow
+(it branches per element), so the tensor is compared as little-endian u64 words in chunks that
+stay in cache: a boolean mask of differing words (one vectorised compare), the few differing
+words gathered and XORed, and only those split into elements. At 0.4 % element density this
+reads each input once and costs about a third of a reference XOR + zstd-1 pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from deltastore.codecs.base import ByteArray
+
+ELEMENT_DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("<u1"),
+    2: np.dtype("<u2"),
+    4: np.dtype("<u4"),
+    8: np.dtype("<u8"),
+}
+"""Unsigned little-endian element types by size in bytes: the widths the sparse codecs know."""
+
+SAFETENSORS_ITEMSIZES: dict[str, int] = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2"), 1),
+    **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+    **dict.fromkeys(("U32", "I32", "F32"), 4),
+    **dict.fromkeys(("U64", "I64", "F64", "C64"), 8),
+}
+"""Element size in bytes of each safetensors dtype string (what a checkpoint header names)."""
+
+_WORD = 8
+_CHUNK_WORDS = 1 << 18
+"""Words compared per step (2 MiB of each input): the mask and gathers stay in cache."""
+
+Positions = npt.NDArray[np.int64]
+
+
+def element_size(nbytes: int, itemsize: int) -> int:
+    """The element size to code a tensor of ``nbytes`` bytes with: ``itemsize`` where it is one
+    of 1, 2, 4, 8 bytes and divides the tensor, else 1 (the dtype-blind fallback)."""
+    if itemsize in ELEMENT_DTYPES and nbytes % itemsize == 0:
+        return itemsize
+    return 1
+
+
+def itemsize_of_dtype(dtype: str) -> int:
+    """Element size in bytes of a safetensors dtype string; 1 (dtype-blind) for one not known
+    here, which every sparse encoding accepts."""
+    return SAFETENSORS_ITEMSIZES.get(dtype, 1)
+
+
+def changed_elements(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[Positions, np.ndarray]:
+    """Indices (int64, ascending) of the ``itemsize``-byte elements that differ, and ``old XOR
+    new`` of each (unsigned, little-endian). Both inputs are 1-D uint8 of equal length, a
+    multiple of ``itemsize`` (one of 1, 2, 4, 8)."""
+    dtype = ELEMENT_DTYPES[itemsize]
+    per_word = _WORD // itemsize
+    whole = old.size // _WORD * _WORD
+    positions: list[Positions] = []
+    values: list[np.ndarray] = []
+    if whole:
+        old_words = old[:whole].view("<u8")
+        new_words = new[:whole].view("<u8")
+        mask = np.empty(min(_CHUNK_WORDS, old_words.size), dtype=bool)
+        for start in range(0, old_words.size, _CHUNK_WORDS):
+            stop = min(start + _CHUNK_WORDS, old_words.size)
+            differs = mask[: stop - start]
+            np.not_equal(old_words[start:stop], new_words[start:stop], out=differs)
+            words = np.flatnonzero(differs)
+            if not words.size:
+                continue
+            xored = np.bitwise_xor(old_words[start:stop][words], new_words[start:stop][words])
+            elements = xored.view(dtype)
+            inside = np.flatnonzero(elements)
+            positions.append((words[inside // per_word] + start) * per_word + inside % per_word)
+            values.append(elements[inside])
+    if whole < old.size:  # the last < 8 bytes, still a whole number of elements
+        tail = np.bitwise_xor(old[whole:].view(dtype), new[whole:].view(dtype))
+        inside = np.flatnonzero(tail)
+        positions.append(inside + whole // itemsize)
+        values.append(tail[inside])
+    if not positions:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=dtype)
+    return np.concatenate(positions).astype(np.int64, copy=False), np.concatenate(values)
+
+
+def encode_gaps(positions: Positions) -> npt.NDArray[np.uint64]:
+    """``gap - 1`` between consecutive ascending positions (the first counts from -1), as
+    uint64."""
+    gaps = np.empty(positions.size, dtype=np.int64)
+    if positions.size:
+        gaps[0] = positions[0]
+        np.subtract(positions[1:], positions[:-1], out=gaps[1:])
+        gaps[1:] -= 1
+    return gaps.view(np.uint64)
+
+
+def decode_gaps(gaps: np.ndarray, nelements: int) -> Positions | None:
+    """Positions from ``encode_gaps`` output; None unless they strictly increase below
+    ``nelements`` (a corrupt stream can neither wrap around nor address outside the tensor)."""
+    if not gaps.size:
+        return np.zeros(0, dtype=np.int64)
+    steps = gaps.astype(np.uint64) + np.uint64(1)
+    positions = np.cumsum(steps, dtype=np.uint64) - np.uint64(1)
+    # A step of 0 means the stored gap wrapped (2**64 - 1 + 1); a decrease means the sum did.
+    if not bool(np.all(steps)) or int(positions[-1]) >= nelements:
+        return None
+    if positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1])):
+        return None
+    return positions.astype(np.int64)
+
+
+def to_planes(values: np.ndarray) -> ByteArray:
+    """Byte planes: byte 0 of every value, then byte 1 of every value, ... (little-endian)."""
+    width = values.dtype.itemsize
+    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T).reshape(-1)
+
+
+def from_planes(planes: ByteArray, width: int) -> np.ndarray:
+    """Inverse of :func:`to_planes` for ``width``-byte unsigned little-endian values."""
+    count = planes.size // width
+    interleaved = np.ascontiguousarray(planes.reshape(width, count).T)
+    return interleaved.reshape(-1).view(ELEMENT_DTYPES[width])
+
+
+def rice_parameter(gaps: npt.NDArray[np.uint64]) -> int:
+    """The Rice parameter ``k`` (bits kept verbatim per gap) for ``gaps``: of the two next to
+    log2(mean * ln 2) (the optimum for geometric gaps), the one that codes them in fewer bits.
+    With 2**k ≥ mean / 3, the unary part stays under 4 bits per gap whatever the spread."""
+    if not gaps.size:
+        return 0
+    total = int(gaps.sum(dtype=np.uint64))
+    low = max(int(total / gaps.size * 0.6931).bit_length() - 1, 0)
+    high = min(low + 1, 63)
+    low_cost = int((gaps >> np.uint64(low)).sum(dtype=np.uint64)) + gaps.size * low
+    high_cost = int((gaps >> np.uint64(high)).sum(dtype=np.uint64)) + gaps.size * high
+    return low if low_cost <= high_cost else high
+
+
+def _field_bits(k: int) -> int:
+    """Bits of the smallest unsigned integer type that holds ``k`` bits."""
+    return next(b for b in (8, 16, 32, 64) if k <= b)
+
+
+def _fields_to_bits(values: np.ndarray, k: int) -> ByteArray:
+    """The low ``k`` bits of each value, MSB first, packed back to back into bytes."""
+    per_value = _field_bits(k)
+    big_endian = values.astype(f">u{per_value // 8}")  # keeps the low bits
+    bits = np.unpackbits(big_endian.view(np.uint8).reshape(-1, per_value // 8), axis=1)
+    return np.packbits(bits[:, per_value - k :].reshape(-1))
+
+
+def _bits_to_fields(packed: ByteArray, k: int, count: int) -> np.ndarray:
+    """Inverse of :func:`_fields_to_bits`: ``count`` values of ``k`` bits, as uint64."""
+    per_value = _field_bits(k)
+    bits = np.zeros((count, per_value), dtype=np.uint8)
+    bits[:, per_value - k :] = np.unpackbits(packed, count=count * k).reshape(count, k)
+    fields = np.packbits(bits, axis=1).reshape(-1).view(f">u{per_value // 8}")
+    return fields.astype(np.uint64)
+
+
+def rice_encode(gaps: np.ndarray, k: int) -> tuple[ByteArray, int, ByteArray]:
+    """Rice code of ``gaps`` split in two bit streams (MSB first, zero-padded to bytes): unary
+    quotients (``gap >> k`` ones, then a zero) and ``k``-bit remainders. Returns (unary bytes,
+    unary length in bits, remainder bytes). Split, both streams decode without a bit loop."""
+    wide = gaps.astype(np.uint64, copy=False)
+    ends = np.cumsum((wide >> np.uint64(k)).view(np.int64) + 1) - 1  # each terminating zero
+    nbits = int(ends[-1]) + 1 if ends.size else 0
+    unary = np.ones(nbits, dtype=np.uint8)
+    unary[ends] = 0
+    return np.packbits(unary), nbits, _fields_to_bits(wide, k)
+
+
+def rice_decode(
+    unary: ByteArray, nbits: int, remainders: ByteArray, k: int, count: int
+) -> np.ndarray | None:
+    """Gaps (uint64) from :func:`rice_encode` streams; None if the streams do not hold exactly
+    ``count`` codes (sizes are the caller's to check: ``unary`` ≥ nbits/8, ``remainders`` ≥
+    count*k/8) or a quotient would overflow 64 bits."""
+    ends = np.flatnonzero(np.unpackbits(unary, count=nbits) == 0)
+    if ends.size != count or (count and int(ends[-1]) != nbits - 1):
+        return None
+    quotients = np.diff(ends, prepend=np.int64(-1)) - 1
+    if count and int(quotients.max()) >> (63 - k):
+        return None
+    gaps = quotients.astype(np.uint64) << np.uint64(k)
+    return gaps | _bits_to_fields(remainders, k, count)
