@@ -32,7 +32,7 @@ CI_SOAK = SoakConfig(
 )
 
 
-# About 140 s on the shared 2-core machine under load (load average ~10): over the ~60 s line.
+# 120 to 140 s on the shared 2-core machine under load (load average 10 to 18): over 60 s.
 @pytest.mark.slow
 def test_four_hosts_thirty_versions_through_a_faulty_proxy_all_verified(tmp_path: Path) -> None:
     report = run_soak(CI_SOAK, str(tmp_path))
