@@ -55,6 +55,7 @@ from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.hooks.context import current_publishing_rank
 from deltastore.hooks.posix import version_of
 from deltastore.storage import VersionStore
+from deltastore.storage.chain import iter_chain
 from deltastore.storage.durable import create_new_file, fsync_path
 
 log = logging.getLogger("deltastore.hooks")
@@ -355,13 +356,13 @@ def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int)
     os.makedirs(delta_dir, exist_ok=True)
     remote.refresh()
     todo: list[tuple[int, VersionIndex, bytes]] = []
-    version = target_version
     with _local_lock(delta_dir):
-        while True:
+
+        def read(version: int) -> VersionIndex | None:
             local_index = os.path.join(delta_dir, version_dir_name(version), INDEX_NAME)
             if os.path.exists(local_index):
                 _check_same_version(remote, version, local_index)
-                break
+                return None  # complete locally: the walk stops here
             try:
                 raw = remote.index_bytes(version)
             except VersionNotFoundError as exc:
@@ -376,9 +377,10 @@ def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int)
                 raw, version=version, source=f"{remote.url}/{version_dir_name(version)}"
             )
             todo.append((version, index, raw))
-            if not index.is_delta or not index.base_version:
-                break
-            version = index.base_version
+            return index
+
+        for _ in iter_chain(target_version, read):
+            pass
         for version, index, raw in reversed(todo):
             version_dir = os.path.join(delta_dir, version_dir_name(version))
             os.makedirs(version_dir, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Versions on fsspec filesystems: commit, listing, ranged reads, retries, prune."""
+"""Versions on fsspec filesystems: the version-writing transaction, listing, ranged reads,
+retries, prune."""
 
 from deltastore.storage.prune import PruneReport
 from deltastore.storage.retry import RetryPolicy, is_transient
@@ -9,6 +10,7 @@ from deltastore.storage.store import (
     VersionStore,
     new_token,
 )
+from deltastore.storage.writer import VersionWriter
 
 __all__ = [
     "PostWriteHook",
@@ -17,6 +19,7 @@ __all__ = [
     "RetryPolicy",
     "StoreListing",
     "VersionStore",
+    "VersionWriter",
     "is_transient",
     "new_token",
 ]
