@@ -203,6 +203,8 @@ class DeltaPublisher:
             self._raise_failure(plan.failure, local_error)
             written, local_error = self._write_phase(plan, slot, diff, held, stream, spool, metrics)
             outcome = self._commit_phase(plan, slot, written, stream, metrics)
+            if outcome.failure is not None:
+                self.stream = stream.aborted()
             self._raise_failure(outcome.failure, local_error)
             advance_error = self._advance_phase(plan, outcome, diff, held, spool)
         assert plan.layout is not None and outcome.totals is not None

@@ -26,14 +26,21 @@ class StreamState:
     walk_from_base: bool = True
     """A tensor can be rebuilt from the base + chain (False after ``continue_latest``)."""
     resumed: bool = False
-    """Seeded onto a store with versions and nothing committed since: claims left by a
-    crashed writer may be skipped."""
+    """Claims left by a crashed writer (or this one's aborted attempt) may be skipped: seeded
+    onto a store with versions, or a claimed version was aborted, and nothing committed
+    since."""
     chain_deltas: int = 0
     """Deltas since the last full version (or the stream's start)."""
     chain_wire: int = 0
     """Wire bytes of those deltas."""
     holders: dict[str, int] = field(default_factory=dict)
     """Rank 0: the rank that last published each tensor (it holds the tensor's state)."""
+
+    def aborted(self) -> StreamState:
+        """The state after a claimed version was aborted: nothing advanced, but that version
+        may now carry a tombstone (it took its base's successor), so the next claim may skip
+        it like a resumed stream's."""
+        return replace(self, resumed=True)
 
     def committed(
         self, version: int, *, full: bool, wire_bytes: int, owner: dict[str, int]

@@ -417,3 +417,25 @@ def test_settings_come_as_keywords_or_one_config(tmp_path: Path, base_dir: Path)
         ds.DeltaPublisher(str(tmp_path / "store"), base_dir, anchor_evry=3)
     with pytest.raises(ConfigError, match="anchor_every"):
         PublisherConfig(anchor_every=0)
+
+
+def test_a_failed_delta_commit_on_a_published_base_is_retried_as_the_next_version(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    """A delta on v1 whose index write fails after it took v1's one successor leaves v2 fenced
+    (a tombstone): the retry skips it instead of conflicting until a restart."""
+    store = FlakyCommitStore(tmp_path / "store")
+    publisher = ds.DeltaPublisher(store, base_dir)
+    publisher.seed()
+    v1 = perturb(small_model, 1)
+    publisher.publish(v1.items())
+    store.fail = 1
+    with pytest.raises(PublishError, match="weight_v000002"):
+        publisher.publish(perturb(v1, 2).items())
+    v2 = perturb(v1, 3)
+    result = publisher.publish(v2.items())
+    assert result.version in (2, 3) and result.base_version == 1
+    assert result.changed_bytes == _changed_bytes(v1, v2)
+    assert _pull_bytes(tmp_path, store, result.version, base_dir) == {
+        n: raw_bytes(t) for n, t in v2.items()
+    }
