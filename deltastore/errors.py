@@ -105,6 +105,7 @@ class SnapshotError(DeltastoreError):
     ``store.latest()`` and restart every rank of the publisher with ``resume=True``.
     """
 
+
 class SignatureError(IntegrityError):
     """A version is unsigned, its signature does not match its manifest (forged, altered or
     replayed under another version or stream), or it is signed by a key that is not trusted."""
