@@ -27,6 +27,7 @@ from deltastore.errors import (
 from deltastore.format import VersionIndex
 from deltastore.publish import DeltaPublisher, PublishResult
 from deltastore.pull import PullResult, pull_weights, verify_local
+from deltastore.replicate import replicate
 from deltastore.storage import VersionStore
 
 __version__ = "0.1.0"
@@ -52,5 +53,6 @@ __all__ = [
     "VersionStore",
     "__version__",
     "pull_weights",
+    "replicate",
     "verify_local",
 ]

@@ -17,6 +17,7 @@ from deltastore.errors import DeltastoreError
 
 # Subcommand modules, in the order `deltastore --help` lists them.
 COMMAND_MODULES = ("demo", "publish", "pull", "ls", "verify", "prune", "inspect", "bench", "serve")
+COMMAND_MODULES += ("replicate",)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
