@@ -61,7 +61,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="SECONDS",
         help="a replica claim idle this long belongs to a dead replicator and is removed (600)",
     )
-    p.add_argument("--poll-max", type=float, default=30.0, metavar="SECONDS", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--poll-max",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="--follow: longest wait between two looks at SRC (30; the wait starts at 1 s, "
+        "jittered, and doubles while nothing is new)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line per version, and a summary")
     for side in ("src", "dst"):
         p.add_argument(
