@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from deltastore.errors import DeltastoreError
 
 # Subcommand modules, in the order `deltastore --help` lists them.
-COMMAND_MODULES = ("demo", "publish", "pull", "ls", "verify", "prune", "inspect", "bench", "serve")
-COMMAND_MODULES += ("replicate",)
+COMMAND_MODULES = ("demo", "publish", "pull", "ls", "verify", "prune", "inspect", "bench", "serve",
+                   "replicate")  # fmt: skip
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2

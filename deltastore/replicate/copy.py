@@ -21,10 +21,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
-from deltastore.errors import DeltastoreError, TransientStoreError
+from deltastore.errors import (
+    StoreError,
+    TransientStoreError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
 from deltastore.format.names import version_dir_name
 from deltastore.replicate.digests import ShardChecker, new_file_hasher
-from deltastore.storage import VersionStore, is_transient
+from deltastore.storage import VersionStore
 
 log = logging.getLogger("deltastore.replicate")
 
@@ -199,8 +204,9 @@ def _write_all(out: BinaryIO, data: bytes) -> None:
 
 
 def _worth_retrying(exc: BaseException) -> bool:
-    """Transient store errors (including a destination that stored the wrong size or bytes);
-    never a corrupt source or a conflict."""
-    if isinstance(exc, DeltastoreError) and not isinstance(exc, TransientStoreError):
-        return False
-    return is_transient(exc)
+    """Store errors and I/O errors: an upload that failed or whose acknowledgement was lost is
+    simply sent again. Never a corrupt source, a conflict, a pruned version, or a cancel."""
+    return isinstance(exc, (StoreError, OSError)) and not isinstance(exc, _PERMANENT)
+
+
+_PERMANENT = (VersionNotFoundError, VersionConflictError, InterruptedError, PermissionError)

@@ -21,7 +21,6 @@ from typing import Any
 from deltastore.errors import (
     StoreError,
     StreamError,
-    TransientStoreError,
     VersionConflictError,
     VersionNotFoundError,
 )
@@ -30,7 +29,7 @@ from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.replicate.copy import CopyJob, FileCopier
 from deltastore.replicate.plan import same_content
 from deltastore.replicate.report import Observer, ReplicationPolicy, VersionCopy
-from deltastore.storage import VersionStore, is_transient
+from deltastore.storage import VersionStore
 
 log = logging.getLogger("deltastore.replicate")
 
@@ -89,9 +88,9 @@ class VersionCopier:
                     raise
                 retries += 1
             except (StoreError, OSError) as exc:
-                if not (isinstance(exc, TransientStoreError) or is_transient(exc)):
-                    raise
-                if retries + 1 >= self.policy.attempts:
+                # Any store error (an upload whose ack was lost, a 5xx that outlasted the
+                # retries): the try was aborted, nothing is visible; try the version again.
+                if isinstance(exc, PermissionError) or retries + 1 >= self.policy.attempts:
                     raise
                 retries += 1
                 wait_s = random.uniform(0, min(10.0, 0.5 * 2**retries))
