@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 import deltastore as ds
 from deltastore.format.names import INDEX_NAME
 from deltastore.replicate.plan import same_content
 from deltastore.storage import VersionStore
-from tests.storage.models import assert_model, model_at
+from tests.storage.models import assert_model, local_tensors, model_at
 
 
 def publish_run(store: VersionStore, base: Path, kinds: dict[int, str]) -> None:
@@ -40,3 +43,38 @@ def assert_pulls(dst: VersionStore, base: Path, local: Path, versions: list[int]
     for version in versions:
         ds.pull_weights(local, dst, version, base_dir=base)
         assert_model(local, version)
+
+
+def big_model_at(step: int, megabytes: int = 4) -> dict[str, torch.Tensor]:
+    """A model of about ``megabytes`` MB (fp32 and bf16) after ``step`` steps: each step
+    changes a few rows of two tensors, so deltas are small and full versions are not."""
+    g = torch.Generator().manual_seed(7)
+    rows = megabytes * 1024 * 1024 // (4 * 1024 * 4)
+    tensors = {
+        f"layers.{i}.weight": torch.randn(rows, 1024, generator=g).to(
+            torch.float32 if i % 2 else torch.bfloat16
+        )
+        for i in range(6)
+    }
+    for s in range(1, step + 1):
+        tensors[f"layers.{s % 6}.weight"][s % rows, :64] += 1.0
+        tensors[f"layers.{(s + 3) % 6}.weight"][(3 * s) % rows, :32] -= 0.5
+    return tensors
+
+
+def publish_big_run(store: VersionStore, base: Path, kinds: dict[int, str]) -> None:
+    """Publish ``big_model_at(step)`` for each step of ``kinds``; writes the base to ``base``."""
+    base.mkdir(parents=True, exist_ok=True)
+    save_file(big_model_at(0), str(base / "model.safetensors"))
+    publisher = ds.DeltaPublisher(store, base)
+    publisher.seed()
+    for step, kind in kinds.items():
+        assert publisher.publish(big_model_at(step).items(), full=kind == "full").version == step
+
+
+def assert_big_model(directory: Path, step: int) -> None:
+    got = local_tensors(directory)
+    want = big_model_at(step)
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), (name, step)
