@@ -182,6 +182,36 @@ def _verify_remote(remote: VersionStore, version: int, sizes: dict[str, int], to
             )
 
 
+def _upload(
+    version_dir: str, remote: VersionStore, version: int, index: VersionIndex, sizes: dict[str, int]
+) -> None:
+    """Write the version through the store's transaction (re-claiming with the same token
+    resumes an upload that crashed); a version committed meanwhile with our token is fine."""
+    assert index.commit_token is not None
+    try:
+        writer = remote.begin(version, token=index.commit_token)
+    except VersionConflictError:
+        if _remote_index(remote, version) is not None:
+            return  # committed meanwhile: _verify_remote checks whose it is
+        raise HookError(
+            f"weight_v{version:06d} in {remote.url} is claimed by another writer; two "
+            "trainers publish to one remote store"
+        ) from None
+    with writer:
+        for shard, size in sizes.items():
+            local = os.path.join(version_dir, shard)
+            with open(local, "rb") as src, writer.open_write(shard) as dst:
+                while chunk := src.read(_COPY_CHUNK):
+                    dst.write(chunk)
+            remote_size = remote.file_size(version, shard)
+            if remote_size != size:
+                raise HookError(
+                    f"uploading {shard} of weight_v{version:06d} to {remote.url} stored "
+                    f"{remote_size} bytes, the local file has {size}"
+                )
+        writer.commit(index)
+
+
 def mirror_to_store(version_dir: str, remote: VersionStore, *, upload: bool = True) -> int:
     """Copy the committed local version in ``version_dir`` into ``remote``, index last.
 
@@ -210,30 +240,8 @@ def mirror_to_store(version_dir: str, remote: VersionStore, *, upload: bool = Tr
     if not upload:
         _verify_remote(remote, version, sizes, token)
         return version
-    existing = _remote_index(remote, version)
-    if existing is None:
-        try:
-            remote.claim(version, token)
-        except VersionConflictError:
-            existing = _remote_index(remote, version)
-            if existing is None:
-                raise HookError(
-                    f"weight_v{version:06d} in {remote.url} is claimed by another writer; two "
-                    "trainers publish to one remote store"
-                ) from None
-    if existing is None:
-        for shard, size in sizes.items():
-            local = os.path.join(version_dir, shard)
-            with open(local, "rb") as src, remote.open_write(version, shard) as dst:
-                while chunk := src.read(_COPY_CHUNK):
-                    dst.write(chunk)
-            remote_size = remote.file_size(version, shard)
-            if remote_size != size:
-                raise HookError(
-                    f"uploading {shard} of weight_v{version:06d} to {remote.url} stored "
-                    f"{remote_size} bytes, the local file has {size}"
-                )
-        remote.commit(version, index)
+    if _remote_index(remote, version) is None:
+        _upload(version_dir, remote, version, index, sizes)
     _verify_remote(remote, version, sizes, token)
     log.info("mirrored %s to %s", version_dir, remote.version_url(version))
     return version

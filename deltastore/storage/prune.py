@@ -21,16 +21,14 @@ index), then deleted. With ``grace_s=0`` both phases happen in one run.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass
 
-from deltastore.errors import ConfigError, FormatError, VersionNotFoundError
+from deltastore.errors import ConfigError, VersionNotFoundError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME
-from deltastore.storage.store import FileEntry, StoreListing, VersionStore, new_token
+from deltastore.storage.store import FileEntry, StoreListing, VersionStore
 
 log = logging.getLogger("deltastore.storage")
 
@@ -142,6 +140,8 @@ def plan(
     uncommitted = (set(listing.files) | set(listing.claims) | set(listing.aborted)) - set(committed)
     for version in sorted(uncommitted):
         if version in listing.aborted:
+            if version not in listing.files and version not in listing.claims:
+                continue  # a tombstone whose data is gone: nothing left to do
             # Unpublished or fenced by an earlier run: data goes once the marker is old.
             if _age(listing.aborted[version], now) >= grace_s:
                 delete.append(version)
@@ -171,29 +171,6 @@ def plan(
     )
 
 
-def _write_marker(store: VersionStore, version: int, reason: str) -> str:
-    """Create the abort marker of ``version`` (create-only); returns the token it carries."""
-    token = new_token()
-    body = json.dumps(
-        {"version": version, "reason": reason, "token": token, "time": time.time()}
-    ).encode()
-
-    def read_token(data: bytes) -> str | None:
-        with contextlib.suppress(ValueError, AttributeError):
-            value = json.loads(data).get("token")
-            return value if isinstance(value, str) else None
-        return None
-
-    if not store._create_with_token(store.abort_path(version), body, token, read_token):
-        log.info("%s: weight_v%06d already carries an abort marker", store.url, version)
-    return token
-
-
-def _rm(store: VersionStore, path: str, *, recursive: bool = False) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        store._guard(f"deleting {path}", lambda: store.fs.rm(path, recursive=recursive))
-
-
 def prune(
     store: VersionStore, *, keep: int, grace_s: float = 3600.0, dry_run: bool = False
 ) -> PruneReport:
@@ -214,39 +191,34 @@ def prune(
         return report
     meanwhile: list[int] = []
     for version in report.unpublish:
-        _write_marker(store, version, "pruned")
-        _rm(store, store.file_path(version, INDEX_NAME))
+        store.write_tombstone(version, "pruned")
+        store.remove(store.file_path(version, INDEX_NAME))
         log.info("%s: unpublished weight_v%06d", store.url, version)
     for version in report.fence:
-        token = _write_marker(store, version, "fenced")
-        # The writer may have committed between our listing and our marker: whoever of the
-        # two writes second sees the other's object and backs off (commit re-checks too).
-        if store._exists(store.file_path(version, INDEX_NAME)):
-            try:
-                store.index(version)
-            except (VersionNotFoundError, FormatError):
-                pass
-            else:
-                marker = store.abort_path(version)
-                with contextlib.suppress(FileNotFoundError):
-                    data = store.fs.cat_file(marker)
-                    if token.encode() in data:
-                        _rm(store, marker)
-                meanwhile.append(version)
-                log.warning("%s: weight_v%06d was committed while being fenced", store.url, version)
-                continue
+        token = store.write_tombstone(version, "fenced")
+        # The writer may have committed between our listing and our tombstone. It writes its
+        # index, then checks for a tombstone; we write the tombstone, then check for an index:
+        # one of the two sees the other. Seeing an index, we back off (the writer, had it seen
+        # our tombstone, withdraws its index and reports the conflict).
+        if store.exists(store.file_path(version, INDEX_NAME)):
+            marker = store.read_optional(store.abort_path(version)) or b""
+            if token and token.encode() in marker:
+                store.remove(store.abort_path(version))
+            meanwhile.append(version)
+            log.warning("%s: weight_v%06d was committed while being fenced", store.url, version)
+            continue
         log.info("%s: fenced stale uncommitted weight_v%06d", store.url, version)
     for version in report.delete:
         if version in meanwhile:
             continue
         # Index first: a half-finished delete must never leave an index without its shards.
-        _rm(store, store.file_path(version, INDEX_NAME))
-        _rm(store, store.version_path(version), recursive=True)
-        _rm(store, store.claim_path(version))
-        _rm(store, store.abort_path(version))
+        # The tombstone stays for good: an index that lands late is never visible.
+        store.remove(store.file_path(version, INDEX_NAME))
+        store.remove(store.version_path(version), recursive=True)
+        store.remove(store.claim_path(version))
         log.info("%s: deleted the data of weight_v%06d", store.url, version)
     for path in report.stray:
-        _rm(store, path)
+        store.remove(path)
     return PruneReport(
         keep=report.keep,
         unpublish=report.unpublish,

@@ -56,6 +56,7 @@ from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_n
 from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
 from deltastore.storage.durable import create_new_file, fsync_path
 from deltastore.storage.retry import RetryPolicy, is_transient
+from deltastore.storage.writer import VersionWriter, claim_body, json_field
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -69,11 +70,14 @@ T = TypeVar("T")
 CLAIMS_DIR = "_claims"
 CLAIM_SUFFIX = ".json"
 ABORT_SUFFIX = ".abort"
+SUCCESSOR_SUFFIX = ".successor-"
 PROBE_PREFIX = "_probe-"
 DEFAULT_BLOCK_SIZE = 8 * 1024**2
 """Bytes buffered per open remote stream: one upload part, or one read-ahead block."""
 _S3_MIN_PART = 5 * 1024**2
 _GCS_CHUNK = 256 * 1024
+MAX_INDEX_BYTES = 64 * 1024**2
+"""Largest index a store reads (a 100k-tensor model's index is a few MiB)."""
 _REMOTE_PROTOCOLS = {"s3", "s3a", "gs", "gcs"}
 
 PostWriteHook = Callable[[str], None]
@@ -102,15 +106,6 @@ def modified_time(info: dict[str, Any]) -> float | None:
         if isinstance(value, str):
             with contextlib.suppress(ValueError):
                 return _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    return None
-
-
-def _json_field(data: bytes, *keys: str) -> str | None:
-    with contextlib.suppress(ValueError, AttributeError, UnicodeDecodeError):
-        value: Any = json.loads(data)
-        for key in keys:
-            value = value.get(key)
-        return value if isinstance(value, str) else None
     return None
 
 
@@ -345,8 +340,8 @@ class VersionStore:
             entry = FileEntry(int(info.get("size") or 0), modified_time(info))
             top, _, rest = rel.partition("/")
             if top == CLAIMS_DIR:
-                if rest.endswith(".lock"):
-                    continue  # a local mirror's lock file, never garbage
+                if rest.endswith(".lock") or SUCCESSOR_SUFFIX in rest:
+                    continue  # a local mirror's lock file, or a successor: never garbage
                 version = None
                 for suffix, bucket in ((CLAIM_SUFFIX, claims), (ABORT_SUFFIX, aborted)):
                     if rest.endswith(suffix) and "/" not in rest:
@@ -390,21 +385,30 @@ class VersionStore:
     def index_bytes(self, version: int) -> bytes:
         """The raw index file of a committed version (for mirroring it byte for byte).
 
-        Raises :class:`VersionNotFoundError` if it is not committed.
+        Raises :class:`VersionNotFoundError` if it is not committed (no index, or a
+        tombstone), :class:`FormatError` if it is larger than :data:`MAX_INDEX_BYTES`.
         """
         path = self.file_path(version, INDEX_NAME)
-        return self._read_bytes(path, what=f"index of {version_dir_name(version)}", version=version)
-
-    def _read_bytes(self, path: str, *, what: str, version: int | None = None) -> bytes:
+        missing = VersionNotFoundError(
+            f"weight_v{version:06d} is not committed in {self.url} (its index is missing or "
+            "it was pruned); list committed versions with `deltastore ls`"
+        )
         try:
-            return bytes(self._guard(f"reading {path}", lambda: self.fs.cat_file(path)))
+            # A ranged read bounds the bytes held whatever the object's size.
+            data = self._guard(
+                f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=MAX_INDEX_BYTES + 1)
+            )
         except FileNotFoundError:
-            if version is not None:
-                raise VersionNotFoundError(
-                    f"weight_v{version:06d} is not committed in {self.url} ({what} missing); "
-                    "list committed versions with `deltastore ls`"
-                ) from None
-            raise StoreError(f"{path} is missing in {self.url}") from None
+            raise missing from None
+        if len(data) > MAX_INDEX_BYTES:
+            raise FormatError(
+                f"the index of weight_v{version:06d} in {self.url} is larger than the "
+                f"{MAX_INDEX_BYTES // 1024**2} MiB limit on indexes; it is corrupt or not a "
+                "deltastore index"
+            )
+        if self.is_fenced(version):
+            raise missing
+        return bytes(data)
 
     def file_size(self, version: int, name: str) -> int:
         """Size in bytes of a file of a version, asked of the store (never a cached listing)."""
@@ -500,27 +504,31 @@ class VersionStore:
             # S3 If-None-Match: *, GCS ifGenerationMatch=0 (a simple upload: keep it small).
             self.fs.pipe_file(path, data, mode="create")
 
-    def _create_with_token(
-        self, path: str, data: bytes, token: str, read_token: Callable[[bytes], str | None]
-    ) -> bool:
-        """Create-only write; True if ours stands (written now, or earlier with a lost ack)."""
+    def create_or_read(self, path: str, data: bytes) -> bytes | None:
+        """Create-only write of ``path``: None if written now, else the existing object's bytes
+        (the caller decides whether it is its own, written earlier with a lost acknowledgement).
+        Retried as one unit."""
 
-        def attempt() -> bool:
+        def attempt() -> bytes | None:
             try:
                 self._create_only(path, data)
-                return True
+                return None
             except FileExistsError:
                 self.fs.invalidate_cache(posixpath.dirname(path))
                 try:
-                    existing = self.fs.cat_file(path)
+                    return bytes(self.fs.cat_file(path))
                 except FileNotFoundError:
                     # Reported as existing, yet gone: removed meanwhile. Try again.
                     raise TransientStoreError(
                         f"{path} was reported as existing but cannot be read"
                     ) from None
-                return read_token(existing) == token
 
         return self._guard(f"create-only write of {path}", attempt)
+
+    def _create_with_token(self, path: str, data: bytes, token: str, *keys: str) -> bool:
+        """Create-only write; True if ours stands (written now, or earlier with a lost ack)."""
+        existing = self.create_or_read(path, data)
+        return existing is None or json_field(existing, *keys) == token
 
     def check_exclusive_create(self) -> bool:
         """Probe once whether create-only writes are exclusive on this backend.
@@ -537,7 +545,7 @@ class VersionStore:
         path = posixpath.join(self.root, CLAIMS_DIR, f"{PROBE_PREFIX}{token}")
         body = json.dumps({"probe": True, "token": token}).encode()
         try:
-            self._create_with_token(path, body, token, lambda b: _json_field(b, "token"))
+            self._create_with_token(path, body, token, "token")
             try:
                 self._guard(f"probing {path}", lambda: self._create_only(path, b"second"))
                 exclusive = False
@@ -558,27 +566,6 @@ class VersionStore:
             log.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         return exclusive
-
-    def claim(self, version: int, token: str) -> None:
-        """Claim a version before writing any of its files.
-
-        Raises :class:`VersionConflictError` if the version is committed or claimed by another
-        writer (e.g. a zombie trainer and its replacement).
-        """
-        self.check_exclusive_create()
-        if self._exists(self.file_path(version, INDEX_NAME)):
-            raise VersionConflictError(
-                f"weight_v{version:06d} is already committed in {self.url}; publish the next "
-                "version instead (or resume the stream)"
-            )
-        body = json.dumps({"version": version, "token": token, "time": time.time()}).encode()
-        if not self._create_with_token(
-            self.claim_path(version), body, token, lambda b: _json_field(b, "token")
-        ):
-            raise VersionConflictError(
-                f"weight_v{version:06d} in {self.url} is claimed by another writer; two "
-                "publishers target one store (stop the other, or resume the stream)"
-            )
 
     def write_file(self, version: int, name: str, data: bytes | memoryview) -> None:
         """Write one whole file of a claimed, uncommitted version (retried as a whole)."""
@@ -640,101 +627,150 @@ class VersionStore:
             except Exception as exc:
                 raise self._translate(f"uploading {path}", exc) from exc
 
-    def _exists(self, path: str) -> bool:
+    def exists(self, path: str) -> bool:
         """Whether ``path`` exists, asked of the store (retried)."""
         return bool(self._guard(f"checking {path}", lambda: self.fs.exists(path)))
 
-    def _check_fence(self, version: int, token: str) -> None:
-        """Refuse to (have) commit(ted) a version that is fenced or whose claim is not ours."""
-        abort = self.abort_path(version)
-        if self._exists(abort):
-            raise VersionConflictError(
-                f"weight_v{version:06d} in {self.url} is fenced by an abort marker ({abort}): "
-                "prune found its claim stale; this writer must not commit it. Publish the next "
-                "version instead"
-            )
-        claim = self.claim_path(version)
+    def read_optional(self, path: str) -> bytes | None:
+        """The bytes of ``path``, or None when it does not exist (retried)."""
         try:
-            data = self._guard(f"reading {claim}", lambda: self.fs.cat_file(claim))
+            return bytes(self._guard(f"reading {path}", lambda: self.fs.cat_file(path)))
         except FileNotFoundError:
-            data = b""
-        if _json_field(data, "token") != token:
-            raise VersionConflictError(
-                f"weight_v{version:06d} in {self.url} is not claimed by this writer (claim "
-                f"{claim} missing or another writer's); claim(version, token) with the index's "
-                "commit_token before writing, and publish the next version"
-            )
+            return None
 
-    def commit(self, version: int, index: VersionIndex) -> None:
-        """Publish a version by creating its index (create-only), once its shards are written.
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Delete ``path`` (a file, or a directory with ``recursive``); absent is fine."""
+        with contextlib.suppress(FileNotFoundError):
+            self._guard(f"deleting {path}", lambda: self.fs.rm(path, recursive=recursive))
 
-        The index must carry the ``commit_token`` the version was claimed with. Raises
-        :class:`VersionConflictError` if another writer committed this version first, or the
-        version was fenced by prune (its index is then withdrawn).
-        """
-        if index.version != version or not index.commit_token:
-            raise ConfigError("commit() needs the index of this version with a commit_token")
-        token = index.commit_token
-        for shard in index.shards():
-            if not self._exists(self.file_path(version, shard)):
-                raise StoreError(
-                    f"cannot commit weight_v{version:06d}: shard {shard} is not written"
-                )
-        self._check_fence(version, token)
-        path = self.file_path(version, INDEX_NAME)
+    def is_fenced(self, version: int) -> bool:
+        """Whether ``version`` carries a tombstone (fenced or unpublished by prune, or aborted
+        after taking its base's successor): it is never visible nor claimed again."""
+        return self.exists(self.abort_path(version))
+
+    def write_tombstone(self, version: int, reason: str) -> str:
+        """Create ``version``'s tombstone (create-only); returns the token of the one that
+        stands (ours, or an earlier one's)."""
+        token = new_token()
+        body = json.dumps(
+            {"version": version, "reason": reason, "token": token, "time": time.time()}
+        ).encode()
+        existing = self.create_or_read(self.abort_path(version), body)
+        if existing is None:
+            return token
+        found = json_field(existing, "token")
+        return found if isinstance(found, str) else ""
+
+    def successor_path(self, base: int, generation: int) -> str:
+        """Path of the ``generation``-th successor object of version ``base`` (0: the base)."""
+        name = f"weight_v{base:06d}{SUCCESSOR_SUFFIX}{generation}"
+        return posixpath.join(self.root, CLAIMS_DIR, name)
+
+    def prepare_commit(self, version: int) -> None:
+        """Before the index write: locally, make the version's directory and names durable."""
         if self.is_local:
             # An empty delta (nothing changed) has no shard, so its directory may not exist yet.
             os.makedirs(self.version_path(version), exist_ok=True)
-            # The shards were fsynced when written; make their names durable with the index.
             fsync_path(self.version_path(version))
-        if not self._create_with_token(
-            path, index.to_json(), token, lambda b: _json_field(b, "metadata", "commit_token")
-        ):
-            raise VersionConflictError(
-                f"weight_v{version:06d} was committed by another writer in {self.url}; this "
-                "writer's version was not published"
-            )
-        try:
-            # A pruner may have fenced the version while the index was on its way: one of the
-            # two sees the other's write, and the one that sees it backs off.
-            self._check_fence(version, token)
-        except VersionConflictError:
-            with contextlib.suppress(Exception):
-                self.fs.rm(path)
-            raise
+
+    def finish_commit(self, version: int) -> None:
+        """After a commit stands: make it durable locally and visible to this client."""
         if self.is_local:
             fsync_path(self.root)
         self.fs.invalidate_cache(self.version_path(version))
+
+    # ------------------------------------------------------------ transaction
+    def _try_claim(self, version: int, token: str) -> str | None:
+        """Take ``version``'s claim: None on success, else why not (``committed``,
+        ``fenced``, ``claimed``)."""
+        self.check_exclusive_create()
+        if self.exists(self.file_path(version, INDEX_NAME)):
+            return "fenced" if self.is_fenced(version) else "committed"
+        if self.is_fenced(version):
+            return "fenced"
+        existing = self.create_or_read(self.claim_path(version), claim_body(version, token))
+        if existing is None or json_field(existing, "token") == token:
+            return None
+        return "claimed"
+
+    def _claim_refused(self, version: int, why: str) -> VersionConflictError:
+        remedy = {
+            "committed": "is already committed; publish the next version (or resume the stream)",
+            "fenced": "is fenced by prune (a tombstone); publish the next version",
+            "claimed": "is claimed by another writer; two publishers target one store (stop the "
+            "other, or resume the stream with resume=True)",
+        }[why]
+        return VersionConflictError(f"weight_v{version:06d} in {self.url} {remedy}")
+
+    def begin(self, version: int, *, token: str | None = None) -> VersionWriter:
+        """Claim ``version`` and return its :class:`VersionWriter`.
+
+        ``token`` (default: a new one) lets a writer that crashed resume its own claim.
+        Raises :class:`VersionConflictError` if the version is committed, fenced or claimed by
+        another writer.
+        """
+        token = token or new_token()
+        why = self._try_claim(version, token)
+        if why is not None:
+            raise self._claim_refused(version, why)
+        return VersionWriter(self, version, token)
+
+    def begin_next(self, after: int, *, max_skip: int = 64) -> VersionWriter:
+        """Claim the first claimable version above ``after`` (a resumed or new stream).
+
+        Versions claimed by another writer (live or crashed: a store cannot tell) and fenced
+        versions are skipped: their numbers are never reused. Skipping is safe because a
+        delta's commit must also take its base's one successor object, so two writers
+        extending one version never both commit. Raises :class:`VersionConflictError` when a
+        version above ``after`` is already committed (another writer moved on: resume from
+        it) or ``max_skip`` versions in a row are taken.
+        """
+        token = new_token()
+        for version in range(after + 1, after + 1 + max_skip):
+            why = self._try_claim(version, token)
+            if why is None:
+                return VersionWriter(self, version, token)
+            if why == "committed":
+                raise VersionConflictError(
+                    f"weight_v{version:06d} in {self.url} is already committed above "
+                    f"weight_v{after:06d}: another writer moved the store on; resume the stream "
+                    "(resume=True) from the latest version"
+                )
+            log.warning(
+                "weight_v%06d of %s is %s and not committed; skipping to the next version",
+                version,
+                self.url,
+                why,
+            )
+        raise VersionConflictError(
+            f"{max_skip} versions after weight_v{after:06d} in {self.url} are claimed or "
+            "fenced; run `deltastore prune` to fence stale claims, then resume"
+        )
+
+    def join(self, version: int, token: str) -> VersionWriter:
+        """A writer for the files of ``version``, claimed by another rank with ``token`` (a
+        collective publish); its :meth:`VersionWriter.commit` is refused."""
+        return VersionWriter(self, version, token, claimant=False)
 
     def after_write(self, version: int) -> None:
         """Run the post-write hook for a version whose files are all written."""
         if self.post_write is not None:
             self.post_write(self.version_url(version))
 
-    def abort(self, version: int) -> None:
-        """Remove an uncommitted version's files and claim (best effort, never a commit).
+    # ----------------------------------------------------- deprecated writers
+    def claim(self, version: int, token: str) -> None:
+        """Deprecated: use :meth:`begin` (kept while the publisher moves over)."""
+        self.begin(version, token=token)
 
-        A version whose index cannot be checked is left alone (prune fences it later if it
-        is garbage): after a lost acknowledgement its commit may have landed, and a committed
-        version may already be in engines' hands.
-        """
-        index = self.file_path(version, INDEX_NAME)
-        try:
-            if self._exists(index):
-                return
-        except Exception as exc:
-            log.warning(
-                "not removing weight_v%06d of %s: cannot check whether it is committed (%s); "
-                "prune removes it later if it is not",
-                version,
-                self.url,
-                exc,
-            )
-            return
-        with contextlib.suppress(Exception):
-            self.fs.rm(self.version_path(version), recursive=True)
-        with contextlib.suppress(Exception):
-            self.fs.rm(self.claim_path(version))
+    def commit(self, version: int, index: VersionIndex) -> None:
+        """Deprecated: use :meth:`VersionWriter.commit` (kept while the publisher moves over)."""
+        if index.version != version or not index.commit_token:
+            raise ConfigError("commit() needs the index of this version with a commit_token")
+        VersionWriter(self, version, index.commit_token).commit(index)
+
+    def abort(self, version: int) -> None:
+        """Deprecated: use :meth:`VersionWriter.abort` (kept while the publisher moves over)."""
+        VersionWriter(self, version, "").abort()
 
     # ------------------------------------------------------------------ prune
     def prune(self, keep: int, *, grace_s: float = 3600.0, dry_run: bool = False) -> PruneReport:

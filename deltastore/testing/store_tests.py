@@ -34,9 +34,16 @@ from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, delta_shard_name, full_shard_name
 from deltastore.format.safetensors_io import TensorLayout, build_header
 from deltastore.storage import RetryPolicy, VersionStore, new_token
+from deltastore.storage.writer import VersionWriter
 from deltastore.testing.faults import Fault, FaultProxy
 
-__all__ = ["FAST_RETRY", "StoreConformance", "shard_bytes", "write_version"]
+__all__ = [
+    "FAST_RETRY",
+    "StoreConformance",
+    "shard_bytes",
+    "start_version",
+    "write_version",
+]
 
 FAST_RETRY = RetryPolicy(attempts=4, deadline_s=30.0, initial_wait_s=0.01, max_wait_s=0.05)
 """Short real waits, for tests against real servers."""
@@ -49,6 +56,35 @@ def shard_bytes(tensors: dict[str, bytes], digests: dict[str, str] | None = None
     return header + b"".join(tensors[n] for n in names)
 
 
+def start_version(
+    store: VersionStore,
+    version: int,
+    *,
+    base: int | None = None,
+    tensors: dict[str, bytes] | None = None,
+    token: str | None = None,
+) -> tuple[VersionWriter, VersionIndex]:
+    """Claim a version and write its one shard; returns the writer and the index to commit.
+
+    ``base=None`` makes a full version, otherwise a delta on ``base``. Raises whatever the
+    store raises (e.g. VersionConflictError).
+    """
+    writer = store.begin(version, token=token)
+    tensors = tensors if tensors is not None else {"w": f"v{version}-{writer.token}".encode()}
+    shard = full_shard_name(0, 1) if base is None else delta_shard_name(0, 1)
+    writer.write_file(shard, shard_bytes(tensors))
+    index = VersionIndex(
+        version=version,
+        weight_map=dict.fromkeys(sorted(tensors), shard),
+        base_version=base,
+        encoding=None if base is None else "xor",
+        compression=None if base is None else "zstd",
+        checksum="xxh3-128",
+        commit_token=writer.token,
+    )
+    return writer, index
+
+
 def write_version(
     store: VersionStore,
     version: int,
@@ -58,28 +94,10 @@ def write_version(
     token: str | None = None,
     commit: bool = True,
 ) -> VersionIndex:
-    """Claim, write one shard, and (unless ``commit=False``) commit a version.
-
-    ``base=None`` makes a full version, otherwise a delta on ``base``. Returns the index
-    (committed or not). Raises whatever the store raises (e.g. VersionConflictError).
-    """
-    token = token or new_token()
-    tensors = tensors if tensors is not None else {"w": f"v{version}-{token}".encode()}
-    shard = full_shard_name(0, 1) if base is None else delta_shard_name(0, 1)
-    store.claim(version, token)
-    store.write_file(version, shard, shard_bytes(tensors))
-    index = VersionIndex(
-        version=version,
-        weight_map=dict.fromkeys(sorted(tensors), shard),
-        base_version=base,
-        encoding=None if base is None else "xor",
-        compression=None if base is None else "zstd",
-        checksum="xxh3-128",
-        commit_token=token,
-    )
-    if commit:
-        store.commit(version, index)
-    return index
+    """Claim, write one shard, and (unless ``commit=False``) commit a version through
+    :class:`VersionWriter`; returns the index (committed or not)."""
+    writer, index = start_version(store, version, base=base, tensors=tensors, token=token)
+    return writer.commit(index) if commit else index
 
 
 def _race_worker(
@@ -169,9 +187,9 @@ class StoreConformance:
             store.index(1)
 
     def test_commit_makes_a_version_visible(self, store: VersionStore) -> None:
-        index = write_version(store, 1, commit=False)
+        writer, index = start_version(store, 1)
         assert store.versions() == []
-        store.commit(1, index)
+        assert writer.commit(index) == index
         assert store.versions() == [1]
         assert store.latest() == 1
         assert store.index(1) == index
@@ -194,20 +212,21 @@ class StoreConformance:
     def test_commit_again_by_its_writer_is_not_a_conflict(self, store: VersionStore) -> None:
         # What a writer whose acknowledgement was lost does: the index exists with its token.
         index = write_version(store, 1)
-        store.commit(1, index)
+        assert index.commit_token is not None
+        VersionWriter(store, 1, index.commit_token).commit(index)
         assert store.versions() == [1]
 
     def test_second_writer_never_touches_the_winners_files(
         self, store: VersionStore, store_url: str, storage_options: dict[str, Any]
     ) -> None:
         other = self.make_store(store_url, storage_options)
-        winner = write_version(store, 1, commit=False, tensors={"w": b"winner"})
+        writer, winner = start_version(store, 1, tensors={"w": b"winner"})
         with pytest.raises(VersionConflictError):
             write_version(other, 1, tensors={"w": b"loser!"})
-        store.commit(1, winner)
-        loser_index = VersionIndex(1, dict(winner.weight_map), commit_token=new_token())
+        winner = writer.commit(winner)
+        # A writer that lost its claim (e.g. a zombie) cannot commit either.
         with pytest.raises(VersionConflictError):
-            other.commit(1, loser_index)
+            VersionWriter(other, 1, new_token()).commit(winner)
         assert store.index(1).commit_token == winner.commit_token
         shard = next(iter(winner.shards()))
         header = store.read_shard_header(1, shard)
@@ -326,8 +345,8 @@ class StoreConformance:
         size = 2 * store.block_size + 12345
         chunk = 256 * 1024
         pattern = bytes(range(251)) * (chunk // 251 + 1)
-        store.claim(1, new_token())
-        with store.open_write(1, "big.safetensors") as fh:
+        writer = store.begin(1)
+        with writer.open_write("big.safetensors") as fh:
             written = 0
             while written < size:
                 piece = pattern[: min(chunk, size - written)]
@@ -347,12 +366,12 @@ class StoreConformance:
             assert fh.read() == expected(size - 10, size)
 
     def test_failed_streamed_write_leaves_no_file(self, store: VersionStore) -> None:
-        store.claim(1, new_token())
+        writer = store.begin(1)
 
         class Boom(Exception):
             pass
 
-        with pytest.raises(Boom), store.open_write(1, "half.safetensors") as fh:
+        with pytest.raises(Boom), writer.open_write("half.safetensors") as fh:
             fh.write(b"x" * 1000)
             raise Boom
         assert "half.safetensors" not in store.list_files(1)
@@ -423,7 +442,8 @@ class StoreConformance:
         with pytest.raises(VersionNotFoundError, match="re-resolve"):
             store.read_range(1, shard, entry.start, entry.end)
         assert store.versions() == [2]
-        assert store.listing().aborted == {}
+        # The tombstone stays: an index landing late is never visible.
+        assert set(store.listing().aborted) == {1}
 
     def test_prune_dry_run_changes_nothing(self, store: VersionStore) -> None:
         write_version(store, 1)
@@ -445,19 +465,21 @@ class StoreConformance:
     ) -> None:
         write_version(store, 1)
         zombie = self.make_store(store_url, storage_options)
-        stale = write_version(zombie, 2, base=1, commit=False)
+        writer, stale = start_version(zombie, 2, base=1)
         assert store.prune(keep=5, grace_s=3600).waiting == (2,)
 
         report = store.prune(keep=5, grace_s=0)
         assert report.fence == (2,) and report.delete == (2,)
         assert store.list_files(2) == []
         # The zombie wakes up, rewrites its shard and tries to commit: refused.
-        zombie.write_file(2, delta_shard_name(0, 1), shard_bytes({"w": b"late"}))
+        writer.write_file(delta_shard_name(0, 1), shard_bytes({"w": b"late"}))
         with pytest.raises(VersionConflictError):
-            zombie.commit(2, stale)
+            writer.commit(stale)
         assert store.versions() == [1]
         assert store.prune(keep=5, grace_s=0).delete == (2,)
         assert store.list_files(2) == []
+        with pytest.raises(VersionConflictError, match="fenced"):
+            zombie.begin(2)
 
     # ------------------------------------------------- faults (HTTP backends)
     def test_transient_errors_are_retried(

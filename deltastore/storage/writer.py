@@ -1,0 +1,275 @@
+"""``VersionWriter``: the one transaction that writes a version into a :class:`VersionStore`.
+
+Every writer of versions (the publisher, the mirror hooks, the test helpers) goes through it;
+nothing else creates an index. The protocol, in order:
+
+1. **Claim** (:meth:`VersionStore.begin`): a create-only ``_claims/weight_vNNNNNN.json``
+   holding a unique token, so a second writer of the version never touches the winner's files.
+   A version carrying a tombstone (``_claims/weight_vNNNNNN.abort``) is never claimed again.
+2. **Files**: shards and any other non-index file, streamed (:meth:`VersionWriter.open_write`).
+3. **Fence check**: no tombstone, and the claim still holds this writer's token.
+4. **Successor** (deltas on a published version): a create-only
+   ``_claims/weight_vBBBBBB.successor-G`` naming this version, for the base version B.
+   that both build on B race for this one object. Generation G moves on
+   only past a successor whose version carries a tombstone (it can never become visible).
+5. **Index**: create-only, carrying the token. ``FileExistsError`` is answered by reading the
+   index back: this writer's token means a lost acknowledgement (the commit may stand),
+   another token a :class:`VersionConflictError`.
+6. **Does the commit stand**: the fence check again. A pruner writes its tombstone, then looks
+   for the index; the writer writes its index, then looks for the tombstone: one of the two
+   always sees the other. A writer that sees a tombstone withdraws its index and raises.
+
+Readers (:meth:`VersionStore.versions`, :meth:`VersionStore.index`) treat a version with a
+tombstone as invisible, and tombstones are permanent, so an index that lands late (a writer
+that stalled, or died right after writing it) never makes a pruned version visible again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, BinaryIO
+
+from deltastore.errors import ConfigError, StoreError, VersionConflictError
+from deltastore.format.index import VersionIndex
+from deltastore.format.names import INDEX_NAME
+
+if TYPE_CHECKING:
+    from deltastore.storage.store import VersionStore
+
+log = logging.getLogger("deltastore.storage")
+
+MAX_SUCCESSOR_GENERATIONS = 64
+"""Successor objects tried per base version (each earlier one voided by a tombstone)."""
+
+StepHook = Callable[[str], None]
+"""``hook(step)``: called before each protocol step (``"fence-check"``, ``"successor"``,
+``"index"``, ``"recheck"``); tests pause the writer there while another party runs."""
+
+
+def json_field(data: bytes, *keys: str) -> str | int | None:
+    """A nested field of a JSON object, or None when absent or malformed."""
+    with contextlib.suppress(ValueError, AttributeError, UnicodeDecodeError):
+        value = json.loads(data)
+        for key in keys:
+            value = value.get(key)
+        return value if isinstance(value, (str, int)) else None
+    return None
+
+
+class VersionWriter:
+    """Writes the files of one claimed version and commits it; a context manager that aborts
+    on an exception unless committed. Obtain one from :meth:`VersionStore.begin`,
+    :meth:`VersionStore.begin_next` or (non-zero ranks) :meth:`VersionStore.join`."""
+
+    def __init__(
+        self, store: VersionStore, version: int, token: str, *, claimant: bool = True
+    ) -> None:
+        self.store = store
+        self.version = version
+        self.token = token
+        self.claimant = claimant
+        """True for the writer that took the claim (only it commits or aborts)."""
+        self.committed = False
+        self._successor_taken = False
+        self._step_hook: StepHook | None = None
+
+    def __repr__(self) -> str:
+        return f"VersionWriter({self.store.url!r}, weight_v{self.version:06d})"
+
+    def __enter__(self) -> VersionWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None and not self.committed and self.claimant:
+            self.abort()
+
+    def _step(self, name: str) -> None:
+        if self._step_hook is not None:
+            self._step_hook(name)
+
+    @property
+    def _name(self) -> str:
+        return f"weight_v{self.version:06d}"
+
+    # ---------------------------------------------------------------- files
+    @contextlib.contextmanager
+    def open_write(self, name: str) -> Iterator[BinaryIO]:
+        """A writable stream for one non-index file of this version (bounded memory: see
+        :meth:`VersionStore.open_write`). Raises :class:`StoreError` for the index's name."""
+        with self.store.open_write(self.version, name) as fh:
+            yield fh
+
+    def write_file(self, name: str, data: bytes | memoryview) -> None:
+        """Write one whole non-index file of this version (retried as a whole)."""
+        self.store.write_file(self.version, name, data)
+
+    # --------------------------------------------------------------- commit
+    def commit(self, index: VersionIndex) -> VersionIndex:
+        """Publish this version by creating its index; returns the committed index.
+
+        Stamps ``commit_token`` with this writer's token. Raises :class:`ConfigError` for an
+        index of another version or a writer that did not claim, :class:`StoreError` if a
+        shard named by the index is not written, :class:`VersionConflictError` if another
+        writer committed this version or already extended its base, or prune fenced it.
+        """
+        if not self.claimant:
+            raise ConfigError(
+                f"{self._name}: only the writer that claimed it (rank 0) commits; this writer "
+                "joined with the claimant's token"
+            )
+        if index.version != self.version:
+            raise ConfigError(f"commit() of {self._name} got the index of v{index.version:06d}")
+        index = dataclasses.replace(index, commit_token=self.token)
+        store = self.store
+        for shard in index.shards():
+            if not store.exists(store.file_path(self.version, shard)):
+                raise StoreError(f"cannot commit {self._name}: shard {shard} is not written")
+        self._step("fence-check")
+        self._check_fence()
+        if index.is_delta and index.base_version:
+            # Version 0 (the base weights) is not in the store: every new stream starts on it.
+            self._step("successor")
+            self._take_successor(index.base_version)
+        self._step("index")
+        store.prepare_commit(self.version)
+        path = store.file_path(self.version, INDEX_NAME)
+        existing = store.create_or_read(path, index.to_json())
+        if existing is not None and json_field(existing, "metadata", "commit_token") != self.token:
+            raise VersionConflictError(
+                f"{self._name} was committed by another writer in {store.url}; this writer's "
+                "version was not published (resume the stream from the latest version)"
+            )
+        self._step("recheck")
+        self._recheck(path)
+        self.committed = True
+        store.finish_commit(self.version)
+        return index
+
+    def _recheck(self, index_path: str) -> None:
+        """Does the commit stand: the index is ours and no tombstone was written meanwhile.
+
+        Only the tombstone matters now (a claim is removed or replaced only after one). A
+        fenced commit withdraws its index. If the check itself fails, the index is left in
+        place, which is safe: readers never see a version with a tombstone, and prune deletes
+        data only after writing one; the readers' view then decides.
+        """
+        try:
+            fenced = self.store.is_fenced(self.version)
+        except Exception as exc:
+            if self._visible_as_ours():
+                log.warning(
+                    "checking %s for a tombstone failed (%s), but readers see it: "
+                    "the commit stands",
+                    self._name,
+                    exc,
+                )
+                return
+            raise StoreError(
+                f"{self._name} in {self.store.url}: the check after writing its index failed "
+                f"({exc}); whether it is published is undetermined: check with `deltastore ls`"
+            ) from exc
+        if fenced:
+            with contextlib.suppress(Exception):
+                self.store.remove(index_path)
+            raise VersionConflictError(
+                f"{self._name} in {self.store.url} was fenced by prune while its index was "
+                "being written; it was not committed. Publish the next version instead"
+            )
+
+    def _visible_as_ours(self) -> bool:
+        """Whether readers see this version committed with this writer's token."""
+        try:
+            return self.store.index(self.version).commit_token == self.token
+        except Exception:
+            return False
+
+    def _check_fence(self) -> None:
+        """Refuse a version with a tombstone, or whose claim is missing or another writer's."""
+        store = self.store
+        if store.is_fenced(self.version):
+            raise VersionConflictError(
+                f"{self._name} in {store.url} is fenced by a tombstone "
+                f"({store.abort_path(self.version)}): prune found its claim stale; this writer "
+                "must not commit it. Publish the next version instead"
+            )
+        claim = store.read_optional(store.claim_path(self.version))
+        if claim is None or json_field(claim, "token") != self.token:
+            raise VersionConflictError(
+                f"{self._name} in {store.url} is not claimed by this writer (its claim is "
+                "missing or another writer's); publish the next version instead"
+            )
+
+    def _take_successor(self, base: int) -> None:
+        """Become the one successor of ``base``, or raise :class:`VersionConflictError`."""
+        store = self.store
+        body = json.dumps({"base": base, "version": self.version, "token": self.token}).encode()
+        for generation in range(MAX_SUCCESSOR_GENERATIONS):
+            path = store.successor_path(base, generation)
+            existing = store.create_or_read(path, body)
+            if existing is None or json_field(existing, "token") == self.token:
+                self._successor_taken = True
+                return
+            other = json_field(existing, "version")
+            if isinstance(other, int) and other != self.version and store.is_fenced(other):
+                continue  # that successor was fenced: it can never become visible
+            raise VersionConflictError(
+                f"weight_v{base:06d} in {store.url} is already extended by weight_v"
+                f"{other:06d} (another writer); this writer's {self._name} was not committed. "
+                "Two publishers extend one stream: stop one and resume the other "
+                "(resume=True) from the latest version"
+                if isinstance(other, int)
+                else f"successor object {path} of {store.url} is malformed; remove it"
+            )
+        raise VersionConflictError(
+            f"weight_v{base:06d} in {store.url} has {MAX_SUCCESSOR_GENERATIONS} fenced "
+            "successors; resume the stream from the latest version"
+        )
+
+    # ---------------------------------------------------------------- abort
+    def abort(self) -> None:
+        """Remove this uncommitted version's files and claim (best effort, never a commit).
+
+        A version whose index exists or cannot be checked is left alone (after a lost
+        acknowledgement its commit may have landed; prune fences it later if it is garbage).
+        A version that already took its base's successor gets a tombstone instead of a
+        removed claim, which frees the successor for the next writer.
+        """
+        if self.committed or not self.claimant:
+            return
+        store = self.store
+        try:
+            if store.exists(store.file_path(self.version, INDEX_NAME)):
+                return
+        except Exception as exc:
+            log.warning(
+                "not removing %s of %s: cannot check whether it is committed (%s); prune "
+                "removes it later if it is not",
+                self._name,
+                store.url,
+                exc,
+            )
+            return
+        if self._successor_taken:
+            with contextlib.suppress(Exception):
+                store.write_tombstone(self.version, "aborted after taking its successor")
+            return
+        with contextlib.suppress(Exception):
+            store.remove(store.version_path(self.version), recursive=True)
+        with contextlib.suppress(Exception):
+            store.remove(store.claim_path(self.version))
+
+
+def claim_body(version: int, token: str) -> bytes:
+    """The JSON body of a claim object."""
+    return json.dumps({"version": version, "token": token, "time": time.time()}).encode()
