@@ -57,9 +57,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--stale-claim",
         type=float,
-        default=600.0,
+        default=60.0,
         metavar="SECONDS",
-        help="a replica claim idle this long belongs to a dead replicator and is removed (600)",
+        help="a replica claim idle this long belongs to a dead replicator: resume it (60)",
     )
     p.add_argument(
         "--poll-max",

@@ -13,10 +13,11 @@ class ReplicationPolicy:
     """``follow``: first wait after a round that found nothing new (jittered, doubling)."""
     poll_max_s: float = 30.0
     """``follow``: longest wait between two looks at the source."""
-    stale_claim_s: float = 600.0
-    """A destination claim with no activity for this long is another replicator that died;
-    it is fenced and removed (by the store's prune rules) so the version can be written. Must
-    exceed the longest single-shard upload, which object stores show only once it completes."""
+    stale_claim_s: float = 60.0
+    """A destination claim with no activity for this long belongs to a replicator that died:
+    this one resumes it with its token. Taking a live but slow writer (an object store shows
+    an upload only once it completes) for dead costs a duplicate transfer of the same bytes,
+    never a wrong version."""
     prune_grace_s: float = 3600.0
     """``prune_like_source``: how long an unpublished destination version keeps its data, so a
     reader in the middle of a pull is not cut off (as ``deltastore prune --grace``)."""

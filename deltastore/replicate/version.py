@@ -2,10 +2,18 @@
 
 All files of the version (its shards, then any other file the source's version directory
 holds) are copied concurrently inside one ``dst.begin(version)`` transaction, which then
-commits the source's index, create-only. A failure aborts the transaction (nothing becomes
-visible) and the version is tried again. When another writer holds or wins the version, its
-committed index must equal the source's (then it counts as ``present``), and a claim left by a
-replicator that died is removed once it has been idle for ``stale_claim_s``.
+commits the source's index (stamped with this writer's token), create-only. Nothing of a
+version is visible before its commit stands.
+
+* A failure while files are copied aborts the transaction (files and claim removed) and the
+  version is tried again. A failure inside ``commit`` is not aborted: an abort after the
+  delta took its base's successor would leave a permanent tombstone, and the replica could
+  never hold that version number. The claim is kept and the next try resumes it by its token.
+* When another writer holds the version, this one waits: once that writer commits, its
+  index must equal the source's (the version counts as ``present``); if its claim shows no
+  activity for ``stale_claim_s`` (a replicator that was killed), this one resumes the claim
+  with its token, as the transaction allows a writer that crashed to do. A writer wrongly
+  taken for dead writes the same bytes under the same token, so the outcome is the same.
 """
 
 from __future__ import annotations
@@ -15,7 +23,6 @@ import random
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import replace
 from typing import Any
 
 from deltastore.errors import (
@@ -29,7 +36,8 @@ from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.replicate.copy import CopyJob, FileCopier
 from deltastore.replicate.plan import same_content
 from deltastore.replicate.report import Observer, ReplicationPolicy, VersionCopy
-from deltastore.storage import VersionStore
+from deltastore.storage import VersionStore, new_token
+from deltastore.storage.writer import VersionWriter, json_field
 
 log = logging.getLogger("deltastore.replicate")
 
@@ -65,20 +73,22 @@ class VersionCopier:
     def copy(self, version: int, index: VersionIndex) -> VersionCopy | None:
         """Make ``version`` committed at the destination with ``index``'s content.
 
-        Returns its record, or None when the source pruned it meanwhile. Raises
-        :class:`StreamError` when the destination committed other content under this number,
-        the source's errors for a corrupt version, and the last store error once
-        ``policy.attempts`` tries failed.
+        Returns its record, or None when it cannot be copied (the source pruned it meanwhile,
+        or the destination fenced its number for good). Raises :class:`StreamError` when the
+        destination committed other content under this number, the source's errors for a
+        corrupt version, and the last store error once ``policy.attempts`` tries failed.
         """
         started = time.monotonic()
         retries = 0
+        token = new_token()
         while True:
             try:
-                return self._copy_once(version, index, started, retries)
-            except VersionConflictError:
-                record = self._settle(version, index, started, retries)
-                if record is not None:
-                    return record
+                return self._copy_once(version, index, token, started, retries)
+            except VersionConflictError as exc:
+                settled = self._settle(version, index, token, started, retries, exc)
+                if not isinstance(settled, str):
+                    return settled
+                token = settled
             except VersionNotFoundError:
                 self.src.refresh()
                 if version not in self.src.versions():
@@ -89,13 +99,13 @@ class VersionCopier:
                 retries += 1
             except (StoreError, OSError) as exc:
                 # Any store error (an upload whose ack was lost, a 5xx that outlasted the
-                # retries): the try was aborted, nothing is visible; try the version again.
+                # retries): the try left nothing visible; try the version again.
                 if isinstance(exc, PermissionError) or retries + 1 >= self.policy.attempts:
                     raise
                 retries += 1
                 wait_s = random.uniform(0, min(10.0, 0.5 * 2**retries))
                 log.warning(
-                    "%s: try %d failed and was aborted (%s); again in %.1f s",
+                    "%s: try %d failed (%s); again in %.1f s",
                     version_dir_name(version),
                     retries,
                     exc,
@@ -127,10 +137,32 @@ class VersionCopier:
         ]
 
     def _copy_once(
-        self, version: int, index: VersionIndex, started: float, retries: int
+        self, version: int, index: VersionIndex, token: str, started: float, retries: int
     ) -> VersionCopy:
         jobs = self._jobs(version, index)
         self.observer.version_started(version, sum(j.size for j in jobs))
+        writer = self.dst.begin(version, token=token)
+        try:
+            results = self._write_files(writer, version, jobs)
+        except BaseException:
+            writer.abort()  # before commit(): no successor taken, so no tombstone either
+            raise
+        self.dst.after_write(version)
+        writer.commit(index)
+        return VersionCopy(
+            version=version,
+            kind=index.kind,
+            outcome="copied",
+            bytes=sum(r.size for r in results),
+            files=len(results),
+            seconds=time.monotonic() - started,
+            retries=retries + sum(r.retries for r in results),
+            verified_tensors=sum(r.verified_tensors for r in results),
+        )
+
+    def _write_files(self, writer: VersionWriter, version: int, jobs: list[CopyJob]) -> list[Any]:
+        """Copy every file concurrently; on a failure the others stop at their next chunk,
+        and every upload has ended before this returns or raises."""
         # A file's window of chunks in flight: about 2 x jobs chunks held in all.
         window = max(2, 2 * self.jobs // max(1, min(self.jobs, len(jobs))))
         copier = FileCopier(
@@ -143,36 +175,30 @@ class VersionCopier:
             on_bytes=lambda n: self.observer.advanced(version, n),
         )
         cancel = threading.Event()
-        with begin(self.dst, version) as writer:
-            futures = [self.files.submit(copier.copy, writer, job, cancel) for job in jobs]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            if any(f.exception() for f in done):
-                cancel.set()
-            wait(futures)  # every upload has ended before the transaction aborts
-            results = [f.result() for f in futures]
-            token = getattr(writer, "token", None)
-            writer.commit(replace(index, commit_token=token or index.commit_token))
-        return VersionCopy(
-            version=version,
-            kind=index.kind,
-            outcome="copied",
-            bytes=sum(r.size for r in results),
-            files=len(results),
-            seconds=time.monotonic() - started,
-            retries=retries + sum(r.retries for r in results),
-            verified_tensors=sum(r.verified_tensors for r in results),
-        )
+        futures = [self.files.submit(copier.copy, writer, job, cancel) for job in jobs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        if any(f.exception() for f in done):
+            cancel.set()
+        wait(futures)
+        return [f.result() for f in futures]
 
     def _settle(
-        self, version: int, index: VersionIndex, started: float, retries: int
-    ) -> VersionCopy | None:
-        """Another writer holds ``version``: wait for its commit (then compare) or for its
-        claim to go stale (then remove it). None: try the version again."""
+        self,
+        version: int,
+        index: VersionIndex,
+        token: str,
+        started: float,
+        retries: int,
+        conflict: VersionConflictError,
+    ) -> VersionCopy | str | None:
+        """The version was refused: wait for the writer holding it to commit (then compare),
+        or for its claim to go stale. Returns the record (``present``), the token to claim
+        with next, or None when the destination fenced the version for good."""
         delay = self.policy.poll_min_s / 4
         while True:
             self.dst.refresh()
             try:
-                theirs = self.dst.index(version)
+                theirs: VersionIndex | None = self.dst.index(version)
             except VersionNotFoundError:
                 theirs = None
             if theirs is not None:
@@ -183,66 +209,41 @@ class VersionCopier:
                         f"{index.stream_id}); the destination replicates another run: point "
                         "the replicator at an empty destination"
                     )
-                return VersionCopy(
-                    version, index.kind, "present", 0, 0, time.monotonic() - started, retries
+                seconds = time.monotonic() - started
+                return VersionCopy(version, index.kind, "present", 0, 0, seconds, retries)
+            if self.dst.is_fenced(version):
+                log.error(
+                    "%s is fenced (a tombstone) in %s: the replica can never hold it; its "
+                    "chain resumes at the next full version",
+                    version_dir_name(version),
+                    self.dst.url,
                 )
+                return None
+            holder = json_field(
+                self.dst.read_optional(self.dst.claim_path(version)) or b"{}", "token"
+            )
+            if not isinstance(holder, str):
+                return token  # the claim is gone (its writer aborted): claim it again
+            if holder == token:
+                raise conflict  # refused at commit, not at the claim: nothing to wait for
             idle = self._claim_idle_s(version)
-            if idle is None:
-                return None  # the claim is gone (its writer aborted): try again
             if idle >= self.policy.stale_claim_s:
                 log.warning(
-                    "%s: removing a claim idle for %.0f s at %s (a replicator that died)",
+                    "%s: resuming a claim idle for %.0f s at %s (a replicator that died)",
                     version_dir_name(version),
                     idle,
                     self.dst.url,
                 )
-                self.dst.abort(version)
-                return None
+                return holder
             time.sleep(random.uniform(delay / 2, delay))
             delay = min(delay * 2, self.policy.poll_max_s)
 
-    def _claim_idle_s(self, version: int) -> float | None:
+    def _claim_idle_s(self, version: int) -> float:
         """Seconds since the last sign of life of ``version``'s writer at the destination
-        (its claim or any of its files); None when nothing of it is left."""
+        (its claim or any of its files)."""
         listing = self.dst.listing()
         entries = list(listing.files.get(version, {}).values())
         if version in listing.claims:
             entries.append(listing.claims[version])
-        if not entries:
-            return None
         times = [e.mtime for e in entries if e.mtime is not None]
         return time.time() - max(times) if times else float("inf")
-
-
-class _ClaimWriter:
-    """The transaction over ``claim`` / ``open_write`` / ``commit`` for a store that has no
-    ``begin`` yet (before storage's VersionWriter)."""
-
-    def __init__(self, store: VersionStore, version: int) -> None:
-        from deltastore.storage import new_token
-
-        self.store, self.version, self.token = store, version, new_token()
-        self.committed = False
-
-    def __enter__(self) -> _ClaimWriter:
-        self.store.claim(self.version, self.token)
-        return self
-
-    def open_write(self, name: str) -> Any:
-        return self.store.open_write(self.version, name)
-
-    def commit(self, index: VersionIndex) -> None:
-        self.store.after_write(self.version)
-        self.store.commit(self.version, index)
-        self.committed = True
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.committed:
-            self.store.abort(self.version)
-
-
-def begin(store: VersionStore, version: int) -> Any:
-    """``store.begin(version)``: the destination's version-writing transaction."""
-    if hasattr(store, "begin"):
-        return store.begin(version)
-    return _ClaimWriter(store, version)

@@ -33,7 +33,7 @@ from tests.conftest import STORE_BUCKET
 from tests.replicate.helpers import assert_big_model, publish_big_run
 
 TRIALS = int(os.environ.get("DELTASTORE_REPLICATE_TRIALS", "3"))
-KINDS = {1: "full", 2: "delta", 3: "full", 4: "delta", 5: "full", 6: "delta", 7: "full"}
+KINDS = {1: "full", 2: "delta", 3: "full", 4: "delta", 5: "full"}
 
 pytestmark = pytest.mark.slow
 
