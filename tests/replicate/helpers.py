@@ -78,3 +78,10 @@ def assert_big_model(directory: Path, step: int) -> None:
     assert set(got) == set(want)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), (name, step)
+
+
+def assert_pulls_big(dst: VersionStore, base: Path, local: Path, versions: list[int]) -> None:
+    """As :func:`assert_pulls`, for ``big_model_at``."""
+    for version in versions:
+        ds.pull_weights(local, dst, version, base_dir=base)
+        assert_big_model(local, version)
