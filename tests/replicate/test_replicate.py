@@ -59,9 +59,7 @@ def test_from_before_any_full_version_starts_at_the_chain_on_the_base(
     assert ds.replicate(src, dst, from_version=2).copied == (1, 2, 3, 4, 5)
 
 
-def test_a_corrupt_full_version_is_refused_with_verify(
-    src: VersionStore, tmp_path: Path
-) -> None:
+def test_a_corrupt_full_version_is_refused_with_verify(src: VersionStore, tmp_path: Path) -> None:
     index = src.index(3)
     shard = sorted(index.shards())[0]
     path = Path(src.file_path(3, shard))
