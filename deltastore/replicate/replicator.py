@@ -210,6 +210,9 @@ def replicate(
     dst_store = _open(dst, dst_storage_options, "dst")
     if src_store.url == dst_store.url and src_store.storage_options == dst_store.storage_options:
         raise ConfigError(f"source and destination are the same store ({src_store.url})")
+    if src_store.is_local and not os.path.isdir(src_store.root):
+        # A mistyped path must not read as an empty source and report success.
+        raise ConfigError(f"no store at {src_store.url}: nothing was ever published there")
     replicator = Replicator(
         src_store,
         dst_store,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import deltastore as ds
-from deltastore.errors import IntegrityError, StreamError
+from deltastore.errors import ConfigError, IntegrityError, StreamError
 from deltastore.format.names import INDEX_NAME
 from deltastore.replicate import ReplicationPolicy
 from deltastore.storage import VersionStore
@@ -106,3 +106,8 @@ def test_cli_json_prints_a_line_per_version_and_a_summary(
     assert {"bytes", "seconds", "mb_per_s", "retries"} <= set(lines[0])
     assert lines[-1]["summary"] is True and lines[-1]["copied"] == [1, 2, 3, 4, 5]
     assert (tmp_path / "dst" / "weight_v000005" / INDEX_NAME).exists()
+
+
+def test_a_missing_local_source_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no store at"):
+        ds.replicate(tmp_path / "typo", tmp_path / "dst")
