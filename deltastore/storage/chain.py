@@ -2,24 +2,49 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
 from deltastore.errors import FormatError, VersionNotFoundError
 from deltastore.format.index import VersionIndex
-from deltastore.storage.store import VersionStore
 
 
-def walk_chain(store: VersionStore, target: int) -> tuple[VersionIndex | None, list[VersionIndex]]:
+class IndexSource(Protocol):
+    """What a chain walk needs of a store."""
+
+    url: str
+
+    def index(self, version: int) -> VersionIndex: ...
+
+
+def iter_chain(
+    target: int, read_index: Callable[[int], VersionIndex | None]
+) -> Iterator[VersionIndex]:
+    """The one ``base_version`` walk: ``target``'s index, then its base's, and so on back to a
+    full version or the base (version 0). ``read_index`` returning None ends the walk there
+    (e.g. a version already held locally); what it raises propagates."""
+    version = target
+    while version > 0:
+        index = read_index(version)
+        if index is None:
+            return
+        yield index
+        if not index.is_delta or not index.base_version:
+            return
+        version = index.base_version
+
+
+def walk_chain(store: IndexSource, target: int) -> tuple[VersionIndex | None, list[VersionIndex]]:
     """The full version ``target`` builds on (None: the base) and the deltas after it, in order.
 
     Raises :class:`VersionNotFoundError` when the target or a link is not committed (pruned: a
     partial chain must never be replayed onto the wrong start) and :class:`FormatError` when the
     chain mixes streams.
     """
-    deltas: list[VersionIndex] = []
-    start: VersionIndex | None = None
-    version = target
-    while version > 0:
+
+    def read(version: int) -> VersionIndex:
         try:
-            index = store.index(version)
+            return store.index(version)
         except VersionNotFoundError:
             if version == target:
                 raise
@@ -28,12 +53,14 @@ def walk_chain(store: VersionStore, target: int) -> tuple[VersionIndex | None, l
                 f"{store.url} (pruned?); the chain is broken. Publish a full version "
                 "(publish(..., full=True)) so hosts can reseed, or start a new stream"
             ) from None
-        if not index.is_delta:
+
+    deltas: list[VersionIndex] = []
+    start: VersionIndex | None = None
+    for index in iter_chain(target, read):
+        if index.is_delta:
+            deltas.append(index)
+        else:
             start = index
-            break
-        deltas.append(index)
-        assert index.base_version is not None
-        version = index.base_version
     deltas.reverse()
     streams = {d.stream_id for d in deltas if d.stream_id is not None}
     if start is not None and start.stream_id is not None:

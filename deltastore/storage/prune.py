@@ -7,16 +7,21 @@ version at or below the oldest one kept. Nothing on a kept chain is ever removed
 
 Deletion is two-phase, so a host in the middle of a pull is not cut off:
 
-1. **Unpublish**: an abort marker ``_claims/weight_vNNNNNN.abort`` is created, then the
+1. **Unpublish**: a tombstone ``_claims/weight_vNNNNNN.abort`` is created, then the
    version's index is removed. The version is no longer listed; its shards stay.
-2. **Delete**: on a later run, once the marker is older than ``grace_s``, the shards, the
-   claim and finally the marker go. A reader that loses a file mid-read gets
-   :class:`~deltastore.errors.VersionNotFoundError` telling it to re-resolve.
+2. **Delete**: on a later run, once the tombstone is older than ``grace_s``, the index (if a
+   late one landed), the shards and the claim go; the tombstone stays. A reader that loses a
+   file mid-read gets :class:`~deltastore.errors.VersionNotFoundError` telling it to
+   re-resolve.
 
 Uncommitted leftovers (a claim and shards but no index: a crashed or zombie writer) older than
-``grace_s`` are first **fenced** with a create-only abort marker, so the writer can never
-commit them afterwards (``VersionStore.commit`` checks for it before and after writing its
+``grace_s`` are first **fenced** with a create-only tombstone, so the writer can never commit
+them afterwards (:meth:`VersionWriter.commit` checks for it before and after writing its
 index), then deleted. With ``grace_s=0`` both phases happen in one run.
+
+Tombstones (``_claims/weight_vNNNNNN.abort``) are permanent: readers never list a version that
+has one, so an index that lands after its version was fenced and deleted stays invisible.
+Prune reaches the store only through :class:`PrunableStore`; it never imports the store.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from deltastore.errors import ConfigError, VersionNotFoundError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME
-from deltastore.storage.store import FileEntry, StoreListing, VersionStore
+from deltastore.storage.chain import iter_chain
+from deltastore.storage.listing import FileEntry, StoreListing
 
 log = logging.getLogger("deltastore.storage")
 
@@ -53,6 +60,8 @@ class PruneReport:
     grace_s: float
     committed_meanwhile: tuple[int, ...] = ()
     """Versions that were committed while being fenced: left published."""
+    chain_kept: tuple[int, ...] = ()
+    """Kept versions beyond the newest ``keep``: a newer kept delta's chain needs them."""
 
     @property
     def changes(self) -> bool:
@@ -75,22 +84,46 @@ class PruneReport:
         ]
         if self.stray:
             lines.append(f"{verb} remove {len(self.stray)} stray internal object(s)")
+        if self.chain_kept:
+            newest = fmt(tuple(v for v in self.keep if v not in self.chain_kept))
+            lines.append(
+                f"why more than asked: {newest} are deltas whose chains need "
+                f"{fmt(self.chain_kept)}; only a full version (`deltastore publish --full`, or "
+                "anchors) lets the versions before it be pruned"
+            )
         if self.committed_meanwhile:
             lines.append(f"committed while fencing, kept: {fmt(self.committed_meanwhile)}")
         return lines
 
 
-def needed_versions(
-    store: VersionStore, roots: list[int], committed: set[int]
-) -> tuple[set[int], dict[int, VersionIndex]]:
-    """Every version on the chains of ``roots``: each one's ``base_version`` links followed
-    back to a full version or the base. A link to a version that is not committed ends the
-    walk with a warning (that chain is already broken; pull will say so)."""
+class PrunableStore(Protocol):
+    """What prune needs of a store (:class:`~deltastore.storage.store.VersionStore` is one)."""
+
+    url: str
+
+    def refresh(self, version: int | None = None) -> None: ...
+    def listing(self) -> StoreListing: ...
+    def index(self, version: int) -> VersionIndex: ...
+    def exists(self, path: str) -> bool: ...
+    def read_optional(self, path: str) -> bytes | None: ...
+    def remove(self, path: str, *, recursive: bool = False) -> None: ...
+    def write_tombstone(self, version: int, reason: str) -> str: ...
+    def file_path(self, version: int, name: str) -> str: ...
+    def version_path(self, version: int) -> str: ...
+    def claim_path(self, version: int) -> str: ...
+    def abort_path(self, version: int) -> str: ...
+
+
+def needed_versions(store: PrunableStore, roots: list[int], committed: set[int]) -> set[int]:
+    """Every version on the chains of ``roots`` (see :func:`iter_chain`). A link to a version
+    that is not committed ends that walk with a warning (the chain is already broken; pull
+    will say so)."""
     needed: set[int] = set()
-    indexes: dict[int, VersionIndex] = {}
     for root in roots:
-        version = root
-        while version not in needed:
+
+        def read(version: int, root: int = root) -> VersionIndex | None:
+            if version in needed:
+                return None
             if version not in committed:
                 log.warning(
                     "%s: weight_v%06d needs weight_v%06d, which is not committed; its chain is "
@@ -99,17 +132,14 @@ def needed_versions(
                     root,
                     version,
                 )
-                break
-            needed.add(version)
+                return None
             try:
-                index = store.index(version)
+                return store.index(version)
             except VersionNotFoundError:
-                break
-            indexes[version] = index
-            if not index.is_delta or not index.base_version:
-                break
-            version = index.base_version
-    return needed, indexes
+                return None
+
+        needed.update(index.version for index in iter_chain(root, read))
+    return needed
 
 
 def _age(entry: FileEntry | None, now: float) -> float:
@@ -127,12 +157,12 @@ def _newest(entries: list[FileEntry]) -> FileEntry | None:
 
 
 def plan(
-    store: VersionStore, keep: int, grace_s: float, listing: StoreListing, now: float
+    store: PrunableStore, keep: int, grace_s: float, listing: StoreListing, now: float
 ) -> PruneReport:
     """Decide what a prune run does, from one listing (nothing is changed)."""
     committed = listing.committed
     newest = committed[-keep:]
-    needed, _ = needed_versions(store, list(reversed(newest)), set(committed))
+    needed = needed_versions(store, list(reversed(newest)), set(committed))
     unpublish = [v for v in committed if v not in needed]
     fence: list[int] = []
     delete: list[int] = []
@@ -168,11 +198,12 @@ def plan(
         stray=tuple(sorted(stray)),
         dry_run=True,
         grace_s=grace_s,
+        chain_kept=tuple(sorted(needed - set(newest))),
     )
 
 
 def prune(
-    store: VersionStore, *, keep: int, grace_s: float = 3600.0, dry_run: bool = False
+    store: PrunableStore, *, keep: int, grace_s: float = 3600.0, dry_run: bool = False
 ) -> PruneReport:
     """Keep the newest ``keep`` committed versions and their chains; unpublish the rest, and
     delete the data of versions unpublished or fenced more than ``grace_s`` seconds ago.
@@ -229,4 +260,5 @@ def prune(
         dry_run=False,
         grace_s=grace_s,
         committed_meanwhile=tuple(meanwhile),
+        chain_kept=report.chain_kept,
     )

@@ -119,6 +119,3 @@ class RetryPolicy:
             if is_transient(exc):
                 log.error("%s: giving up after %d attempt(s): %s", what, attempts, exc)
             raise
-
-
-NO_RETRY = RetryPolicy(attempts=1)

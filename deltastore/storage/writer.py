@@ -10,8 +10,9 @@ nothing else creates an index. The protocol, in order:
 3. **Fence check**: no tombstone, and the claim still holds this writer's token.
 4. **Successor** (deltas on a published version): a create-only
    ``_claims/weight_vBBBBBB.successor-G`` naming this version, for the base version B.
-   that both build on B race for this one object. Generation G moves on
-   only past a successor whose version carries a tombstone (it can never become visible).
+   Exactly one writer can extend a given version: two resumed publishers that both build on B
+   race for this one object. Generation G moves on only past a void successor: its version
+   carries a tombstone, or its claim no longer holds its token (its writer aborted).
 5. **Index**: create-only, carrying the token. ``FileExistsError`` is answered by reading the
    index back: this writer's token means a lost acknowledgement (the commit may stand),
    another token a :class:`VersionConflictError`.
@@ -31,6 +32,8 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO
@@ -47,7 +50,7 @@ log = logging.getLogger("deltastore.storage")
 MAX_SUCCESSOR_GENERATIONS = 64
 """Successor objects tried per base version (each earlier one voided by a tombstone)."""
 
-StepHook = Callable[[str], None]
+StepHook = Callable[[str], object]
 """``hook(step)``: called before each protocol step (``"fence-check"``, ``"successor"``,
 ``"index"``, ``"recheck"``); tests pause the writer there while another party runs."""
 
@@ -76,7 +79,6 @@ class VersionWriter:
         self.claimant = claimant
         """True for the writer that took the claim (only it commits or aborts)."""
         self.committed = False
-        self._successor_taken = False
         self._step_hook: StepHook | None = None
 
     def __repr__(self) -> str:
@@ -218,11 +220,10 @@ class VersionWriter:
             path = store.successor_path(base, generation)
             existing = store.create_or_read(path, body)
             if existing is None or json_field(existing, "token") == self.token:
-                self._successor_taken = True
                 return
             other = json_field(existing, "version")
-            if isinstance(other, int) and other != self.version and store.is_fenced(other):
-                continue  # that successor was fenced: it can never become visible
+            if isinstance(other, int) and self._successor_void(other, existing):
+                continue
             raise VersionConflictError(
                 f"weight_v{base:06d} in {store.url} is already extended by weight_v"
                 f"{other:06d} (another writer); this writer's {self._name} was not committed. "
@@ -236,14 +237,24 @@ class VersionWriter:
             "successors; resume the stream from the latest version"
         )
 
+    def _successor_void(self, version: int, successor: bytes) -> bool:
+        """Whether another writer's successor object can never lead to a commit: its version
+        has a tombstone, or its claim no longer holds its token (the writer aborted, which
+        removes the claim; a commit needs the claim)."""
+        store = self.store
+        if store.is_fenced(version):
+            return True
+        claim = store.read_optional(store.claim_path(version))
+        return claim is None or json_field(claim, "token") != json_field(successor, "token")
+
     # ---------------------------------------------------------------- abort
     def abort(self) -> None:
         """Remove this uncommitted version's files and claim (best effort, never a commit).
 
         A version whose index exists or cannot be checked is left alone (after a lost
         acknowledgement its commit may have landed; prune fences it later if it is garbage).
-        A version that already took its base's successor gets a tombstone instead of a
-        removed claim, which frees the successor for the next writer.
+        Removing the claim also voids a successor object this writer took: the next writer
+        that extends the same base moves past it.
         """
         if self.committed or not self.claimant:
             return
@@ -260,10 +271,6 @@ class VersionWriter:
                 exc,
             )
             return
-        if self._successor_taken:
-            with contextlib.suppress(Exception):
-                store.write_tombstone(self.version, "aborted after taking its successor")
-            return
         with contextlib.suppress(Exception):
             store.remove(store.version_path(self.version), recursive=True)
         with contextlib.suppress(Exception):
@@ -273,3 +280,91 @@ class VersionWriter:
 def claim_body(version: int, token: str) -> bytes:
     """The JSON body of a claim object."""
     return json.dumps({"version": version, "token": token, "time": time.time()}).encode()
+
+
+# ------------------------------------------------------------ claiming (VersionStore.begin*)
+def _try_claim(store: VersionStore, version: int, token: str) -> str | None:
+    """Take ``version``'s claim: None on success, else why not (``committed``, ``fenced``,
+    ``claimed``)."""
+    store.check_exclusive_create()
+    if store.exists(store.file_path(version, INDEX_NAME)):
+        return "fenced" if store.is_fenced(version) else "committed"
+    if store.is_fenced(version):
+        return "fenced"
+    existing = store.create_or_read(store.claim_path(version), claim_body(version, token))
+    if existing is None or json_field(existing, "token") == token:
+        return None
+    return "claimed"
+
+
+_REFUSED = {
+    "committed": "is already committed; publish the next version (or resume the stream)",
+    "fenced": "is fenced by prune (a tombstone); publish the next version",
+    "claimed": "is claimed by another writer; two publishers target one store (stop the "
+    "other, or resume the stream with resume=True)",
+}
+
+
+def begin_version(store: VersionStore, version: int, token: str) -> VersionWriter:
+    """See :meth:`VersionStore.begin`."""
+    why = _try_claim(store, version, token)
+    if why is not None:
+        raise VersionConflictError(f"weight_v{version:06d} in {store.url} {_REFUSED[why]}")
+    return VersionWriter(store, version, token)
+
+
+def begin_next_version(store: VersionStore, after: int, token: str, max_skip: int) -> VersionWriter:
+    """See :meth:`VersionStore.begin_next`."""
+    for version in range(after + 1, after + 1 + max_skip):
+        why = _try_claim(store, version, token)
+        if why is None:
+            return VersionWriter(store, version, token)
+        if why == "committed":
+            raise VersionConflictError(
+                f"weight_v{version:06d} in {store.url} is already committed above "
+                f"weight_v{after:06d}: another writer moved the store on; resume the stream "
+                "(resume=True) from the latest version"
+            )
+        log.warning(
+            "weight_v%06d of %s is %s and not committed; skipping to the next version",
+            version,
+            store.url,
+            why,
+        )
+    raise VersionConflictError(
+        f"{max_skip} versions after weight_v{after:06d} in {store.url} are claimed or "
+        "fenced; run `deltastore prune` to fence stale claims, then resume"
+    )
+
+
+def probe_exclusive_create(store: VersionStore) -> bool:
+    """Whether create-only writes are exclusive on ``store``'s backend.
+
+    Writes a probe object under ``_claims/`` twice, create-only, and expects the second write
+    to fail. Where it does not, concurrent writers of one version could both commit: a
+    warning says so. Raises :class:`ConfigError` if the bucket does not exist,
+    :class:`StoreError` if access is denied.
+    """
+    token = uuid.uuid4().hex
+    path = store.probe_path(token)
+    try:
+        store.create_or_read(path, json.dumps({"probe": True, "token": token}).encode())
+        try:
+            store.create_only(path, b"second")
+            exclusive = False
+        except FileExistsError:
+            exclusive = True
+    except FileNotFoundError:
+        raise store.missing_root_error() from None
+    finally:
+        with contextlib.suppress(Exception):
+            store.remove(path)
+    if not exclusive:
+        message = (
+            f"{store.url}: create-only writes are NOT exclusive on this backend (a second "
+            "create-only write of a probe object succeeded); two concurrent publishers "
+            "could both commit one version. Run exactly one publisher per store"
+        )
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return exclusive

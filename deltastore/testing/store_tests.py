@@ -29,7 +29,13 @@ from typing import Any
 
 import pytest
 
-from deltastore.errors import FormatError, StoreError, VersionConflictError, VersionNotFoundError
+from deltastore.errors import (
+    FormatError,
+    StoreError,
+    TransientStoreError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, delta_shard_name, full_shard_name
 from deltastore.format.safetensors_io import TensorLayout, build_header
@@ -40,10 +46,19 @@ from deltastore.testing.faults import Fault, FaultProxy
 __all__ = [
     "FAST_RETRY",
     "StoreConformance",
+    "fill_version",
     "shard_bytes",
     "start_version",
     "write_version",
 ]
+
+WRITER_STEPS = ("fence-check", "successor", "index", "recheck")
+"""The points of :meth:`VersionWriter.commit` a test can pause at (its ``_step_hook``)."""
+
+
+class _WriterKilled(BaseException):
+    """Stands for a writer process killed at a protocol step."""
+
 
 FAST_RETRY = RetryPolicy(attempts=4, deadline_s=30.0, initial_wait_s=0.01, max_wait_s=0.05)
 """Short real waits, for tests against real servers."""
@@ -70,10 +85,18 @@ def start_version(
     store raises (e.g. VersionConflictError).
     """
     writer = store.begin(version, token=token)
+    return writer, fill_version(writer, base=base, tensors=tensors)
+
+
+def fill_version(
+    writer: VersionWriter, *, base: int | None = None, tensors: dict[str, bytes] | None = None
+) -> VersionIndex:
+    """Write a claimed version's one shard; returns the index to commit (see start_version)."""
+    version = writer.version
     tensors = tensors if tensors is not None else {"w": f"v{version}-{writer.token}".encode()}
     shard = full_shard_name(0, 1) if base is None else delta_shard_name(0, 1)
     writer.write_file(shard, shard_bytes(tensors))
-    index = VersionIndex(
+    return VersionIndex(
         version=version,
         weight_map=dict.fromkeys(sorted(tensors), shard),
         base_version=base,
@@ -82,7 +105,6 @@ def start_version(
         checksum="xxh3-128",
         commit_token=writer.token,
     )
-    return writer, index
 
 
 def write_version(
@@ -380,6 +402,36 @@ class StoreConformance:
         assert store.check_exclusive_create() is True
         assert store.supports_exclusive_create is True
 
+    def test_create_only_race_has_one_winner(
+        self, store_url: str, storage_options: dict[str, Any]
+    ) -> None:
+        # The low-level create itself, apart from any later check: racing writers of one
+        # object, each its own client; exactly one succeeds, the rest get FileExistsError.
+        writers = 6
+        stores = [self.make_store(store_url, storage_options) for _ in range(writers)]
+        path = stores[0].claim_path(1)
+        barrier = threading.Barrier(writers)
+        outcomes: dict[int, str] = {}
+
+        def race(i: int) -> None:
+            barrier.wait(timeout=60)
+            try:
+                stores[i].create_only(path, f"writer {i}".encode())
+                outcomes[i] = "created"
+            except FileExistsError:
+                outcomes[i] = "exists"
+            except BaseException as exc:
+                outcomes[i] = f"error {exc!r}"
+
+        threads = [threading.Thread(target=race, args=(i,)) for i in range(writers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        winners = [i for i, outcome in outcomes.items() if outcome == "created"]
+        assert sorted(outcomes.values()) == ["created"] + ["exists"] * (writers - 1), outcomes
+        assert stores[0].read_optional(path) == f"writer {winners[0]}".encode()
+
     # ------------------------------------------------------------------ prune
     def _chain_is_contiguous(self, store: VersionStore, target: int) -> None:
         version = target
@@ -422,6 +474,30 @@ class StoreConformance:
         assert report.keep == (1, 2, 3, 4)
         assert report.unpublish == ()
         assert store.versions() == [1, 2, 3, 4]
+        # It says why it kept more than asked, and what would let them go.
+        assert report.chain_kept == (1, 2, 3)
+        why = "\n".join(report.lines())
+        assert "v000001, v000002, v000003" in why and "--full" in why
+
+    def test_oversized_index_is_refused_by_size(
+        self, store_url: str, storage_options: dict[str, Any]
+    ) -> None:
+        tensors = {f"tensor-{i:04d}": b"x" for i in range(200)}
+        write_version(self.make_store(store_url, storage_options), 1, tensors=tensors)
+        reader = self.make_store(store_url, storage_options)
+        reader.max_index_bytes = 1024  # the index of 200 tensors is larger
+        with pytest.raises(FormatError, match=r"weight_v000001.*1024 byte limit"):
+            reader.index(1)
+
+    def test_only_canonical_version_names_are_versions(self, store: VersionStore) -> None:
+        write_version(store, 1)
+        # A 7-digit name beside the canonical one: listing and reading must agree.
+        odd = store.version_path(2).replace("weight_v000002", "weight_v0000002")
+        store.fs.makedirs(odd, exist_ok=True)
+        store.fs.pipe_file(f"{odd}/{INDEX_NAME}", store.index_bytes(1))
+        assert store.versions() == [1]
+        with pytest.raises(VersionNotFoundError):
+            store.index(2)
 
     def test_prune_is_two_phase(self, store: VersionStore) -> None:
         write_version(store, 1, tensors={"w": b"old bytes"})
@@ -480,6 +556,145 @@ class StoreConformance:
         assert store.list_files(2) == []
         with pytest.raises(VersionConflictError, match="fenced"):
             zombie.begin(2)
+
+    # ------------------------------------------------------------------ races
+    # Each race pauses a writer before one protocol step (VersionWriter._step_hook) while the
+    # other party runs to completion, for every step in turn.
+
+    @pytest.mark.parametrize("step", WRITER_STEPS)
+    def test_pruner_against_a_stalled_writer(
+        self, store_url: str, storage_options: dict[str, Any], step: str
+    ) -> None:
+        """A pruner fences and deletes a stalled writer's version: the version ends either
+        committed and complete, or invisible to every reader, never listed without shards."""
+        write_version(self.make_store(store_url, storage_options), 1)
+        writer, index = start_version(self.make_store(store_url, storage_options), 2, base=1)
+        pruner = self.make_store(store_url, storage_options)
+        writer._step_hook = lambda name: pruner.prune(keep=5, grace_s=0) if name == step else None
+        try:
+            writer.commit(index)
+            committed = True
+        except VersionConflictError:
+            committed = False
+        # Only once the index has landed does the pruner see it and back off.
+        assert committed == (step == "recheck")
+        pruner.prune(keep=5, grace_s=0)
+        self._check_complete_or_invisible(store_url, storage_options, 2, committed)
+
+    @pytest.mark.parametrize("failure", ["dies", "recheck-fails"])
+    def test_late_index_of_a_fenced_version_stays_invisible(
+        self, store_url: str, storage_options: dict[str, Any], failure: str
+    ) -> None:
+        """The pruner fences and deletes while the writer is about to write its index; the
+        index lands, then the writer dies, or its re-check fails: no reader ever sees it."""
+        write_version(self.make_store(store_url, storage_options), 1)
+        writer, index = start_version(self.make_store(store_url, storage_options), 2, base=1)
+        pruner = self.make_store(store_url, storage_options)
+
+        def hook(name: str) -> None:
+            if name == "index":
+                assert pruner.prune(keep=5, grace_s=0).delete == (2,)
+            elif name == "recheck" and failure == "dies":
+                raise _WriterKilled
+            elif name == "recheck":
+
+                def unreachable(version: int) -> bool:
+                    raise TransientStoreError("store unreachable (injected)")
+
+                writer.store.is_fenced = unreachable  # type: ignore[method-assign]
+
+        writer._step_hook = hook
+        with pytest.raises((_WriterKilled, StoreError)):
+            writer.commit(index)
+        assert INDEX_NAME in pruner.list_files(2), "the late index should have landed"
+        for _ in range(2):  # and a later prune run does not resurrect it
+            self._check_complete_or_invisible(store_url, storage_options, 2, False)
+            pruner.prune(keep=5, grace_s=0)
+
+    def _check_complete_or_invisible(
+        self, url: str, options: dict[str, Any], version: int, committed: bool
+    ) -> None:
+        reader = self.make_store(url, options)
+        if not committed:
+            assert version not in reader.versions()
+            with pytest.raises(VersionNotFoundError):
+                reader.index(version)
+            return
+        assert version in reader.versions()
+        index = reader.index(version)
+        for shard in index.shards():
+            entry = reader.read_shard_header(version, shard).tensors["w"]
+            data = reader.read_range(version, shard, entry.start, entry.end)
+            assert data == f"v{version}-{index.commit_token}".encode()
+
+    @pytest.mark.parametrize("step", WRITER_STEPS)
+    def test_two_resumed_writers_never_fork(
+        self, store_url: str, storage_options: dict[str, Any], step: str
+    ) -> None:
+        """Two publishers resumed on one store both build on v1: the second skips the first's
+        live claim (v2) and takes v3, yet only one of them commits a successor of v1."""
+        write_version(self.make_store(store_url, storage_options), 1)
+        first = self.make_store(store_url, storage_options).begin_next(1)
+        second = self.make_store(store_url, storage_options).begin_next(1)
+        assert (first.version, second.version) == (2, 3)
+        first_index = fill_version(first, base=1)
+        second_index = fill_version(second, base=1)
+        outcomes: dict[int, str] = {}
+
+        def commit(writer: VersionWriter, index: VersionIndex) -> None:
+            try:
+                writer.commit(index)
+                outcomes[writer.version] = "committed"
+            except VersionConflictError as exc:
+                assert "weight_v000001" in str(exc) and "resume" in str(exc)
+                outcomes[writer.version] = "conflict"
+
+        second._step_hook = lambda name: commit(first, first_index) if name == step else None
+        commit(second, second_index)
+        assert sorted(outcomes.values()) == ["committed", "conflict"], outcomes
+        winner = next(v for v, outcome in outcomes.items() if outcome == "committed")
+        # The second writer already holds v1's successor once it is past that step.
+        assert winner == (3 if step in ("index", "recheck") else 2)
+        reader = self.make_store(store_url, storage_options)
+        assert reader.versions() == [1, winner]
+        self._check_complete_or_invisible(store_url, storage_options, winner, True)
+
+    def test_resume_continues_past_a_dead_writers_claim(
+        self, store_url: str, storage_options: dict[str, Any]
+    ) -> None:
+        write_version(self.make_store(store_url, storage_options), 1)
+        start_version(self.make_store(store_url, storage_options), 2, base=1)  # then kill -9
+        resumed = self.make_store(store_url, storage_options).begin_next(1)
+        assert resumed.version == 3
+        resumed.commit(fill_version(resumed, base=1))
+        assert self.make_store(store_url, storage_options).versions() == [1, 3]
+
+    def test_an_aborted_writer_frees_its_successor(
+        self, store_url: str, storage_options: dict[str, Any]
+    ) -> None:
+        write_version(self.make_store(store_url, storage_options), 1)
+        failing, index = start_version(self.make_store(store_url, storage_options), 2, base=1)
+
+        def fail(name: str) -> None:
+            if name == "index":
+                raise OSError("index write failed (injected)")
+
+        failing._step_hook = fail
+        with pytest.raises(OSError, match="injected"), failing:
+            failing.commit(index)  # took v1's successor, then failed: aborted on exit
+        retry = self.make_store(store_url, storage_options).begin_next(1)
+        assert retry.version == 2  # the aborted claim was removed: the number is reused
+        retry.commit(fill_version(retry, base=1))
+        assert self.make_store(store_url, storage_options).versions() == [1, 2]
+
+    def test_begin_next_refuses_to_pass_a_committed_version(
+        self, store_url: str, storage_options: dict[str, Any]
+    ) -> None:
+        store = self.make_store(store_url, storage_options)
+        write_version(store, 1)
+        write_version(store, 2, base=1)
+        with pytest.raises(VersionConflictError, match=r"weight_v000002.*resume"):
+            store.begin_next(1)
 
     # ------------------------------------------------- faults (HTTP backends)
     def test_transient_errors_are_retried(

@@ -6,17 +6,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 import warnings
 from typing import Any
 
 import pytest
 
-from deltastore.errors import ConfigError, TransientStoreError
+from deltastore.errors import ConfigError, StoreError, TransientStoreError
 from deltastore.format.names import INDEX_NAME
 from deltastore.storage import RetryPolicy, VersionStore, new_token
 from deltastore.testing.faults import Fault, FaultProxy, s3_error
-from deltastore.testing.servers import gcs_env, s3_env
+from deltastore.testing.servers import free_port, gcs_env, s3_env
 from deltastore.testing.store_tests import write_version
 
 BACKENDS = ["s3", "gcs"]
@@ -171,3 +172,41 @@ def test_a_commit_whose_last_check_fails_after_the_index_landed_stands(
     host = tmp_path / "host"
     ds.pull_weights(host, honest, 2, base_dir=base)
     assert ds.verify_local(host, honest, 2, base_dir=base) == 2
+
+
+def test_a_refused_endpoint_fails_fast_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that never answered and refuses connections is misconfigured, not flaky."""
+    port = free_port()  # bound then released: nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    store = VersionStore("s3://bucket/run1")
+    started = time.monotonic()
+    with pytest.raises(StoreError, match=f"127.0.0.1:{port} refused the connection"):
+        store.versions()
+    assert time.monotonic() - started < 10  # retrying it took ~40 s
+
+
+def test_creating_a_store_sends_nothing_and_bad_credentials_fail_at_first_use(
+    tmp_path: Any,
+) -> None:
+    missing = str(tmp_path / "no-such-key.json")
+    store = VersionStore("gs://bucket/run1", {"token": missing})  # no request, no traceback
+    assert store.url == "gs://bucket/run1"
+    with pytest.raises(ConfigError, match="gs://bucket/run1"):
+        store.versions()
+
+
+def test_gcs_emulator_prints_no_bucket_type_warning(gcs_server: Any, gcs_url: str) -> None:
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.WARNING);"
+        "from deltastore.storage import VersionStore;"
+        f"print(VersionStore({gcs_url!r}).versions())"
+    )
+    env = {**os.environ, **gcs_env(gcs_server), "PYTHONPATH": os.getcwd()}
+    env.pop("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Could not determine bucket type" not in done.stderr

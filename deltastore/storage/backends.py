@@ -1,0 +1,258 @@
+"""One small class per kind of store: local directory, ``memory://``, object store (S3, GCS).
+
+:class:`VersionStore` holds one and never branches on the kind itself. A backend knows how
+its filesystem writes (exclusive creates, streamed uploads), its capability flags and its
+endpoint; everything protocol-shaped (claims, tombstones, indexes) lives above it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import socket
+import threading
+import urllib.parse
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from deltastore.errors import ConfigError, StoreError, TransientStoreError
+from deltastore.storage.durable import create_new_file, fsync_path
+from deltastore.storage.retry import RetryPolicy, is_transient
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+ENDPOINT_CONNECT_TIMEOUT_S = 3.0
+"""First-contact TCP connect timeout to an explicitly configured endpoint."""
+_S3_MIN_PART = 5 * 1024**2
+_GCS_CHUNK = 256 * 1024
+REMOTE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
+
+_memory_lock = threading.Lock()
+
+Guard = Callable[[str, Callable[[], Any]], Any]
+"""The store's retried, translated call: ``guard(what, fn)``."""
+
+
+class Backend(ABC):
+    """How one kind of filesystem writes; capability flags say what it guarantees."""
+
+    is_local = False
+    is_memory = False
+    is_remote = False
+    exclusive_create: bool | None = None
+    """Whether create-only writes are known to be exclusive (None: probe on first write)."""
+
+    def __init__(self, fs: Callable[[], AbstractFileSystem], options: dict[str, Any]) -> None:
+        self._fs = fs
+        self.options = options
+
+    @property
+    def fs(self) -> AbstractFileSystem:
+        return self._fs()
+
+    def check_block_size(self, size: int) -> int:
+        """Raises :class:`ConfigError` if ``size`` does not suit this backend."""
+        return size
+
+    def display_url(self, protocol: str, root: str) -> str:
+        return f"{protocol}://{root.lstrip('/')}"
+
+    @abstractmethod
+    def create_only(self, path: str, data: bytes) -> None:
+        """Write ``path`` only if absent, else ``FileExistsError`` (one attempt)."""
+
+    @abstractmethod
+    @contextlib.contextmanager
+    def open_write(self, path: str, block_size: int, guard: Guard) -> Iterator[BinaryIO]:
+        """A writable stream that makes ``path`` appear only once complete."""
+
+    def write_file(self, path: str, data: bytes | memoryview, guard: Guard) -> None:
+        with self.open_write(path, 0, guard) as fh:
+            fh.write(data)
+
+    def read_options(self, block_size: int) -> dict[str, Any]:
+        return {}
+
+    def make_durable(self, directory: str) -> None:
+        """Make the names in ``directory`` durable (local only)."""
+        return None
+
+    credential_hint = "file permissions"
+
+    def endpoint(self) -> str | None:
+        return None
+
+    def endpoint_hint(self) -> str:
+        endpoint = self.endpoint()
+        return f"endpoint {endpoint}" if endpoint else "the default endpoint"
+
+    def translate(self, url: str, retry: RetryPolicy, what: str, exc: Exception) -> StoreError:
+        """Map a filesystem error to the error tree, naming the URL and what to check."""
+        text = str(exc)
+        if isinstance(exc, PermissionError) or "Forbidden" in text or "AccessDenied" in text:
+            return StoreError(
+                f"{what}: access denied on {url} ({exc}); check the credentials "
+                f"({self.credential_hint}) and that they may read and write this prefix"
+            )
+        if is_transient(exc):
+            return TransientStoreError(
+                f"{what}: {url} kept failing with transient errors (last: {exc}) through "
+                f"{retry.attempts} attempts within {retry.deadline_s:.0f} s; check "
+                f"{self.endpoint_hint()} and the network, then retry"
+            )
+        return StoreError(
+            f"{what} on {url} failed: {type(exc).__name__}: {exc}; check the URL, the "
+            f"storage options and {self.endpoint_hint()}"
+        )
+
+    def check_reachable(self, url: str) -> None:
+        """Before the first request: fail fast if the store cannot be reached at all."""
+        return None
+
+
+class LocalBackend(Backend):
+    is_local = True
+    exclusive_create = True
+
+    def display_url(self, protocol: str, root: str) -> str:
+        return root
+
+    def create_only(self, path: str, data: bytes) -> None:
+        create_new_file(path, data)
+
+    @contextlib.contextmanager
+    def open_write(self, path: str, block_size: int, guard: Guard) -> Iterator[BinaryIO]:
+        # A sibling temp file, fsynced and renamed: a crash never leaves a partial file.
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.partial"
+        try:
+            with open(tmp, "wb") as fh:
+                yield fh
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def make_durable(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        fsync_path(directory)
+
+
+class MemoryBackend(Backend):
+    is_memory = True
+    exclusive_create = True
+
+    def create_only(self, path: str, data: bytes) -> None:
+        with _memory_lock:
+            if self.fs.exists(path):
+                raise FileExistsError(path)
+            self.fs.pipe_file(path, data)
+
+    @contextlib.contextmanager
+    def open_write(self, path: str, block_size: int, guard: Guard) -> Iterator[BinaryIO]:
+        buffer = io.BytesIO()
+        yield buffer
+        self.fs.pipe_file(path, buffer.getvalue())
+
+
+class ObjectStoreBackend(Backend):
+    """S3 and GCS through s3fs / gcsfs: conditional creates, multipart/resumable uploads."""
+
+    is_remote = True
+
+    def __init__(
+        self, fs: Callable[[], AbstractFileSystem], options: dict[str, Any], protocol: str
+    ) -> None:
+        super().__init__(fs, options)
+        self.protocol = protocol
+        self.credential_hint = (
+            "GOOGLE_APPLICATION_CREDENTIALS or the 'token' storage option"
+            if protocol in ("gs", "gcs")
+            else "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or storage options"
+        )
+
+    def check_block_size(self, size: int) -> int:
+        if self.protocol in ("s3", "s3a") and size < _S3_MIN_PART:
+            raise ConfigError(f"block_size {size} is below S3's 5 MiB minimum part size")
+        if self.protocol in ("gs", "gcs") and size % _GCS_CHUNK:
+            raise ConfigError(f"block_size {size} is not a multiple of 256 KiB, as GCS requires")
+        return size
+
+    def create_only(self, path: str, data: bytes) -> None:
+        # S3 If-None-Match: *, GCS ifGenerationMatch=0 (a simple upload: keep it small).
+        self.fs.pipe_file(path, data, mode="create")
+
+    def write_file(self, path: str, data: bytes | memoryview, guard: Guard) -> None:
+        payload = bytes(data)
+        guard(f"writing {path}", lambda: self.fs.pipe_file(path, payload))
+
+    @contextlib.contextmanager
+    def open_write(self, path: str, block_size: int, guard: Guard) -> Iterator[BinaryIO]:
+        # At most block_size bytes buffered; a caller's exception abandons the upload.
+        remote = guard(
+            f"opening {path} for writing", lambda: self.fs.open(path, "wb", block_size=block_size)
+        )
+        try:
+            yield remote
+        except BaseException:
+            with contextlib.suppress(Exception):
+                remote.discard()
+            remote.closed = True  # closing would complete the partial upload
+            raise
+        remote.close()  # completes the upload; the store translates its errors
+
+    def read_options(self, block_size: int) -> dict[str, Any]:
+        # Plain read-ahead of one block: gcsfs's default prefetcher buffers far more.
+        return {"block_size": block_size, "cache_type": "readahead"}
+
+    def endpoint(self) -> str | None:
+        options = self.options
+        if self.protocol in ("gs", "gcs"):
+            value = options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST")
+            return str(value) if value else None
+        client = options.get("client_kwargs") or {}
+        value = (
+            options.get("endpoint_url")
+            or (client.get("endpoint_url") if isinstance(client, dict) else None)
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+        )
+        return str(value) if value else None
+
+    def check_reachable(self, url: str) -> None:
+        # A store that never answered and refuses connections is misconfigured, not flaky:
+        # fail in seconds naming the endpoint instead of retrying for half a minute.
+        endpoint = self.endpoint()
+        if not endpoint:
+            return
+        parsed = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        try:
+            address = (parsed.hostname or "localhost", port)
+            socket.create_connection(address, timeout=ENDPOINT_CONNECT_TIMEOUT_S).close()
+        except ConnectionRefusedError:
+            raise StoreError(
+                f"cannot reach {url}: endpoint {endpoint} refused the connection; is the "
+                "server running? Check the endpoint URL (AWS_ENDPOINT_URL, "
+                "STORAGE_EMULATOR_HOST or the storage options)"
+            ) from None
+        except OSError:
+            pass  # a slow or filtered network: the retried request decides
+
+
+def make_backend(
+    protocols: tuple[str, ...], fs: Callable[[], AbstractFileSystem], options: dict[str, Any]
+) -> Backend:
+    """The backend for a filesystem class's protocols."""
+    if "file" in protocols or "local" in protocols:
+        return LocalBackend(fs, options)
+    if "memory" in protocols:
+        return MemoryBackend(fs, options)
+    return ObjectStoreBackend(fs, options, protocols[0])

@@ -1,0 +1,122 @@
+"""Reading the files of a version: sizes, byte ranges, shard headers, streams.
+
+:class:`FileReads` is the reading half of :class:`~deltastore.storage.store.VersionStore`
+(a base class, so the store's public API stays one object); it needs only the store's paths,
+filesystem, backend and retried call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
+
+from deltastore.errors import FormatError, VersionNotFoundError
+from deltastore.format.names import version_dir_name
+from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+    from deltastore.storage.backends import Backend
+
+T = TypeVar("T")
+
+
+class FileReads:
+    """Reads of a version's files; see :class:`~deltastore.storage.store.VersionStore`."""
+
+    url: str
+    block_size: int
+    backend: Backend
+
+    @property
+    def fs(self) -> AbstractFileSystem:
+        raise NotImplementedError
+
+    def file_path(self, version: int, name: str) -> str:
+        raise NotImplementedError
+
+    def version_path(self, version: int) -> str:
+        raise NotImplementedError
+
+    def _guard(self, what: str, fn: Callable[[], T]) -> T:
+        raise NotImplementedError
+
+    def file_size(self, version: int, name: str) -> int:
+        """Size in bytes of a file of a version, asked of the store (never a cached listing)."""
+        path = self.file_path(version, name)
+        try:
+            info = self._guard(f"stat {path}", lambda: self.fs.info(path))
+        except FileNotFoundError:
+            raise VersionNotFoundError(
+                f"{name} of weight_v{version:06d} is missing in {self.url}; the version was "
+                "pruned or is corrupt"
+            ) from None
+        return int(info["size"])
+
+    def read_range(self, version: int, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a file of a version (one ranged request).
+
+        Raises :class:`VersionNotFoundError` if the file vanished (pruned mid-read: the caller
+        should re-resolve the version), :class:`FormatError` if it is shorter than ``end``.
+        """
+        if end <= start:
+            # An empty range: asked of S3 it would read the whole object (an invalid Range).
+            if end < start:
+                raise FormatError(f"read_range({name!r}, {start}, {end}): end before start")
+            return b""
+        path = self.file_path(version, name)
+        try:
+            data = self._guard(
+                f"reading {path}[{start}:{end}]",
+                lambda: self.fs.cat_file(path, start=start, end=end),
+            )
+        except FileNotFoundError:
+            raise VersionNotFoundError(
+                f"{name} of weight_v{version:06d} vanished from {self.url} while being read; "
+                "it was pruned: pull again to re-resolve"
+            ) from None
+        if len(data) != end - start:
+            raise FormatError(
+                f"{name} of weight_v{version:06d} is truncated: asked bytes {start}..{end}, got "
+                f"{len(data)}"
+            )
+        return bytes(data)
+
+    def read_shard_header(self, version: int, name: str) -> SafetensorsHeader:
+        """Parse a shard's safetensors header with ranged reads (no data is read)."""
+        source = f"{self.url}/{version_dir_name(version)}/{name}"
+        size = self.file_size(version, name)
+        length = header_length(self.read_range(version, name, 0, min(8, size)), source=source)
+        if 8 + length > size:
+            raise FormatError(f"{source} is truncated inside its {length}-byte header")
+        return parse_header(
+            self.read_range(version, name, 8, 8 + length), file_size=size, source=source
+        )
+
+    @contextlib.contextmanager
+    def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
+        """A readable binary stream of a file of a version (read-ahead of ``block_size``)."""
+        path = self.file_path(version, name)
+        kwargs = self.backend.read_options(self.block_size)
+        try:
+            fh = self._guard(f"opening {path}", lambda: self.fs.open(path, "rb", **kwargs))
+        except FileNotFoundError:
+            raise VersionNotFoundError(
+                f"{name} of weight_v{version:06d} is missing in {self.url}"
+            ) from None
+        with fh:
+            yield fh
+
+    def list_files(self, version: int) -> list[str]:
+        """Plain file names inside a version's directory."""
+        path = self.version_path(version)
+        try:
+            entries = self._guard(f"listing {path}", lambda: self.fs.ls(path, detail=True))
+        except FileNotFoundError:
+            return []
+        return sorted(
+            posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file"
+        )
