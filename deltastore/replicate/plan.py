@@ -81,7 +81,7 @@ def prune_keep(dst: VersionStore, src_versions: set[int], dst_versions: list[int
         return None  # the source lists none of ours: mirroring would empty the replica
     oldest_listed = min(listed)
     keep = sum(1 for v in dst_versions if v >= oldest_listed)
-    needed, _ = needed_versions(dst, sorted(listed, reverse=True), set(dst_versions))
+    needed = needed_versions(dst, sorted(listed, reverse=True), set(dst_versions))
     droppable = [v for v in dst_versions if v < oldest_listed and v not in needed]
     return keep if droppable else None
 
