@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,12 @@ from deltastore.replicate.digests import HASHERS, ShardChecker
 from deltastore.storage import VersionStore
 from tests.replicate.helpers import assert_replica
 from tests.storage.models import model_at, write_base
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class Seen(Observer):
@@ -56,10 +63,9 @@ def test_follow_picks_up_new_versions_and_mirrors_pruning(tmp_path: Path) -> Non
     try:
         for step, full in ((2, False), (3, True), (4, False)):
             publisher.publish(model_at(step).items(), full=full)
+            wait_until(lambda step=step: step in seen.done)  # type: ignore[misc]
         src.prune(keep=1, grace_s=0)  # the source keeps v3 (full) and v4
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (seen.done[-1:] != [4] or dst.versions() != [3, 4]):
-            time.sleep(0.05)
+        wait_until(lambda: dst.versions() == [3, 4])
     finally:
         stop.set()
         thread.join(timeout=60)
