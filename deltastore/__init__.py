@@ -34,6 +34,7 @@ from deltastore.errors import (
 from deltastore.format import VersionIndex
 from deltastore.publish import DeltaPublisher, PublishResult
 from deltastore.pull import HostOutcome, PullResult, RepairSummary, pull_weights, verify_local
+from deltastore.replicate import replicate
 from deltastore.storage import RetryPolicy, VersionStore
 
 __version__ = "0.1.0"
@@ -69,5 +70,6 @@ __all__ = [
     "VersionStore",
     "__version__",
     "pull_weights",
+    "replicate",
     "verify_local",
 ]

@@ -1,0 +1,227 @@
+"""``replicate(src, dst)``: committed versions of one store into another, in order.
+
+Each round lists both stores (caches dropped), picks the source versions the destination lacks
+and is behind on, and copies them oldest first, each through the destination's version-writing
+transaction (see :mod:`deltastore.replicate.version`). ``follow`` repeats rounds, waiting a
+jittered, doubling interval while nothing is new; ``prune_like_source`` then unpublishes, with
+the destination's own prune rules, versions the source no longer lists and no kept chain needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from typing import Any
+
+from deltastore.errors import ConfigError, StreamError, TransientStoreError, VersionNotFoundError
+from deltastore.format.names import version_dir_name
+from deltastore.replicate.plan import (
+    chain_holds,
+    newest_common_check,
+    prune_keep,
+    start_version,
+    versions_to_copy,
+)
+from deltastore.replicate.report import (
+    Observer,
+    ReplicationPolicy,
+    ReplicationReport,
+    VersionCopy,
+)
+from deltastore.replicate.version import VersionCopier
+from deltastore.storage import VersionStore, is_transient
+
+log = logging.getLogger("deltastore.replicate")
+
+StoreLike = VersionStore | str | os.PathLike[str]
+
+
+def _open(store: StoreLike, options: dict[str, Any] | None, side: str) -> VersionStore:
+    if isinstance(store, VersionStore):
+        if options:
+            raise ConfigError(f"{side} is a VersionStore already; pass its storage options to it")
+        return store
+    return VersionStore(store, options)
+
+
+class Replicator:
+    """One replicator from ``src`` into ``dst``; :meth:`run` does the rounds."""
+
+    def __init__(
+        self,
+        src: VersionStore,
+        dst: VersionStore,
+        *,
+        verify: bool,
+        jobs: int,
+        policy: ReplicationPolicy,
+        observer: Observer,
+    ) -> None:
+        self.src, self.dst, self.policy, self.observer = src, dst, policy, observer
+        self.copier = VersionCopier(
+            src, dst, verify=verify, jobs=jobs, policy=policy, observer=observer
+        )
+        self.records: list[VersionCopy] = []
+        self.skipped: set[int] = set()
+        self.pruned: list[int] = []
+        self._start: int | None = None
+
+    def close(self) -> None:
+        self.copier.close()
+
+    def run(
+        self, from_version: int | None, follow: bool, prune: bool, stop: threading.Event
+    ) -> ReplicationReport:
+        started = time.monotonic()
+        delay = self.policy.poll_min_s
+        while not stop.is_set():
+            try:
+                found = self.round(from_version, stop)
+                if prune:
+                    self.pruned.extend(self.mirror_pruning())
+            except Exception as exc:
+                if not follow or not (isinstance(exc, TransientStoreError) or is_transient(exc)):
+                    raise
+                log.warning("replicating %s to %s: %s; trying again", self.src, self.dst, exc)
+                found = False
+            if not follow:
+                break
+            if found:
+                delay = self.policy.poll_min_s
+            else:
+                self.observer.idle(self.dst.latest())
+                delay = min(delay * 2, self.policy.poll_max_s)
+            stop.wait(random.uniform(delay / 2, delay))
+        return ReplicationReport(
+            src=self.src.url,
+            dst=self.dst.url,
+            versions=tuple(self.records),
+            skipped=tuple(sorted(self.skipped)),
+            pruned=tuple(self.pruned),
+            seconds=time.monotonic() - started,
+            latest=self.dst.latest(),
+        )
+
+    def round(self, from_version: int | None, stop: threading.Event) -> bool:
+        """Copy what the destination lacks now; True if anything new was found."""
+        self.src.refresh()
+        self.dst.refresh()
+        src_versions, dst_versions = self.src.versions(), self.dst.versions()
+        differ = newest_common_check(self.src, self.dst, src_versions, dst_versions)
+        if differ is not None:
+            version, ours, theirs = differ
+            raise StreamError(
+                f"{version_dir_name(version)} differs between {self.src.url} (stream "
+                f"{ours.stream_id}) and {self.dst.url} (stream {theirs.stream_id}); the "
+                "destination replicates another run: point the replicator at an empty one"
+            )
+        if self._start is None and src_versions:
+            self._start = start_version(self.src, src_versions, from_version)
+        todo, skipped = versions_to_copy(src_versions, dst_versions, self._start or 0)
+        self.skipped.update(skipped)
+        committed = set(dst_versions)
+        for version in todo:
+            if stop.is_set():
+                break
+            try:
+                index = self.src.index(version)
+            except VersionNotFoundError:
+                self.skipped.add(version)  # pruned at the source since it was listed
+                continue
+            if not chain_holds(index, committed):
+                log.warning(
+                    "%s is a delta on weight_v%06d, which %s does not hold; skipped until the "
+                    "next full version",
+                    version_dir_name(version),
+                    index.base_version or 0,
+                    self.dst.url,
+                )
+                self.skipped.add(version)
+                continue
+            record = self.copier.copy(version, index)
+            if record is None:
+                self.skipped.add(version)
+                continue
+            committed.add(version)
+            self.skipped.discard(version)
+            self.records.append(record)
+            self.observer.version_done(record)
+        return bool(todo)
+
+    def mirror_pruning(self) -> list[int]:
+        """Unpublish destination versions the source no longer lists (prune's rules)."""
+        src_versions = set(self.src.versions())
+        dst_versions = self.dst.versions()
+        keep = prune_keep(self.dst, src_versions, dst_versions)
+        if keep is None:
+            return []
+        grace = self.policy.prune_grace_s
+        plan = self.dst.prune(keep=keep, grace_s=grace, dry_run=True)
+        if set(plan.unpublish) & src_versions:
+            log.warning("not pruning %s: the destination changed meanwhile", self.dst.url)
+            return []
+        report = self.dst.prune(keep=keep, grace_s=grace)
+        return list(report.unpublish)
+
+
+def replicate(
+    src: StoreLike,
+    dst: StoreLike,
+    *,
+    from_version: int | None = None,
+    verify: bool = False,
+    jobs: int = 4,
+    follow: bool = False,
+    prune_like_source: bool = False,
+    src_storage_options: dict[str, Any] | None = None,
+    dst_storage_options: dict[str, Any] | None = None,
+    policy: ReplicationPolicy | None = None,
+    observer: Observer | None = None,
+    stop: threading.Event | None = None,
+) -> ReplicationReport:
+    """Copy every committed version of ``src`` that ``dst`` lacks, oldest first, each through
+    ``dst``'s version-writing transaction: a reader of ``dst`` only ever sees whole versions,
+    in order, with the source's index content (lineage, stream id) so engines can switch
+    between the copies.
+
+    ``src``/``dst``: URLs (a directory, ``s3://``, ``gs://``, ``memory://``) with their own
+    ``*_storage_options``, or :class:`VersionStore` objects. ``from_version``: a new replica
+    starts at the newest full version at or below it (older deltas are skipped). ``verify``:
+    recompute every tensor digest of full versions from the bytes, check that every tensor of
+    a delta carries one, and read each copied file back (whole-file digest); without it each
+    file's size is checked. ``jobs``: files and byte ranges in flight. ``follow``: keep
+    copying new versions until ``stop`` is set (or the process is interrupted).
+    ``prune_like_source``: unpublish what the source pruned (see :class:`ReplicationPolicy`
+    for the grace period and other timings). ``observer``: progress callbacks.
+
+    Returns a :class:`ReplicationReport`. Raises :class:`ConfigError` for bad arguments,
+    :class:`StreamError` when ``dst`` holds another run, :class:`IntegrityError` /
+    :class:`FormatError` for a corrupt source version, and store errors that outlast the
+    retries (in ``follow``, transient ones are waited out).
+    """
+    if jobs < 1:
+        raise ConfigError(f"jobs={jobs}: at least one transfer must run")
+    if from_version is not None and from_version < 0:
+        raise ConfigError(f"from_version={from_version} is negative")
+    src_store = _open(src, src_storage_options, "src")
+    dst_store = _open(dst, dst_storage_options, "dst")
+    if src_store.url == dst_store.url and src_store.storage_options == dst_store.storage_options:
+        raise ConfigError(f"source and destination are the same store ({src_store.url})")
+    if src_store.is_local and not os.path.isdir(src_store.root):
+        # A mistyped path must not read as an empty source and report success.
+        raise ConfigError(f"no store at {src_store.url}: nothing was ever published there")
+    replicator = Replicator(
+        src_store,
+        dst_store,
+        verify=verify,
+        jobs=jobs,
+        policy=policy or ReplicationPolicy(),
+        observer=observer or Observer(),
+    )
+    try:
+        return replicator.run(from_version, follow, prune_like_source, stop or threading.Event())
+    finally:
+        replicator.close()

@@ -1,0 +1,253 @@
+"""Copying one version through the destination's version-writing transaction.
+
+All files of the version (its shards, then any other file the source's version directory
+holds) are copied concurrently inside one ``dst.begin(version)`` transaction, which then
+commits the source's index (stamped with this writer's token), create-only. Nothing of a
+version is visible before its commit stands.
+
+* A failure while files are copied aborts the transaction (files and claim removed) and the
+  version is tried again. A failure inside ``commit`` is not aborted: an abort after the
+  delta took its base's successor would leave a permanent tombstone, and the replica could
+  never hold that version number. The claim is kept and the next try resumes it by its token.
+* When another writer holds the version, this one waits: once that writer commits, its
+  index must equal the source's (the version counts as ``present``); if its claim shows no
+  activity for ``stale_claim_s`` (a replicator that was killed), this one resumes the claim
+  with its token, as the transaction allows a writer that crashed to do. A writer wrongly
+  taken for dead writes the same bytes under the same token, so the outcome is the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any
+
+from deltastore.errors import (
+    StoreError,
+    StreamError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
+from deltastore.format.index import VersionIndex
+from deltastore.format.names import INDEX_NAME, version_dir_name
+from deltastore.replicate.copy import CopyJob, FileCopier
+from deltastore.replicate.plan import same_content
+from deltastore.replicate.report import Observer, ReplicationPolicy, VersionCopy
+from deltastore.storage import VersionStore, new_token
+from deltastore.storage.writer import VersionWriter, json_field
+
+log = logging.getLogger("deltastore.replicate")
+
+
+def is_temporary(name: str) -> bool:
+    """A writer's in-progress file (never part of a version), or a hidden one."""
+    return name.endswith((".partial", ".tmp")) or name.startswith((".", "_"))
+
+
+class VersionCopier:
+    """Copies single versions from ``src`` into ``dst`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        src: VersionStore,
+        dst: VersionStore,
+        *,
+        verify: bool,
+        jobs: int,
+        policy: ReplicationPolicy,
+        observer: Observer,
+    ) -> None:
+        self.src, self.dst, self.verify, self.jobs = src, dst, verify, jobs
+        self.policy, self.observer = policy, observer
+        self.files = ThreadPoolExecutor(jobs, thread_name_prefix="replicate-file")
+        self.reads = ThreadPoolExecutor(jobs, thread_name_prefix="replicate-read")
+        self.chunk = policy.chunk_bytes or dst.block_size
+
+    def close(self) -> None:
+        self.files.shutdown(cancel_futures=True)
+        self.reads.shutdown(cancel_futures=True)
+
+    def copy(self, version: int, index: VersionIndex) -> VersionCopy | None:
+        """Make ``version`` committed at the destination with ``index``'s content.
+
+        Returns its record, or None when it cannot be copied (the source pruned it meanwhile,
+        or the destination fenced its number for good). Raises :class:`StreamError` when the
+        destination committed other content under this number, the source's errors for a
+        corrupt version, and the last store error once ``policy.attempts`` tries failed.
+        """
+        started = time.monotonic()
+        retries = 0
+        token = new_token()
+        while True:
+            try:
+                return self._copy_once(version, index, token, started, retries)
+            except VersionConflictError as exc:
+                settled = self._settle(version, index, token, started, retries, exc)
+                if not isinstance(settled, str):
+                    return settled
+                token = settled
+            except VersionNotFoundError:
+                self.src.refresh()
+                if version not in self.src.versions():
+                    log.info("%s was pruned at the source while copied", version_dir_name(version))
+                    return None
+                if retries + 1 >= self.policy.attempts:
+                    raise
+                retries += 1
+            except (StoreError, OSError) as exc:
+                # Any store error (an upload whose ack was lost, a 5xx that outlasted the
+                # retries): the try left nothing visible; try the version again.
+                if isinstance(exc, PermissionError) or retries + 1 >= self.policy.attempts:
+                    raise
+                retries += 1
+                wait_s = random.uniform(0, min(10.0, 0.5 * 2**retries))
+                log.warning(
+                    "%s: try %d failed (%s); again in %.1f s",
+                    version_dir_name(version),
+                    retries,
+                    exc,
+                    wait_s,
+                )
+                time.sleep(wait_s)
+
+    def _jobs(self, version: int, index: VersionIndex) -> list[CopyJob]:
+        shards = index.shards()
+        names = set(self.src.list_files(version))
+        missing = sorted(set(shards) - names)
+        if missing:
+            raise VersionNotFoundError(
+                f"{version_dir_name(version)} in {self.src.url} lacks shard {missing[0]} that "
+                "its index names (pruned meanwhile, or corrupt)"
+            )
+        extra = sorted(n for n in names - set(shards) if n != INDEX_NAME and not is_temporary(n))
+        return [
+            CopyJob(
+                version=version,
+                name=name,
+                size=self.src.file_size(version, name),
+                checksum=index.checksum,
+                is_shard=name in shards,
+                hash_tensors=self.verify and not index.is_delta,
+                verify=self.verify,
+            )
+            for name in [*shards, *extra]
+        ]
+
+    def _copy_once(
+        self, version: int, index: VersionIndex, token: str, started: float, retries: int
+    ) -> VersionCopy:
+        jobs = self._jobs(version, index)
+        self.observer.version_started(version, sum(j.size for j in jobs))
+        writer = self.dst.begin(version, token=token)
+        try:
+            results = self._write_files(writer, version, jobs)
+        except BaseException:
+            writer.abort()  # before commit(): no successor taken, so no tombstone either
+            raise
+        self.dst.after_write(version)
+        writer.commit(index)
+        return VersionCopy(
+            version=version,
+            kind=index.kind,
+            outcome="copied",
+            bytes=sum(r.size for r in results),
+            files=len(results),
+            seconds=time.monotonic() - started,
+            retries=retries + sum(r.retries for r in results),
+            verified_tensors=sum(r.verified_tensors for r in results),
+        )
+
+    def _write_files(self, writer: VersionWriter, version: int, jobs: list[CopyJob]) -> list[Any]:
+        """Copy every file concurrently; on a failure the others stop at their next chunk,
+        and every upload has ended before this returns or raises."""
+        # A file's window of chunks in flight: about 2 x jobs chunks held in all.
+        window = max(2, 2 * self.jobs // max(1, min(self.jobs, len(jobs))))
+        copier = FileCopier(
+            self.src,
+            self.dst,
+            self.reads,
+            chunk=self.chunk,
+            window=window,
+            attempts=self.policy.attempts,
+            on_bytes=lambda n: self.observer.advanced(version, n),
+        )
+        cancel = threading.Event()
+        futures = [self.files.submit(copier.copy, writer, job, cancel) for job in jobs]
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            if any(f.exception() for f in done):
+                cancel.set()
+        finally:
+            if not all(f.done() for f in futures):
+                cancel.set()  # interrupted (Ctrl-C): stop the others before the abort
+            wait(futures)
+        return [f.result() for f in futures]
+
+    def _settle(
+        self,
+        version: int,
+        index: VersionIndex,
+        token: str,
+        started: float,
+        retries: int,
+        conflict: VersionConflictError,
+    ) -> VersionCopy | str | None:
+        """The version was refused: wait for the writer holding it to commit (then compare),
+        or for its claim to go stale. Returns the record (``present``), the token to claim
+        with next, or None when the destination fenced the version for good."""
+        delay = self.policy.poll_min_s / 4
+        while True:
+            self.dst.refresh()
+            try:
+                theirs: VersionIndex | None = self.dst.index(version)
+            except VersionNotFoundError:
+                theirs = None
+            if theirs is not None:
+                if not same_content(theirs, index):
+                    raise StreamError(
+                        f"{version_dir_name(version)} in {self.dst.url} was committed with "
+                        f"other content than in {self.src.url} (stream {theirs.stream_id} vs "
+                        f"{index.stream_id}); the destination replicates another run: point "
+                        "the replicator at an empty destination"
+                    )
+                seconds = time.monotonic() - started
+                return VersionCopy(version, index.kind, "present", 0, 0, seconds, retries)
+            if self.dst.is_fenced(version):
+                log.error(
+                    "%s is fenced (a tombstone) in %s: the replica can never hold it; its "
+                    "chain resumes at the next full version",
+                    version_dir_name(version),
+                    self.dst.url,
+                )
+                return None
+            holder = json_field(
+                self.dst.read_optional(self.dst.claim_path(version)) or b"{}", "token"
+            )
+            if not isinstance(holder, str):
+                return token  # the claim is gone (its writer aborted): claim it again
+            if holder == token:
+                raise conflict  # refused at commit, not at the claim: nothing to wait for
+            idle = self._claim_idle_s(version)
+            if idle >= self.policy.stale_claim_s:
+                log.warning(
+                    "%s: resuming a claim idle for %.0f s at %s (a replicator that died)",
+                    version_dir_name(version),
+                    idle,
+                    self.dst.url,
+                )
+                return holder
+            time.sleep(random.uniform(delay / 2, delay))
+            delay = min(delay * 2, self.policy.poll_max_s)
+
+    def _claim_idle_s(self, version: int) -> float:
+        """Seconds since the last sign of life of ``version``'s writer at the destination
+        (its claim or any of its files)."""
+        listing = self.dst.listing()
+        entries = list(listing.files.get(version, {}).values())
+        if version in listing.claims:
+            entries.append(listing.claims[version])
+        times = [e.mtime for e in entries if e.mtime is not None]
+        return time.time() - max(times) if times else float("inf")
