@@ -194,4 +194,3 @@ def test_the_checks_can_fail() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
     assert set(LAYERS) >= {p.name for p in PACKAGE.iterdir() if p.is_dir() and "_" not in p.name}
-
