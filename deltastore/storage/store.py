@@ -15,6 +15,9 @@ codecs. Versions are written only through :class:`~deltastore.storage.writer.Ver
   An explicitly configured endpoint that refuses the first connection fails at once.
 * **Backends.** What differs between a local directory, ``memory://`` and an object store
   is one :class:`~deltastore.storage.backends.Backend` object.
+* **Halves.** The protocol objects and file writes are
+  :class:`~deltastore.storage.objects.StoreObjects`, the reads
+  :class:`~deltastore.storage.reads.FileReads`; both are base classes of the store.
 """
 
 from __future__ import annotations
