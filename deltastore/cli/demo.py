@@ -140,6 +140,38 @@ def _store_url(args: argparse.Namespace, workdir: str) -> Iterator[tuple[str, di
         yield os.path.join(workdir, "store"), options
 
 
+def _one_step(
+    args: argparse.Namespace,
+    training: SyntheticTraining,
+    publisher: DeltaPublisher,
+    store: VersionStore,
+    hosts: list[str],
+    base: str,
+) -> tuple[list[str], int]:
+    """Train one step, publish it, pull and verify it on every host: the table row and the
+    version's wire bytes."""
+    training.step(args.lr)
+    result = publisher.publish(training.model.items())
+    metrics = publisher.pop_metrics()
+    pulls = []
+    for host in hosts:
+        t0 = time.perf_counter()
+        pull_weights(host, store, result.version, base_dir=base)
+        pulls.append(time.perf_counter() - t0)
+        verify_local(host, store, result.version, base_dir=base)
+    total = training.total_bytes
+    row = [
+        f"{result.version:06d}",
+        f"{result.density:.3%}",
+        f"{result.wire_bytes / 1e6:.2f}",
+        f"{result.wire_bytes / total:.2%}",
+        f"{metrics['publish_s']:.2f}",
+        f"{pulls[0]:.2f}",
+        f"{pulls[1]:.2f}",
+    ]
+    return row, result.wire_bytes
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -183,29 +215,14 @@ def run(args: argparse.Namespace) -> int:
         advance = stack.enter_context(
             step_progress(args, "train, publish, pull x2, verify", args.steps)
         )
+        wire_bytes = 0
         for _ in range(args.steps):
-            training.step(args.lr)
-            result = publisher.publish(model.items())
-            metrics = publisher.pop_metrics()
-            pulls = []
-            for host in hosts:
-                t0 = time.perf_counter()
-                pull_weights(host, store, result.version, base_dir=base)
-                pulls.append(time.perf_counter() - t0)
-                verify_local(host, store, result.version, base_dir=base)
-            table.add_row(
-                f"{result.version:06d}",
-                f"{result.density:.3%}",
-                f"{result.wire_bytes / 1e6:.2f}",
-                f"{result.wire_bytes / total:.2%}",
-                f"{metrics['publish_s']:.2f}",
-                f"{pulls[0]:.2f}",
-                f"{pulls[1]:.2f}",
-            )
+            row, wire_bytes = _one_step(args, training, publisher, store, hosts, base)
+            table.add_row(*row)
             advance()
         console.print(table)
         console.print(
             f"every version was verified on both hosts by per-tensor digests; the last step "
-            f"moved {result.wire_bytes / 1e6:.2f} MB instead of a {total / 1e6:.1f} MB checkpoint"
+            f"moved {wire_bytes / 1e6:.2f} MB instead of a {total / 1e6:.1f} MB checkpoint"
         )
     return 0

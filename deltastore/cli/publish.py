@@ -14,7 +14,7 @@ from deltastore.cli.common import (
 )
 from deltastore.codecs import CHECKSUMS, ENCODINGS, get_checksum
 from deltastore.errors import ConfigError, IntegrityError, PublishError, VersionConflictError
-from deltastore.format.checkpoint import scan_checkpoint
+from deltastore.format.checkpoint import read_tensor, scan_checkpoint
 from deltastore.publish import DeltaPublisher, Snapshot
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import walk_chain
@@ -83,9 +83,7 @@ def check_prev_against_chain(store: VersionStore, prev_dir: str, latest: int) ->
             raise ConfigError(
                 f"--prev {prev_dir} lacks tensor {name!r}, which weight_v{version:06d} records"
             )
-        with open(tensor.file, "rb") as fh:
-            fh.seek(tensor.entry.start)
-            actual = get_checksum(algorithm).hexdigest(fh.read(tensor.entry.nbytes))
+        actual = get_checksum(algorithm).hexdigest(read_tensor(tensor, name))
         if actual != digest:
             raise IntegrityError(
                 f"--prev {prev_dir} is not the state of weight_v{latest:06d}: tensor {name!r} "

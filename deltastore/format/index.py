@@ -93,47 +93,9 @@ class VersionIndex:
         Raises :class:`FormatError` when the JSON is malformed, its version disagrees with the
         directory it was read from, or a weight_map target is not a plain shard file name.
         """
-        try:
-            body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise FormatError(f"{source} is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise FormatError(f"{source} is not a JSON object")
-        metadata = body.get("metadata") or {}
-        weight_map = body.get("weight_map")
-        if not isinstance(metadata, dict):
-            raise FormatError(f"{source}: 'metadata' is not an object")
-        if not isinstance(weight_map, dict):
-            raise FormatError(f"{source}: 'weight_map' is missing or not an object")
-        for name in weight_map:
-            if not isinstance(name, str) or not name:
-                raise FormatError(f"{source}: weight_map has an invalid tensor name {name!r}")
-        for target in set(weight_map.values()):
-            check_shard_file_name(target, version=version)
+        metadata, weight_map = _parse_body(data, version=version, source=source)
         extra = dict(metadata)
-        encoding = extra.pop("delta_encoding", None)
-        declared = extra.pop("version", None)
-        if declared is not None and parse_version(declared, what=f"{source} version") != version:
-            raise FormatError(
-                f"{source} declares version {declared!r} but lives in weight_v{version:06d}; "
-                "the store is inconsistent, republish that version"
-            )
-        if encoding is not None and declared is None:
-            raise FormatError(f"{source}: a delta index must carry its 'version'")
-        base_raw = extra.pop("base_version", None)
-        base_version = (
-            parse_version(base_raw, what=f"{source} base_version") if base_raw is not None else None
-        )
-        if encoding is not None:
-            if not isinstance(encoding, str):
-                raise FormatError(f"{source}: delta_encoding {encoding!r} is not a string")
-            if base_version is None:
-                raise FormatError(f"{source}: a delta index must carry its 'base_version'")
-            if base_version >= version:
-                raise FormatError(
-                    f"{source}: delta weight_v{version:06d} claims base version "
-                    f"{base_version:06d}, which is not older"
-                )
+        encoding, base_version = _pop_lineage(extra, version=version, source=source)
         if extra.get("format") == FORMAT_NAME:
             # to_json writes it back; keeping it in `extra` would make a round trip unequal.
             del extra["format"]
@@ -158,6 +120,59 @@ class VersionIndex:
             totals=totals,
             extra=extra,
         )
+
+
+def _parse_body(data: bytes, *, version: int, source: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The index's ``metadata`` and ``weight_map`` objects, checked for shape."""
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise FormatError(f"{source} is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise FormatError(f"{source} is not a JSON object")
+    metadata = body.get("metadata") or {}
+    weight_map = body.get("weight_map")
+    if not isinstance(metadata, dict):
+        raise FormatError(f"{source}: 'metadata' is not an object")
+    if not isinstance(weight_map, dict):
+        raise FormatError(f"{source}: 'weight_map' is missing or not an object")
+    for name in weight_map:
+        if not isinstance(name, str) or not name:
+            raise FormatError(f"{source}: weight_map has an invalid tensor name {name!r}")
+    for target in set(weight_map.values()):
+        check_shard_file_name(target, version=version)
+    return metadata, weight_map
+
+
+def _pop_lineage(
+    extra: dict[str, Any], *, version: int, source: str
+) -> tuple[str | None, int | None]:
+    """Take the encoding and base version out of ``extra`` (the metadata), checked against
+    the directory's ``version``: a delta carries both, and its base is older."""
+    encoding = extra.pop("delta_encoding", None)
+    declared = extra.pop("version", None)
+    if declared is not None and parse_version(declared, what=f"{source} version") != version:
+        raise FormatError(
+            f"{source} declares version {declared!r} but lives in weight_v{version:06d}; "
+            "the store is inconsistent, republish that version"
+        )
+    if encoding is not None and declared is None:
+        raise FormatError(f"{source}: a delta index must carry its 'version'")
+    base_raw = extra.pop("base_version", None)
+    base_version = (
+        parse_version(base_raw, what=f"{source} base_version") if base_raw is not None else None
+    )
+    if encoding is not None:
+        if not isinstance(encoding, str):
+            raise FormatError(f"{source}: delta_encoding {encoding!r} is not a string")
+        if base_version is None:
+            raise FormatError(f"{source}: a delta index must carry its 'base_version'")
+        if base_version >= version:
+            raise FormatError(
+                f"{source}: delta weight_v{version:06d} claims base version "
+                f"{base_version:06d}, which is not older"
+            )
+    return encoding, base_version
 
 
 def check_shard_names(

@@ -15,7 +15,7 @@ import math
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from deltastore.errors import FormatError
 
@@ -93,6 +93,35 @@ def header_length(prefix: bytes, *, source: str = "safetensors file") -> int:
     return length
 
 
+def _tensor_entry(name: str, spec: Any, data_start: int, source: str) -> TensorEntry:
+    """One header entry, checked (dtype known, shape and offsets sane, size consistent)."""
+    if not isinstance(spec, dict):
+        raise FormatError(f"{source}: entry {name!r} is not an object")
+    dtype = spec.get("dtype")
+    shape = spec.get("shape")
+    offsets = spec.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise FormatError(f"{source}: tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise FormatError(f"{source}: tensor {name!r} has invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise FormatError(f"{source}: tensor {name!r} has invalid data_offsets {offsets!r}")
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if offsets[1] - offsets[0] != expected:
+        raise FormatError(
+            f"{source}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but "
+            f"{dtype}{shape} needs {expected}"
+        )
+    return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
 def parse_header(
     header_json: bytes, *, file_size: int | None = None, source: str = "safetensors file"
 ) -> SafetensorsHeader:
@@ -118,34 +147,9 @@ def parse_header(
     tensors: dict[str, TensorEntry] = {}
     data_end = 0
     for name, spec in raw.items():
-        if not isinstance(spec, dict):
-            raise FormatError(f"{source}: entry {name!r} is not an object")
-        dtype = spec.get("dtype")
-        shape = spec.get("shape")
-        offsets = spec.get("data_offsets")
-        if dtype not in DTYPE_SIZES:
-            raise FormatError(f"{source}: tensor {name!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            raise FormatError(f"{source}: tensor {name!r} has invalid shape {shape!r}")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]
-        ):
-            raise FormatError(f"{source}: tensor {name!r} has invalid data_offsets {offsets!r}")
-        expected = math.prod(shape) * DTYPE_SIZES[dtype]
-        if offsets[1] - offsets[0] != expected:
-            raise FormatError(
-                f"{source}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but "
-                f"{dtype}{shape} needs {expected}"
-            )
-        tensors[name] = TensorEntry(
-            name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1]
-        )
-        data_end = max(data_end, offsets[1])
+        entry = _tensor_entry(name, spec, data_start, source)
+        tensors[name] = entry
+        data_end = max(data_end, entry.end - data_start)
     # Entries must not share bytes: an in-place write to one would change the other after it
     # was verified (safetensors itself refuses such files).
     ordered = sorted(tensors.values(), key=lambda t: (t.start, t.end))

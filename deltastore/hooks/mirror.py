@@ -56,7 +56,7 @@ from deltastore.hooks.context import current_publishing_rank
 from deltastore.hooks.posix import version_of
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import iter_chain
-from deltastore.storage.durable import create_new_file, fsync_path
+from deltastore.storage.durable import atomic_writer, create_new_file, fsync_path
 
 log = logging.getLogger("deltastore.hooks")
 
@@ -292,24 +292,17 @@ def _download(remote: VersionStore, version: int, shard: str, dst: str) -> int:
     size = remote.file_size(version, shard)
     if os.path.exists(dst) and os.path.getsize(dst) == size:
         return 0  # landed by an earlier, interrupted mirror (files arrive by rename only)
-    tmp = f"{dst}.{os.getpid()}.partial"
     copied = 0
-    try:
-        with remote.open_read(version, shard) as src, open(tmp, "wb") as out:
-            while chunk := src.read(_COPY_CHUNK):
-                out.write(chunk)
-                copied += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
+    # The directory is made durable once, after every shard of the version is in place.
+    with remote.open_read(version, shard) as src, atomic_writer(dst, sync_dir=False) as out:
+        while chunk := src.read(_COPY_CHUNK):
+            out.write(chunk)
+            copied += len(chunk)
         if copied != size:
             raise HookError(
                 f"{remote.url}/{version_dir_name(version)}/{shard}: read {copied} bytes, the "
                 f"store reports {size}"
             )
-        os.replace(tmp, dst)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
     return copied
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 
 from deltastore.codecs import check_compression, get_checksum, get_encoding
 from deltastore.errors import ConfigError, FormatError, StreamError
+from deltastore.format import PayloadRef
 from deltastore.format.index import VersionIndex, check_shard_names
-from deltastore.publish.snapshot import PayloadRef, Snapshot, TensorSource
+from deltastore.publish.snapshot import Snapshot, TensorSource
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import walk_chain
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from deltastore.codecs import ByteArray, decompress, get_checksum, get_encoding
 from deltastore.errors import ConfigError, IntegrityError, PublishError
-from deltastore.format.checkpoint import checkpoint_files
+from deltastore.format import PayloadRef
+from deltastore.format.checkpoint import checkpoint_files, read_file_range
 from deltastore.format.safetensors_io import read_header_file
 from deltastore.publish.device import host_bytes
 from deltastore.storage import VersionStore
@@ -35,18 +36,6 @@ class SnapshotTensor:
     dtype: str
     shape: tuple[int, ...]
     data: ByteArray
-
-
-@dataclass(frozen=True)
-class PayloadRef:
-    """A delta payload (one zstd frame) inside a published shard."""
-
-    version: int
-    shard: str
-    start: int
-    """Absolute byte offset of the frame in the shard file."""
-    end: int
-    encoding: str
 
 
 @dataclass(frozen=True)
@@ -128,11 +117,7 @@ class Snapshot:
             for path in checkpoint_files(directory):
                 header = read_header_file(path)
                 length = header.data_length or 0
-                buffer = np.empty(length, dtype=np.uint8)
-                with open(path, "rb") as fh:
-                    fh.seek(header.data_start)
-                    if fh.readinto(memoryview(buffer)) != length:
-                        raise ConfigError(f"{path} is truncated")
+                buffer = read_file_range(path, header.data_start, length, what="its tensor data")
                 for name, entry in header.tensors.items():
                     lo, hi = entry.start - header.data_start, entry.end - header.data_start
                     snapshot._loaded[name] = buffer[lo:hi]
@@ -214,13 +199,12 @@ class Snapshot:
         :class:`PublishError` when a store-backed source has no store.
         """
         source = self.sources[name]
-        data = np.empty(source.nbytes, dtype=np.uint8)
         if source.file is not None:
-            with open(source.file, "rb") as fh:
-                fh.seek(source.offset)
-                if fh.readinto(memoryview(data)) != source.nbytes:
-                    raise ConfigError(f"{source.file} is truncated inside tensor {name!r}")
+            data = read_file_range(
+                source.file, source.offset, source.nbytes, what=f"tensor {name!r}"
+            )
         else:
+            data = np.empty(source.nbytes, dtype=np.uint8)
             store = self._need_store(name)
             assert source.full_version is not None and source.shard is not None
             for lo in range(0, source.nbytes, _READ_CHUNK):

@@ -13,13 +13,12 @@ import os
 import socket
 import threading
 import urllib.parse
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from deltastore.errors import ConfigError, StoreError, TransientStoreError
-from deltastore.storage.durable import create_new_file, fsync_path
+from deltastore.storage.durable import atomic_writer, create_new_file, fsync_path
 from deltastore.storage.retry import RetryPolicy, is_transient
 
 if TYPE_CHECKING:
@@ -126,19 +125,10 @@ class LocalBackend(Backend):
 
     @contextlib.contextmanager
     def open_write(self, path: str, block_size: int, guard: Guard) -> Iterator[BinaryIO]:
-        # A sibling temp file, fsynced and renamed: a crash never leaves a partial file.
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{uuid.uuid4().hex}.partial"
-        try:
-            with open(tmp, "wb") as fh:
-                yield fh
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        # A sibling temp file, fsynced and renamed: a crash never leaves a partial file. The
+        # directory is made durable once, before the index is written (make_durable).
+        with atomic_writer(path, sync_dir=False) as fh:
+            yield fh
 
     def make_durable(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Iterator
+from typing import BinaryIO
 
 
 def fsync_path(path: str) -> None:
@@ -41,19 +43,32 @@ def create_new_file(path: str, data: bytes) -> None:
     fsync_path(directory)
 
 
-def atomic_replace(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically and durably (the file may exist or not).
+def temp_path(path: str) -> str:
+    """A fresh sibling temp name for ``path``: ``<name>.<token>.tmp``.
 
-    ``data`` goes to a sibling temp file ``<name>.<token>.tmp``, which is fsynced, moved over
-    ``path`` with ``os.replace`` and made durable with an fsync of the directory. Readers see
-    the old content or the new, never a mix; ``path`` itself is never written through (a
-    symbolic link at ``path`` is replaced, not followed).
+    Every temp-then-replace writer of deltastore uses this one scheme, so a leftover from a
+    crash is recognisable by its suffix. (:func:`create_new_file`'s create-only temp file keeps
+    its own ``.partial`` name: it is opened exclusively and never replaces anything.)
+    """
+    return f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str, *, sync_dir: bool = True) -> Iterator[BinaryIO]:
+    """A binary file that appears at ``path`` only once complete, atomically and durably.
+
+    Writes go to :func:`temp_path`; on a clean exit the temp file is fsynced and moved over
+    ``path`` with ``os.replace`` (then the directory is fsynced, unless ``sync_dir`` is False
+    because the caller makes the directory durable later, once for many files). On an
+    exception the temp file is removed and ``path`` is untouched. A symbolic link at ``path``
+    is replaced, not followed.
     """
     directory = os.path.dirname(path) or "."
-    tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+    os.makedirs(directory, exist_ok=True)
+    tmp = temp_path(path)
     try:
         with open(tmp, "xb") as fh:
-            fh.write(data)
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -61,4 +76,14 @@ def atomic_replace(path: str, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fsync_path(directory)
+    if sync_dir:
+        fsync_path(directory)
+
+
+def atomic_replace(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably (the file may exist or not).
+
+    See :func:`atomic_writer`: readers see the old content or the new, never a mix.
+    """
+    with atomic_writer(path) as fh:
+        fh.write(data)

@@ -15,19 +15,18 @@ codecs. Versions are written only through :class:`~deltastore.storage.writer.Ver
   An explicitly configured endpoint that refuses the first connection fails at once.
 * **Backends.** What differs between a local directory, ``memory://`` and an object store
   is one :class:`~deltastore.storage.backends.Backend` object.
+* **Halves.** The protocol objects and file writes are
+  :class:`~deltastore.storage.objects.StoreObjects`, the reads
+  :class:`~deltastore.storage.reads.FileReads`; both are base classes of the store.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import posixpath
-import time
-import uuid
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fsspec
 
@@ -35,29 +34,19 @@ from deltastore.errors import (
     ConfigError,
     DeltastoreError,
     FormatError,
-    StoreError,
-    TransientStoreError,
     VersionNotFoundError,
 )
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.storage.backends import REMOTE_PROTOCOLS, Backend, make_backend
-from deltastore.storage.listing import (
-    ABORT_SUFFIX,
-    CLAIM_SUFFIX,
-    CLAIMS_DIR,
-    PROBE_PREFIX,
-    SUCCESSOR_SUFFIX,
-    StoreListing,
-    parse_listing,
-)
+from deltastore.storage.listing import StoreListing, parse_listing
+from deltastore.storage.objects import StoreObjects, new_token
 from deltastore.storage.reads import FileReads
 from deltastore.storage.retry import RetryPolicy
 from deltastore.storage.writer import (
     VersionWriter,
     begin_next_version,
     begin_version,
-    json_field,
     probe_exclusive_create,
 )
 
@@ -81,12 +70,7 @@ PreReadHook = Callable[[str, int], None]
 """``pre_read(store_url, version)``: runs before a version is read."""
 
 
-def new_token() -> str:
-    """A unique commit/claim token."""
-    return uuid.uuid4().hex
-
-
-class VersionStore(FileReads):
+class VersionStore(StoreObjects, FileReads):
     """Published versions under one root URL (a local path, ``memory://``, ``s3://``, ``gs://``).
 
     ``storage_options`` go to fsspec; for ``s3://`` and ``gs://`` the store adds
@@ -191,22 +175,7 @@ class VersionStore(FileReads):
     def file_path(self, version: int, name: str) -> str:
         return posixpath.join(self.version_path(version), name)
 
-    def claim_path(self, version: int) -> str:
-        """Path of a version's claim object."""
-        return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + CLAIM_SUFFIX)
-
-    def probe_path(self, token: str) -> str:
-        """Path of a create-only probe object (see :meth:`check_exclusive_create`)."""
-        return posixpath.join(self.root, CLAIMS_DIR, f"{PROBE_PREFIX}{token}")
-
-    def abort_path(self, version: int) -> str:
-        """Path of a version's abort marker (written by prune to fence or unpublish it)."""
-        return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + ABORT_SUFFIX)
-
     # ----------------------------------------------------------------- errors
-    def _translate(self, what: str, exc: Exception) -> DeltastoreError:
-        return self.backend.translate(self.url, self.retry, what, exc)
-
     def _guard(self, what: str, fn: Callable[[], T]) -> T:
         """Run one idempotent step with retries; translate what is left to the error tree.
 
@@ -311,37 +280,6 @@ class VersionStore(FileReads):
         return bytes(data)
 
     # ---------------------------------------------------------------- writing
-    def create_only(self, path: str, data: bytes) -> None:
-        """Write ``path`` only if it does not exist; raises ``FileExistsError`` otherwise (one
-        attempt, no retry: the low-level exclusive create every protocol object relies on)."""
-        self.backend.create_only(path, data)
-
-    def create_or_read(self, path: str, data: bytes) -> bytes | None:
-        """Create-only write of ``path``: None if written now, else the existing object's bytes
-        (the caller decides whether it is its own, written earlier with a lost acknowledgement).
-        Retried as one unit."""
-
-        def attempt() -> bytes | None:
-            try:
-                self.create_only(path, data)
-                return None
-            except FileExistsError:
-                self.fs.invalidate_cache(posixpath.dirname(path))
-                try:
-                    return bytes(self.fs.cat_file(path))
-                except FileNotFoundError:
-                    # Reported as existing, yet gone: removed meanwhile. Try again.
-                    raise TransientStoreError(
-                        f"{path} was reported as existing but cannot be read"
-                    ) from None
-
-        return self._guard(f"create-only write of {path}", attempt)
-
-    def _create_with_token(self, path: str, data: bytes, token: str, *keys: str) -> bool:
-        """Create-only write; True if ours stands (written now, or earlier with a lost ack)."""
-        existing = self.create_or_read(path, data)
-        return existing is None or json_field(existing, *keys) == token
-
     def check_exclusive_create(self) -> bool:
         """Probe once whether create-only writes are exclusive on this backend (see
         :func:`~deltastore.storage.writer.probe_exclusive_create`)."""
@@ -349,88 +287,8 @@ class VersionStore(FileReads):
             self.supports_exclusive_create = probe_exclusive_create(self)
         return self.supports_exclusive_create
 
-    def write_file(self, version: int, name: str, data: bytes | memoryview) -> None:
-        """Deprecated: use :meth:`VersionWriter.write_file` (kept while the publisher moves)."""
-        if name == INDEX_NAME:
-            raise StoreError(f"{name} is written only by commit()")
-        self.backend.write_file(self.file_path(version, name), data, self._guard)
-
-    @contextlib.contextmanager
-    def open_write(self, version: int, name: str) -> Iterator[BinaryIO]:
-        """Deprecated: use :meth:`VersionWriter.open_write`. A writable stream for one file of a
-        claimed, uncommitted version.
-
-        Locally the file is written to a sibling temp file, fsynced and renamed into place, so
-        a crash never leaves a complete-looking partial file. Remotely at most ``block_size``
-        bytes are buffered: larger files go up as a multipart (S3) or resumable (GCS) upload
-        that completes on close; if the caller raises, the upload is abandoned, never completed.
-        """
-        if name == INDEX_NAME:
-            raise StoreError(f"{name} is written only by commit()")
-        path = self.file_path(version, name)
-        body_done = False
-        try:
-            with self.backend.open_write(path, self.block_size, self._guard) as fh:
-                yield fh
-                body_done = True
-        except (FileNotFoundError, DeltastoreError):
-            raise
-        except Exception as exc:
-            if not body_done:
-                raise
-            raise self._translate(f"uploading {path}", exc) from exc
-
-    def exists(self, path: str) -> bool:
-        """Whether ``path`` exists, asked of the store (retried)."""
-        return bool(self._guard(f"checking {path}", lambda: self.fs.exists(path)))
-
-    def read_optional(self, path: str) -> bytes | None:
-        """The bytes of ``path``, or None when it does not exist (retried)."""
-        try:
-            return bytes(self._guard(f"reading {path}", lambda: self.fs.cat_file(path)))
-        except FileNotFoundError:
-            return None
-
-    def remove(self, path: str, *, recursive: bool = False) -> None:
-        """Delete ``path`` (a file, or a directory with ``recursive``); absent is fine."""
-        with contextlib.suppress(FileNotFoundError):
-            self._guard(f"deleting {path}", lambda: self.fs.rm(path, recursive=recursive))
-
-    def is_fenced(self, version: int) -> bool:
-        """Whether ``version`` carries a tombstone (fenced or unpublished by prune, or aborted
-        after taking its base's successor): it is never visible nor claimed again."""
-        return self.exists(self.abort_path(version))
-
-    def write_tombstone(self, version: int, reason: str) -> str:
-        """Create ``version``'s tombstone (create-only); returns the token of the one that
-        stands (ours, or an earlier one's)."""
-        token = new_token()
-        body = json.dumps(
-            {"version": version, "reason": reason, "token": token, "time": time.time()}
-        ).encode()
-        existing = self.create_or_read(self.abort_path(version), body)
-        if existing is None:
-            return token
-        found = json_field(existing, "token")
-        return found if isinstance(found, str) else ""
-
-    def successor_path(self, base: int, generation: int) -> str:
-        """Path of the ``generation``-th successor object of version ``base`` (0: the base)."""
-        name = f"weight_v{base:06d}{SUCCESSOR_SUFFIX}{generation}"
-        return posixpath.join(self.root, CLAIMS_DIR, name)
-
-    def prepare_commit(self, version: int) -> None:
-        """Before the index write: make the version's directory and file names durable (an
-        empty delta has no shard, so its directory may not exist yet)."""
-        self.backend.make_durable(self.version_path(version))
-
-    def finish_commit(self, version: int) -> None:
-        """After a commit stands: make it durable and visible to this client."""
-        self.backend.make_durable(self.root)
-        self.fs.invalidate_cache(self.version_path(version))
-
     # ------------------------------------------------------------ transaction
-    def begin(self, version: int, *, token: str | None = None) -> VersionWriter:
+    def begin(self, version: int, *, token: str | None = None) -> VersionWriter[VersionStore]:
         """Claim ``version`` and return its :class:`VersionWriter`.
 
         ``token`` (default: a new one) lets a writer that crashed resume its own claim.
@@ -439,7 +297,7 @@ class VersionStore(FileReads):
         """
         return begin_version(self, version, token or new_token())
 
-    def begin_next(self, after: int, *, max_skip: int = 64) -> VersionWriter:
+    def begin_next(self, after: int, *, max_skip: int = 64) -> VersionWriter[VersionStore]:
         """Claim the first claimable version above ``after`` (a resumed or new stream).
 
         Versions claimed by another writer (live or crashed: a store cannot tell) and fenced
@@ -451,7 +309,7 @@ class VersionStore(FileReads):
         """
         return begin_next_version(self, after, new_token(), max_skip)
 
-    def join(self, version: int, token: str) -> VersionWriter:
+    def join(self, version: int, token: str) -> VersionWriter[VersionStore]:
         """A writer for the files of ``version``, claimed by another rank with ``token`` (a
         collective publish); its :meth:`VersionWriter.commit` is refused."""
         return VersionWriter(self, version, token, claimant=False)

@@ -36,14 +36,16 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO, Generic, TypeVar
 
 from deltastore.errors import ConfigError, StoreError, VersionConflictError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME
+from deltastore.storage.objects import StoreObjects, json_field
 
-if TYPE_CHECKING:
-    from deltastore.storage.store import VersionStore
+S = TypeVar("S", bound=StoreObjects)
+"""The store a writer writes to (typed as its :class:`StoreObjects` half, so this module never
+imports the store module, which imports it)."""
 
 log = logging.getLogger("deltastore.storage")
 
@@ -55,24 +57,12 @@ StepHook = Callable[[str], object]
 ``"index"``, ``"recheck"``); tests pause the writer there while another party runs."""
 
 
-def json_field(data: bytes, *keys: str) -> str | int | None:
-    """A nested field of a JSON object, or None when absent or malformed."""
-    with contextlib.suppress(ValueError, AttributeError, UnicodeDecodeError):
-        value = json.loads(data)
-        for key in keys:
-            value = value.get(key)
-        return value if isinstance(value, (str, int)) else None
-    return None
-
-
-class VersionWriter:
+class VersionWriter(Generic[S]):
     """Writes the files of one claimed version and commits it; a context manager that aborts
     on an exception unless committed. Obtain one from :meth:`VersionStore.begin`,
     :meth:`VersionStore.begin_next` or (non-zero ranks) :meth:`VersionStore.join`."""
 
-    def __init__(
-        self, store: VersionStore, version: int, token: str, *, claimant: bool = True
-    ) -> None:
+    def __init__(self, store: S, version: int, token: str, *, claimant: bool = True) -> None:
         self.store = store
         self.version = version
         self.token = token
@@ -84,7 +74,7 @@ class VersionWriter:
     def __repr__(self) -> str:
         return f"VersionWriter({self.store.url!r}, weight_v{self.version:06d})"
 
-    def __enter__(self) -> VersionWriter:
+    def __enter__(self) -> VersionWriter[S]:
         return self
 
     def __exit__(
@@ -283,7 +273,7 @@ def claim_body(version: int, token: str) -> bytes:
 
 
 # ------------------------------------------------------------ claiming (VersionStore.begin*)
-def _try_claim(store: VersionStore, version: int, token: str) -> str | None:
+def _try_claim(store: StoreObjects, version: int, token: str) -> str | None:
     """Take ``version``'s claim: None on success, else why not (``committed``, ``fenced``,
     ``claimed``)."""
     store.check_exclusive_create()
@@ -305,7 +295,7 @@ _REFUSED = {
 }
 
 
-def begin_version(store: VersionStore, version: int, token: str) -> VersionWriter:
+def begin_version(store: S, version: int, token: str) -> VersionWriter[S]:
     """See :meth:`VersionStore.begin`."""
     why = _try_claim(store, version, token)
     if why is not None:
@@ -313,7 +303,7 @@ def begin_version(store: VersionStore, version: int, token: str) -> VersionWrite
     return VersionWriter(store, version, token)
 
 
-def begin_next_version(store: VersionStore, after: int, token: str, max_skip: int) -> VersionWriter:
+def begin_next_version(store: S, after: int, token: str, max_skip: int) -> VersionWriter[S]:
     """See :meth:`VersionStore.begin_next`."""
     for version in range(after + 1, after + 1 + max_skip):
         why = _try_claim(store, version, token)
@@ -337,7 +327,7 @@ def begin_next_version(store: VersionStore, after: int, token: str, max_skip: in
     )
 
 
-def probe_exclusive_create(store: VersionStore) -> bool:
+def probe_exclusive_create(store: StoreObjects) -> bool:
     """Whether create-only writes are exclusive on ``store``'s backend.
 
     Writes a probe object under ``_claims/`` twice, create-only, and expects the second write

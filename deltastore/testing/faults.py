@@ -185,6 +185,8 @@ class FaultProxy:
         return None
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        # long because it is a class body: the handler is defined here to close over this
+        # proxy (http.server builds one handler per request); each method is short.
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):

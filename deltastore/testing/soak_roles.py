@@ -32,6 +32,7 @@ from typing import Any
 import deltastore as ds
 from deltastore.errors import TransientStoreError
 from deltastore.storage import RetryPolicy
+from deltastore.storage.durable import atomic_replace
 
 __all__ = ["HostJob", "RetryCounter", "TrainerJob", "host_main", "trainer_main"]
 
@@ -93,10 +94,7 @@ def report_path(workdir: str, role: str) -> str:
 def _write_json(path: str, value: Any) -> None:
     """Write ``value`` as JSON atomically (temp + rename): readers never see half a file."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(value, fh)
-    os.replace(tmp, path)
+    atomic_replace(path, json.dumps(value).encode())
 
 
 def peak_rss_mb() -> float:
