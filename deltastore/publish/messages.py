@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from deltastore.trust.manifest import ShardFact
 from deltastore.errors import (
     DeltastoreError,
     HookError,
@@ -124,6 +125,8 @@ class Written:
     entries: dict[str, Placement] = field(default_factory=dict)
     wire: int = 0
     """Bytes of the shard files this rank wrote."""
+    shards: dict[str, ShardFact] = field(default_factory=dict)
+    """Each shard this rank wrote: its size and whole-file BLAKE3 (what a signature covers)."""
 
 
 @dataclass(frozen=True)
