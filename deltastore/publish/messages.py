@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from deltastore.trust.manifest import ShardFact
 from deltastore.errors import (
     DeltastoreError,
     HookError,
@@ -18,6 +17,7 @@ from deltastore.errors import (
     SnapshotError,
     VersionConflictError,
 )
+from deltastore.trust.manifest import ShardFact
 
 
 @dataclass(frozen=True)

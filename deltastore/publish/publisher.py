@@ -36,7 +36,6 @@ from deltastore.errors import (
 from deltastore.hooks.context import publishing_rank
 from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig
-from deltastore.pull.basecheck import base_digests_record
 from deltastore.publish.coordination import Coordinator, make_coordinator
 from deltastore.publish.device import StagerStats
 from deltastore.publish.diff import (
@@ -73,6 +72,7 @@ from deltastore.publish.shards import ShardWriter
 from deltastore.publish.snapshot import Snapshot
 from deltastore.publish.spool import PayloadSpool
 from deltastore.publish.stream import StreamState
+from deltastore.pull.basecheck import base_digests_record
 from deltastore.storage import VersionStore
 from deltastore.storage.writer import VersionWriter
 from deltastore.trust import SigningKey, as_signing_key
