@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,20 +29,8 @@ from deltastore.pull.source import PreRead, PullSource, make_source
 from deltastore.pull.stats import ApplyStats
 from deltastore.pull.trusted import CheckedPlan, preflight
 from deltastore.storage import VersionStore
-from deltastore.trust import TrustedKey, as_trusted_keys
-
-TrustedKeys = str | os.PathLike[str] | TrustedKey | Iterable[str | os.PathLike[str] | TrustedKey]
-"""One public key file or key, or several (rotation)."""
-
-
-def load_trusted(keys: TrustedKeys | None) -> tuple[TrustedKey, ...] | None:
-    """``keys`` loaded (:class:`ConfigError` naming a bad file); None when none were given."""
-    if keys is None:
-        return None
-    if isinstance(keys, (str, os.PathLike, TrustedKey)):
-        keys = [keys]
-    return as_trusted_keys(keys)
-
+from deltastore.trust import TrustedKey
+from deltastore.trust.keys import TrustedKeys, load_trusted
 
 log = logging.getLogger("deltastore.pull")
 

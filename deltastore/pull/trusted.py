@@ -25,9 +25,10 @@ from deltastore.format.names import version_dir_name
 from deltastore.pull.basecheck import check_base
 from deltastore.pull.chain import Chain, Plan
 from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.verify import verify_signatures
 from deltastore.storage import VersionStore
 from deltastore.storage.durable import fsync_path
-from deltastore.trust import ShardFact, ShardHasher, SignatureRecord, TrustedKey, verify_index
+from deltastore.trust import ShardFact, ShardHasher, SignatureRecord, TrustedKey
 
 TRUSTED_STAGING = "verified-deltas"
 """Dir under the checkpoint's state dir holding the verified copies of the deltas to apply."""
@@ -52,21 +53,6 @@ class CheckedPlan:
         for shard in index.shards():
             fact = ShardFact.of_file(os.path.join(staging, shard))
             record.check_shard(index.version, shard, fact)
-
-
-def verify_versions(
-    store: VersionStore, indexes: Sequence[VersionIndex], keys: Sequence[TrustedKey]
-) -> dict[int, SignatureRecord]:
-    """Verify each version's signature from its index and shard headers (ranged reads).
-
-    Raises :class:`SignatureError` for an unsigned, untrusted, forged, altered or replayed
-    version (see :func:`deltastore.trust.verify_index`).
-    """
-    records = {}
-    for index in indexes:
-        headers = {s: store.read_shard_header(index.version, s).metadata for s in index.shards()}
-        records[index.version] = verify_index(keys, index, headers)
-    return records
 
 
 def _download_checked(
@@ -129,7 +115,7 @@ def preflight(
             if not keys:
                 raise SignatureError("an empty list of trusted keys was given; pass --trust FILE")
             start = [chain.start_index] if plan.action == "reseed" and chain.start_index else []
-            checked.records = verify_versions(store, [*start, *plan.deltas], keys)
+            checked.records = verify_signatures(store, [*start, *plan.deltas], keys)
             if plan.deltas:
                 checked.delta_store = stage_deltas(store, plan.deltas, checked.records, staging)
         first = plan.deltas[0] if plan.deltas else None
@@ -142,4 +128,4 @@ def preflight(
         shutil.rmtree(staging, ignore_errors=True)
 
 
-__all__ = ["TRUSTED_STAGING", "CheckedPlan", "preflight", "stage_deltas", "verify_versions"]
+__all__ = ["TRUSTED_STAGING", "CheckedPlan", "preflight", "stage_deltas"]
