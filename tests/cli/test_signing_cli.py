@@ -43,7 +43,7 @@ def test_keygen_publish_pull_verify_round_trip(tmp_path: Path) -> None:
     assert checkpoint_bytes(host) == checkpoint_bytes(ckpt[2])
     verify = ["verify", "--store", store, "--local", host, "--base", ckpt[0], "--json"]
     out = deltastore(*verify, "--trust", old + ".pub", "--trust", new + ".pub")
-    assert json.loads(out.stdout) == {"local": host, "version": 2, "matches": True}
+    assert json.loads(out.stdout)["version"] == 2 and json.loads(out.stdout)["matches"]
     unsigned = deltastore(*pull, "--version", "3", "--trust", new + ".pub", check=False)
     assert unsigned.returncode != 0 and "not signed" in unsigned.stderr
     assert checkpoint_bytes(host) == checkpoint_bytes(ckpt[2])
