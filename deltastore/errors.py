@@ -109,3 +109,8 @@ class SnapshotError(DeltastoreError):
 class SignatureError(IntegrityError):
     """A version is unsigned, its signature does not match its manifest (forged, altered or
     replayed under another version or stream), or it is signed by a key that is not trusted."""
+
+
+class InsecureKeyFileWarning(UserWarning):
+    """A private key file is readable or writable by users other than its owner (a warning,
+    not an error: the key still loads)."""

@@ -22,16 +22,12 @@ from typing import Any
 
 import blake3
 
-from deltastore.errors import ConfigError
+from deltastore.errors import ConfigError, InsecureKeyFileWarning
 
 PRIVATE_SUFFIX = ".key"
 PUBLIC_SUFFIX = ".pub"
 KEY_ID_CHARS = 16
 _MAX_KEY_FILE = 64 * 1024
-
-
-class InsecureKeyFileWarning(UserWarning):
-    """A private key file is readable or writable by users other than its owner."""
 
 
 def require_cryptography() -> tuple[ModuleType, ModuleType]:
