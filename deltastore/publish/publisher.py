@@ -72,10 +72,10 @@ from deltastore.publish.shards import ShardWriter
 from deltastore.publish.snapshot import Snapshot
 from deltastore.publish.spool import PayloadSpool
 from deltastore.publish.stream import StreamState
-from deltastore.pull.basecheck import base_digests_record
 from deltastore.storage import VersionStore
 from deltastore.storage.writer import VersionWriter
 from deltastore.trust import SigningKey, as_signing_key
+from deltastore.trust.base import base_digests_record
 
 log = logging.getLogger("deltastore.publish")
 

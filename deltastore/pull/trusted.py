@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
-from deltastore.pull.basecheck import check_base
 from deltastore.pull.chain import Chain, Plan
 from deltastore.pull.local import LocalCheckpoint
 from deltastore.pull.verify import verify_signatures
 from deltastore.storage import VersionStore
 from deltastore.storage.durable import fsync_path
 from deltastore.trust import ShardFact, ShardHasher, SignatureRecord, TrustedKey
+from deltastore.trust.base import check_base
 
 TRUSTED_STAGING = "verified-deltas"
 """Dir under the checkpoint's state dir holding the verified copies of the deltas to apply."""

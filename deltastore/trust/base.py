@@ -12,14 +12,27 @@ full hash of the base on the publisher per new stream, and on a host per seed fr
 from __future__ import annotations
 
 import concurrent.futures as cf
+import mmap
 from typing import Any
 
-from deltastore.codecs import get_checksum
+from deltastore.codecs import Checksum, get_checksum
 from deltastore.errors import FormatError, IntegrityError, NameMismatchError
-from deltastore.format.checkpoint import scan_checkpoint
+from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
-from deltastore.pull.verify import hash_tensor
 from deltastore.trust.manifest import BASE_DIGESTS_KEY
+
+
+def hash_tensor(tensor: CheckpointTensor, checksum: Checksum) -> str:
+    """Digest of a tensor's bytes in a checkpoint file, read through a read-only mmap (no
+    copy of the tensor is held)."""
+    if tensor.entry.nbytes == 0:
+        return checksum.hexdigest(b"")
+    with open(tensor.file, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)[tensor.entry.start : tensor.entry.end]
+        try:
+            return checksum.hexdigest(view)
+        finally:
+            view.release()
 
 
 def base_digests_record(base_dir: str, checksum: str, *, workers: int = 4) -> dict[str, Any]:
@@ -81,4 +94,4 @@ def check_base(base_dir: str, first_delta: VersionIndex, *, workers: int = 4) ->
     return True
 
 
-__all__ = ["base_digests_record", "check_base"]
+__all__ = ["base_digests_record", "check_base", "hash_tensor"]
