@@ -106,7 +106,7 @@ def preflight(
 ) -> Iterator[CheckedPlan]:
     """Check everything ``plan`` will apply before the first write (see the module docstring);
     the staged copies are removed on exit. Raises :class:`SignatureError` (given ``keys``) and
-    the errors of :func:`~deltastore.pull.basecheck.check_base` on a seed from version 0."""
+    the errors of :func:`~deltastore.trust.base.check_base` on a seed from version 0."""
     checked = CheckedPlan()
     staging = os.path.join(local.state_dir, TRUSTED_STAGING)
     try:
