@@ -170,3 +170,15 @@ def step_progress(args: argparse.Namespace, what: str, total: int) -> Iterator[C
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=total)
         yield lambda: bar.advance(task)
+
+
+def add_trust_flag(p: argparse.ArgumentParser) -> None:
+    """``--trust FILE`` (repeatable): public keys a version must be signed by."""
+    p.add_argument(
+        "--trust",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="PREFIX.pub of a key versions must be signed by (repeatable, for key rotation); "
+        "unsigned or otherwise signed versions are refused before anything is written",
+    )

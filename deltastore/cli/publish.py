@@ -41,6 +41,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--full", action="store_true", help="publish a full checkpoint (resets the chain)"
     )
     p.add_argument("--workers", type=int, default=None, help="encode threads (default: cores, ≤8)")
+    p.add_argument(
+        "--sign-key",
+        metavar="FILE",
+        help="PREFIX.key from `deltastore keygen`: sign the version (engines check with --trust)",
+    )
     add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
@@ -100,7 +105,12 @@ def run(args: argparse.Namespace) -> int:
     with phase(args, f"checking --prev against weight_v{latest:06d}'s chain"):
         checked = check_prev_against_chain(store, prev, latest)
     publisher = DeltaPublisher(
-        store, prev, encoding=args.encoding, checksum=args.checksum, workers=args.workers
+        store,
+        prev,
+        encoding=args.encoding,
+        checksum=args.checksum,
+        workers=args.workers,
+        signing_key=args.sign_key,
     )
     with phase(args, f"seeding from --prev {prev}"):
         publisher.seed(continue_latest=True)

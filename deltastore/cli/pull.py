@@ -7,6 +7,7 @@ import argparse
 from deltastore.cli.common import (
     add_json_flag,
     add_storage_option_flag,
+    add_trust_flag,
     parse_storage_options,
     phase,
     print_json,
@@ -57,6 +58,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--base", required=True, help="the engine's base model dir (version 0)")
     p.add_argument("--version", required=True, type=parse_target, help="N or 'latest'")
     p.add_argument("--workers", type=int, default=4, help="apply threads")
+    add_trust_flag(p)
     add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
@@ -66,7 +68,14 @@ def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.store, parse_storage_options(args.storage_option))
     target = resolve_target(store, args.version)
     with phase(args, f"pulling weight_v{target:06d} into {args.local}"):
-        result = pull_weights(args.local, store, target, base_dir=args.base, workers=args.workers)
+        result = pull_weights(
+            args.local,
+            store,
+            target,
+            base_dir=args.base,
+            workers=args.workers,
+            trusted_keys=args.trust,
+        )
     if args.json:
         print_json(
             {

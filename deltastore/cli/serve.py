@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from deltastore.cli import add_storage_option_flag, parse_storage_options
+from deltastore.cli.common import add_trust_flag
 from deltastore.errors import ConfigError
 from deltastore.hooks import load as load_hook
 from deltastore.hooks.loader import PRE_READ
@@ -47,12 +48,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="MODULE.FUNC",
         help="hook(source_dir, target_version) run before a version is read, by import path",
     )
+    add_trust_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from deltastore.pull.server import ServerConfig, serve
+    from deltastore.trust import as_trusted_keys
 
     token = None
     if args.token_file:
@@ -73,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         storage_options=parse_storage_options(args.storage_option),
         pre_read=load_hook(args.pre_read_hook, PRE_READ) if args.pre_read_hook else None,
         workers=args.workers,
+        trusted_keys=tuple(as_trusted_keys(args.trust)) if args.trust else None,
     )
     config.check()
 

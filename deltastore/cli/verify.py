@@ -7,6 +7,7 @@ import argparse
 from deltastore.cli.common import (
     add_json_flag,
     add_storage_option_flag,
+    add_trust_flag,
     parse_storage_options,
     phase,
     print_json,
@@ -28,6 +29,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--local", required=True, help="host-local checkpoint dir")
     p.add_argument("--base", required=True, help="the engine's base model dir (version 0)")
     p.add_argument("--version", type=int, default=None, help="version to verify against")
+    add_trust_flag(p)
     add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
@@ -36,7 +38,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.store, parse_storage_options(args.storage_option))
     with phase(args, f"hashing every tensor of {args.local}"):
-        version = verify_local(args.local, store, args.version, base_dir=args.base)
+        version = verify_local(
+            args.local, store, args.version, base_dir=args.base, trusted_keys=args.trust
+        )
     if args.json:
         print_json({"local": args.local, "version": version, "matches": True})
     else:

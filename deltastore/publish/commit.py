@@ -5,8 +5,10 @@ fence checks, successor, index, "does the commit stand").
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from deltastore.errors import VersionConflictError
 from deltastore.format.index import VersionIndex
@@ -20,6 +22,11 @@ from deltastore.publish.planning import (
 from deltastore.publish.stream import StreamState
 from deltastore.storage import VersionStore
 from deltastore.storage.writer import VersionWriter
+from deltastore.trust import SigningKey, build_manifest, sign_manifest, signed_index
+from deltastore.trust.manifest import BASE_DIGESTS_KEY, ShardFact
+
+BaseRecord = Callable[[], dict[str, Any]]
+"""Rank 0: the base-model record (every base tensor's digest), computed once when asked."""
 
 log = logging.getLogger("deltastore.publish")
 
@@ -72,6 +79,8 @@ def commit_version(
     *,
     encoding: str,
     checksum: str,
+    signing_key: SigningKey | None = None,
+    base_record: BaseRecord | None = None,
 ) -> Outcome:
     """Rank 0: check every rank's shards and commit the index, or abort the version.
 
@@ -97,11 +106,34 @@ def commit_version(
             encoding=encoding,
             checksum=checksum,
         )
+        index = seal_index(index, writes, signing_key, base_record)
     except Exception as exc:
         writer.abort()
         return Outcome(Failure(f"{reason}: {describe(exc)}; nothing was committed"))
     failure = _commit_index(writer, index, reason)
     return Outcome(failure) if failure is not None else Outcome(None, entries, totals)
+
+
+def seal_index(
+    index: VersionIndex,
+    writes: Sequence[Written],
+    signing_key: SigningKey | None,
+    base_record: BaseRecord | None,
+) -> VersionIndex:
+    """``index`` with the base-model record (on a delta built on version 0) and, given a key,
+    the signature over its manifest; shard sizes and digests come from the ranks' writes."""
+    if base_record is not None and index.is_delta and index.base_version == 0:
+        index = dataclasses.replace(index, extra={**index.extra, BASE_DIGESTS_KEY: base_record()})
+    if signing_key is None:
+        return index
+    facts: dict[str, ShardFact] = {}
+    digests: dict[str, dict[str, str]] = {}
+    for w in writes:
+        facts.update(w.shards)
+        for name, placed in w.entries.items():
+            digests.setdefault(placed.shard, {})[name] = placed.digest
+    manifest = build_manifest(index, digests, facts)
+    return signed_index(index, sign_manifest(signing_key, manifest))
 
 
 def _commit_index(writer: VersionWriter, index: VersionIndex, reason: str) -> Failure | None:

@@ -58,6 +58,12 @@ class PublisherConfig:
     """Pinned host buffers for device tensors (None: when CUDA is available)."""
     stage_host_tensors: bool = False
     """Copy host tensors too before encoding (the trainer may change them meanwhile)."""
+    signing_key: Any = None
+    """Sign every version: a private key file path (``deltastore keygen``) or a
+    :class:`~deltastore.trust.SigningKey`; None publishes unsigned versions (docs/signing.md)."""
+    record_base_digests: bool = True
+    """Record every base tensor's digest in each delta built on version 0 (``base_digests``),
+    so a host seeded from another base is refused; costs one hash of the base per stream."""
 
     def __post_init__(self) -> None:
         get_encoding(self.encoding)

@@ -17,6 +17,7 @@ from deltastore.errors import (
     SnapshotError,
     VersionConflictError,
 )
+from deltastore.trust.manifest import ShardFact
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ class Written:
     entries: dict[str, Placement] = field(default_factory=dict)
     wire: int = 0
     """Bytes of the shard files this rank wrote."""
+    shards: dict[str, ShardFact] = field(default_factory=dict)
+    """Each shard this rank wrote: its size and whole-file BLAKE3 (what a signature covers)."""
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ from deltastore.publish.spool import PayloadSpool
 from deltastore.publish.stream import StreamState
 from deltastore.storage import VersionStore
 from deltastore.storage.writer import VersionWriter
+from deltastore.trust import SigningKey, as_signing_key
+from deltastore.trust.base import base_digests_record
 
 log = logging.getLogger("deltastore.publish")
 
@@ -131,6 +133,10 @@ class DeltaPublisher:
         self._diff_settings = DiffSettings.of(
             self.config, self.encoding, self.checksum, self.base_checkpoint
         )
+        self._signing_key: SigningKey | None = None
+        if self.config.signing_key is not None and self.rank == 0:
+            self._signing_key = as_signing_key(self.config.signing_key)
+        self._base_record: dict[str, Any] | None = None
         self.stream: StreamState | None = None
         """Where the stream stands; replaced (never changed) after each commit."""
         self._held: RankSnapshot | None = None
@@ -334,14 +340,14 @@ class DeltaPublisher:
             self.config.threads,
         )
         try:
-            entries, wire = writer.write_all(
+            entries, wire, facts = writer.write_all(
                 plan.shards_of(self.rank), full=plan.layout.full, held=held, stream=stream
             )
         except Exception as exc:
             return Written(self.rank, describe(exc)), exc
         finally:
             metrics["write_s"] = time.perf_counter() - begun
-        return Written(self.rank, None, entries, wire), None
+        return Written(self.rank, None, entries, wire, facts), None
 
     def _commit_phase(
         self,
@@ -368,6 +374,8 @@ class DeltaPublisher:
                 sizes,
                 encoding=self.encoding.name,
                 checksum=self.checksum.name,
+                signing_key=self._signing_key,
+                base_record=self._base_digests if self.config.record_base_digests else None,
             )
             metrics["commit_s"] = time.perf_counter() - commit_started
         try:
@@ -378,6 +386,14 @@ class DeltaPublisher:
             ) from exc
         metrics["coord_s"] += time.perf_counter() - begun - metrics["commit_s"]
         return outcome
+
+    def _base_digests(self) -> dict[str, Any]:
+        """Rank 0: every base tensor's digest (hashed once per publisher, on first need)."""
+        if self._base_record is None:
+            self._base_record = base_digests_record(
+                self.base_checkpoint, self.checksum.name, workers=self.config.threads
+            )
+        return self._base_record
 
     def _advance_phase(
         self,

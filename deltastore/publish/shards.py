@@ -9,7 +9,7 @@ import concurrent.futures as cf
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO, cast
 
 from deltastore.codecs import ByteArray, Checksum, Encoding
 from deltastore.format.safetensors_io import TensorLayout, build_header
@@ -17,9 +17,26 @@ from deltastore.publish.messages import Placement, ShardJob
 from deltastore.publish.rank_state import Encoded, RankSnapshot, apply_payload
 from deltastore.publish.spool import COPY_CHUNK, PayloadSpool
 from deltastore.publish.stream import StreamState
+from deltastore.trust.manifest import ShardFact, ShardHasher
 
 OpenWrite = Callable[[str], AbstractContextManager[BinaryIO]]
 """Opens one file of the version being written, by shard name."""
+
+
+class _HashingWriter:
+    """Passes writes through to ``out`` and hashes them: a shard's size and whole-file BLAKE3
+    come from the bytes as streamed, so a signing publisher never reads a shard back."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self._out = out
+        self.hasher = ShardHasher()
+
+    def write(self, data: Any) -> int:
+        self.hasher.update(data)
+        return self._out.write(data)
+
+    def as_binary(self) -> BinaryIO:
+        return cast(BinaryIO, self)
 
 
 @dataclass(frozen=True)
@@ -35,38 +52,42 @@ class ShardWriter:
 
     def write_all(
         self, jobs: Sequence[ShardJob], *, full: bool, held: RankSnapshot, stream: StreamState
-    ) -> tuple[dict[str, Placement], int]:
-        """Write every job; returns each tensor's placement and the bytes written."""
+    ) -> tuple[dict[str, Placement], int, dict[str, ShardFact]]:
+        """Write every job; returns each tensor's placement, the bytes written and each
+        shard's size and whole-file BLAKE3 (hashed as streamed, for the signature)."""
         entries: dict[str, Placement] = {}
+        facts: dict[str, ShardFact] = {}
         wire = 0
         for job in jobs:
             if full:
-                placed, size = self.write_full(job, held, stream)
+                placed, size, fact = self.write_full(job, held, stream)
             else:
-                placed, size = self.write_delta(job)
+                placed, size, fact = self.write_delta(job)
             entries.update(placed)
+            facts[job.shard] = fact
             wire += size
-        return entries, wire
+        return entries, wire, facts
 
-    def write_delta(self, job: ShardJob) -> tuple[dict[str, Placement], int]:
+    def write_delta(self, job: ShardJob) -> tuple[dict[str, Placement], int, ShardFact]:
         """One delta shard: every tensor's compressed payload as a ``U8`` entry."""
         encoded = self.encoded
         layouts = [TensorLayout(n, "U8", (encoded[n].length,)) for n in job.names]
         header = build_header(layouts, {n: encoded[n].digest for n in job.names})
         entries = {}
         offset = len(header)
-        with self.open_write(job.shard) as out:
+        with self.open_write(job.shard) as sink:
+            out = _HashingWriter(sink)
             out.write(header)
             for n in job.names:
-                self.spool.copy_to(out, encoded[n].offset, encoded[n].length)
+                self.spool.copy_to(out.as_binary(), encoded[n].offset, encoded[n].length)
                 end = offset + encoded[n].length
                 entries[n] = Placement(job.shard, offset, end, encoded[n].digest)
                 offset = end
-        return entries, offset
+        return entries, offset, out.hasher.fact()
 
     def write_full(
         self, job: ShardJob, held: RankSnapshot, stream: StreamState
-    ) -> tuple[dict[str, Placement], int]:
+    ) -> tuple[dict[str, Placement], int, ShardFact]:
         """One shard of a complete HF checkpoint: every tensor's new bytes and digest."""
         sources = held.snapshot.sources
         for name in job.names:
@@ -79,7 +100,8 @@ class ShardWriter:
         header = build_header(layouts, {"format": "pt", **digests})
         entries = {}
         offset = len(header)
-        with self.open_write(job.shard) as out:
+        with self.open_write(job.shard) as sink:
+            out = _HashingWriter(sink)
             out.write(header)
             for n in job.names:
                 data = self._new_bytes(n, held, stream)
@@ -89,7 +111,7 @@ class ShardWriter:
                 entries[n] = Placement(job.shard, offset, end, digests[n])
                 offset = end
                 del data
-        return entries, offset
+        return entries, offset, out.hasher.fact()
 
     def _digest(self, name: str, held: RankSnapshot, stream: StreamState) -> str:
         """A tensor's digest after this publish, reusing a verified one where it can."""

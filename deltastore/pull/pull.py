@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deltastore.errors import (
@@ -27,7 +27,10 @@ from deltastore.pull.repair import RepairSummary
 from deltastore.pull.result import PullResult
 from deltastore.pull.source import PreRead, PullSource, make_source
 from deltastore.pull.stats import ApplyStats
+from deltastore.pull.trusted import CheckedPlan, preflight
 from deltastore.storage import VersionStore
+from deltastore.trust import TrustedKey
+from deltastore.trust.keys import TrustedKeys, load_trusted
 
 log = logging.getLogger("deltastore.pull")
 
@@ -43,6 +46,7 @@ def pull_weights(
     workers: int = 4,
     lock_timeout_s: float = 3600.0,
     process_group: Any = None,
+    trusted_keys: TrustedKeys | None = None,
 ) -> PullResult:
     """Bring ``local_checkpoint_dir`` to ``target_version`` of the store at ``source_dir``.
 
@@ -63,11 +67,19 @@ def pull_weights(
     when torch.distributed is initialised) makes this a collective: every rank pulls into its
     host's dir and the call succeeds only if every rank did (see :mod:`deltastore.pull.fanout`).
 
+    ``trusted_keys`` (public key files or :class:`~deltastore.trust.TrustedKey`, several for
+    rotation) makes the pull apply only versions signed by one of them: every version to
+    apply is verified, and its delta shards staged and checked byte for byte, before the
+    first write (docs/signing.md states the exact guarantee). A seed from the base checks
+    the base against the stream's recorded base digests first.
+
     Raises a :class:`DeltastoreError` subclass naming the version and tensor at fault
-    (:class:`ConfigError` for a local dir overlapping a local store,
+    (:class:`SignatureError` for a version the trusted keys do not vouch for,
+    :class:`ConfigError` for a local dir overlapping a local store,
     :class:`GroupPullError` listing every failed rank in a group pull).
     """
     group = resolve_group(process_group)
+    keys = load_trusted(trusted_keys)
     source = make_source(source_dir, storage_options, pre_read)
     target = source.resolve_target(target_version)
 
@@ -80,6 +92,7 @@ def pull_weights(
                 base_dir,
                 workers=workers,
                 lock_timeout_s=lock_timeout_s,
+                keys=keys,
             )
 
         try:
@@ -139,6 +152,8 @@ class _PullRun:
     workers: int
     stats: ApplyStats
     started: float
+    checked: CheckedPlan = field(default_factory=CheckedPlan)
+    """What the preflight verified (signature records, the verified delta copies)."""
 
     @property
     def store(self) -> VersionStore:
@@ -176,6 +191,7 @@ class _PullRun:
                     self.store, chain.start_index, self.local, workers=self.workers,
                     stats=self.stats,
                 )  # fmt: skip
+                self.checked.check_staged(staging, chain.start_index)
             except BaseException:
                 discard_staging(self.local)
                 raise
@@ -205,8 +221,8 @@ class _PullRun:
         )
         try:
             apply_chain(
-                self.store, plan.deltas, self.local, current, workers=self.workers,
-                stats=self.stats,
+                self.checked.delta_store or self.store, plan.deltas, self.local, current,
+                workers=self.workers, stats=self.stats,
             )  # fmt: skip
         except PutBackError:
             raise  # the pending record stays: the next pull repairs
@@ -225,6 +241,7 @@ def _pull_here(
     *,
     workers: int,
     lock_timeout_s: float,
+    keys: tuple[TrustedKey, ...] | None = None,
 ) -> PullResult:
     base = os.path.abspath(os.fspath(base_dir)) if base_dir is not None else None
     local = LocalCheckpoint(local_checkpoint_dir)
@@ -253,10 +270,12 @@ def _pull_here(
         if plan.action == "noop":
             assert state is not None
             return run.result(plan, state.version, "noop" if repair is None else "repaired", repair)
-        if plan.action == "reseed":
-            run.reseed(chain, state, plan.reason or "the target builds on version 0")
-        if plan.deltas:
-            run.catch_up(chain, plan)
+        with preflight(source.store, chain, plan, local, base, keys, workers=workers) as checked:
+            run.checked = checked
+            if plan.action == "reseed":
+                run.reseed(chain, state, plan.reason or "the target builds on version 0")
+            if plan.deltas:
+                run.catch_up(chain, plan)
     done = run.result(
         plan, target_version, "reseeded" if plan.action == "reseed" else "applied", repair
     )

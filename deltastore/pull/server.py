@@ -95,6 +95,9 @@ class ServerConfig:
     """Apply threads per pull."""
     max_parallel_pulls: int = 4
     """Pulls of different local dirs that may run at once."""
+    trusted_keys: tuple[Any, ...] | None = None
+    """Public keys (files or :class:`~deltastore.trust.TrustedKey`) every pull requires a
+    signature from (``--trust``); None: versions need not be signed."""
 
     def check(self) -> None:
         """Refuse unsafe or broken settings before anything binds (:class:`ConfigError`)."""
@@ -371,6 +374,7 @@ class PullServer:
                 storage_options=self.config.storage_options or None,
                 pre_read=self.config.pre_read,
                 workers=self.config.workers,
+                trusted_keys=self.config.trusted_keys,
             )
         except (DeltastoreError, OSError) as exc:
             return PullReply(False, f"{type(exc).__name__}: {exc}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import mmap
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from deltastore.codecs import Checksum, Digest, get_checksum
@@ -17,6 +18,8 @@ from deltastore.pull.history import check_digest
 from deltastore.pull.local import LocalCheckpoint
 from deltastore.pull.source import open_store
 from deltastore.storage import VersionStore
+from deltastore.trust import SignatureRecord, TrustedKey, verify_index
+from deltastore.trust.keys import TrustedKeys, load_trusted
 
 
 def full_digests(store: VersionStore, index: VersionIndex, checksum: Checksum) -> dict[str, Digest]:
@@ -133,6 +136,21 @@ def verify_checkpoint(
     verify_tensors(local_tensors, expected, where=where, workers=workers)
 
 
+def verify_signatures(
+    store: VersionStore, indexes: Sequence[VersionIndex], keys: Sequence[TrustedKey]
+) -> dict[int, SignatureRecord]:
+    """Verify each version's signature from its index and shard headers (ranged reads).
+
+    Raises :class:`SignatureError` for an unsigned, untrusted, forged, altered or replayed
+    version (see :func:`deltastore.trust.verify_index`).
+    """
+    records = {}
+    for index in indexes:
+        headers = {s: store.read_shard_header(index.version, s).metadata for s in index.shards()}
+        records[index.version] = verify_index(keys, index, headers)
+    return records
+
+
 def verify_local(
     local_checkpoint_dir: str | os.PathLike[str],
     source_dir: VersionStore | str | os.PathLike[str],
@@ -141,12 +159,17 @@ def verify_local(
     *,
     storage_options: dict[str, Any] | None = None,
     workers: int = 4,
+    trusted_keys: TrustedKeys | None = None,
 ) -> int:
     """Check every tensor of a local checkpoint against ``version`` by digest (not by state).
 
     ``version`` defaults to the one the local state records. Returns the version verified.
-    Raises :class:`IntegrityError` / :class:`NameMismatchError` naming the tensors at fault.
+    With ``trusted_keys``, every version of its chain must carry a valid signature of one of
+    them first (the digests compared are then the signed ones).
+    Raises :class:`IntegrityError` / :class:`NameMismatchError` naming the tensors at fault,
+    :class:`SignatureError` for a version the keys do not vouch for.
     """
+    keys = load_trusted(trusted_keys)
     local = LocalCheckpoint(local_checkpoint_dir)
     store = open_store(source_dir, storage_options)
     if version is None:
@@ -161,5 +184,9 @@ def verify_local(
         raise ConfigError(f"version {version} is negative; versions are 0 (the base) and up")
     store.refresh()
     base = os.fspath(base_dir) if base_dir is not None else None
+    if keys is not None and version > 0:
+        chain = resolve_chain(store, version)
+        start = [chain.start_index] if chain.start_index is not None else []
+        verify_signatures(store, [*start, *chain.deltas], keys)
     verify_checkpoint(store, local.dir, version, base, workers)
     return version

@@ -210,6 +210,20 @@ def as_trusted_keys(keys: Iterable[str | os.PathLike[str] | TrustedKey]) -> tupl
     return loaded
 
 
+TrustedKeys = str | os.PathLike[str] | TrustedKey | Iterable[str | os.PathLike[str] | TrustedKey]
+"""One public key file or key, or several (rotation)."""
+
+
+def load_trusted(keys: TrustedKeys | None) -> tuple[TrustedKey, ...] | None:
+    """``keys`` loaded (:class:`ConfigError` naming a bad file, or for an empty list); None
+    when none were given (``trusted_keys=None``: versions need not be signed)."""
+    if keys is None:
+        return None
+    if isinstance(keys, (str, os.PathLike, TrustedKey)):
+        keys = [keys]
+    return as_trusted_keys(keys)
+
+
 def as_signing_key(key: str | os.PathLike[str] | SigningKey) -> SigningKey:
     """A private key file (or an already loaded key) → :class:`SigningKey`."""
     return key if isinstance(key, SigningKey) else load_private_key(key)
@@ -226,5 +240,6 @@ __all__ = [
     "key_id_of",
     "load_private_key",
     "load_public_key",
+    "load_trusted",
     "require_cryptography",
 ]

@@ -36,6 +36,10 @@ SHARD_DIGEST = "blake3"
 
 _READ_CHUNK = 8 << 20
 
+BASE_DIGESTS_KEY = "base_digests"
+"""Index metadata key of the base-model record a stream's first delta carries:
+``{"checksum": "<algorithm>", "tensors": {name: hex digest}}``."""
+
 
 @dataclass(frozen=True)
 class ShardFact:
@@ -105,8 +109,17 @@ class VersionManifest:
     checksum: str | None
     tensors: Mapping[str, TensorFact] = field(default_factory=dict)
     shards: Mapping[str, ShardFact] = field(default_factory=dict)
+    base_digests: Mapping[str, Any] | None = None
+    """The index's ``base_digests`` record (digest of every base tensor, on a stream's first
+    delta); covered only when present, so versions without one sign the same bytes as before."""
 
     def to_dict(self) -> dict[str, Any]:
+        body = self._core()
+        if self.base_digests is not None:
+            body[BASE_DIGESTS_KEY] = self.base_digests
+        return body
+
+    def _core(self) -> dict[str, Any]:
         return {
             "format": MANIFEST_FORMAT,
             "version": self.version,
@@ -158,10 +171,12 @@ def build_manifest(
         checksum=index.checksum,
         tensors=tensors,
         shards=dict(sorted(shards.items())),
+        base_digests=index.extra.get(BASE_DIGESTS_KEY),
     )
 
 
 __all__ = [
+    "BASE_DIGESTS_KEY",
     "MANIFEST_DOMAIN",
     "MANIFEST_FORMAT",
     "SHARD_DIGEST",

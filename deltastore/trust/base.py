@@ -1,0 +1,97 @@
+"""The base-model record: the digest of every base tensor, kept in a stream's first delta.
+
+A delta built on version 0 changes only some tensors; a host whose base differs from the
+trainer's in a tensor the chain never touches would otherwise claim every version with wrong
+bytes. The publisher records every base tensor's digest in the index of each delta built on
+version 0 (metadata key ``base_digests``: ``{"checksum": alg, "tensors": {name: digest}}``,
+covered by the signature when signed; reference readers ignore it), and a host checks its
+base against that record once per seed from the base, before it copies a byte. Cost: one
+full hash of the base on the publisher per new stream, and on a host per seed from the base.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import mmap
+from typing import Any
+
+from deltastore.codecs import Checksum, get_checksum
+from deltastore.errors import FormatError, IntegrityError, NameMismatchError
+from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
+from deltastore.format.index import VersionIndex
+from deltastore.trust.manifest import BASE_DIGESTS_KEY
+
+
+def hash_tensor(tensor: CheckpointTensor, checksum: Checksum) -> str:
+    """Digest of a tensor's bytes in a checkpoint file, read through a read-only mmap (no
+    copy of the tensor is held)."""
+    if tensor.entry.nbytes == 0:
+        return checksum.hexdigest(b"")
+    with open(tensor.file, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)[tensor.entry.start : tensor.entry.end]
+        try:
+            return checksum.hexdigest(view)
+        finally:
+            view.release()
+
+
+def base_digests_record(base_dir: str, checksum: str, *, workers: int = 4) -> dict[str, Any]:
+    """The record of ``base_dir``: every tensor's digest in ``checksum`` (one full hash)."""
+    algorithm = get_checksum(checksum)
+    tensors = scan_checkpoint(base_dir)
+    names = sorted(tensors)
+    with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-base") as pool:
+        digests = list(pool.map(lambda n: hash_tensor(tensors[n], algorithm), names))
+    return {"checksum": algorithm.name, "tensors": dict(zip(names, digests))}
+
+
+def _parse(index: VersionIndex) -> tuple[str, dict[str, str]] | None:
+    record = index.extra.get(BASE_DIGESTS_KEY)
+    if record is None:
+        return None
+    where = f"weight_v{index.version:06d}"
+    tensors = record.get("tensors") if isinstance(record, dict) else None
+    checksum = record.get("checksum") if isinstance(record, dict) else None
+    if not isinstance(checksum, str) or not isinstance(tensors, dict):
+        raise FormatError(
+            f"{where}: the {BASE_DIGESTS_KEY} record is malformed; the index was altered or "
+            "written by an incompatible publisher"
+        )
+    return checksum, tensors
+
+
+def check_base(base_dir: str, first_delta: VersionIndex, *, workers: int = 4) -> bool:
+    """Refuse a base that is not the one the stream was published from.
+
+    ``first_delta`` is the delta built on version 0 that a seed from the base applies first.
+    Returns False (nothing checked) when it carries no record (older publishers, reference
+    trainers). Raises :class:`IntegrityError` naming the first differing tensors, and
+    :class:`NameMismatchError` when the base lacks or adds tensors.
+    """
+    parsed = _parse(first_delta)
+    if parsed is None:
+        return False
+    checksum, expected = parsed
+    algorithm = get_checksum(checksum)
+    where = f"base {base_dir} (checked against weight_v{first_delta.version:06d})"
+    local = scan_checkpoint(base_dir)
+    if set(local) != set(expected):
+        raise NameMismatchError(
+            f"{where}: the base lacks {sorted(set(expected) - set(local))[:5]} and has "
+            f"{sorted(set(local) - set(expected))[:5]} that the trainer's base does not; pass "
+            "the model the trainer was seeded from as --base"
+        )
+    names = sorted(expected)
+    with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-base") as pool:
+        digests = list(pool.map(lambda n: hash_tensor(local[n], algorithm), names))
+    wrong = [n for n, d in zip(names, digests) if d != expected[n]]
+    if wrong:
+        raise IntegrityError(
+            f"{where}: tensor(s) {wrong[:5]} differ from the trainer's base ({checksum}); this "
+            "host's --base is not the model the stream was published from: pass the trainer's "
+            "base model"
+        )
+    return True
+
+
+__all__ = ["base_digests_record", "check_base", "hash_tensor"]
