@@ -18,7 +18,7 @@ from deltastore.errors import (
 from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.state import AppliedState, PendingTransition
 from deltastore.pull.apply import apply_chain
-from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain
+from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain, resolve_onto
 from deltastore.pull.fanout import pull_in_group, resolve_group
 from deltastore.pull.full import check_full_complete, discard_staging, stage_full, swap_in
 from deltastore.pull.local import LocalCheckpoint, same_dir
@@ -239,7 +239,13 @@ def _pull_here(
         state = local.read_state()
         pending = local.read_pending()
         source.refresh(target_version if target_version > 0 else None)
-        chain = resolve_chain(source.store, target_version)
+        # A host holding a version of the target's stream resolves only what is new; the
+        # whole chain is walked only for a repair or a reseed.
+        chain = (
+            resolve_onto(source.store, target_version, state)
+            if pending is None
+            else resolve_chain(source.store, target_version)
+        )
         repair: RepairSummary | None = None
         if pending is not None:
             state, repair = recover(
@@ -249,6 +255,9 @@ def _pull_here(
             source.store, local, state, chain, base, workers, suspect=pending is not None
         )
         plan = plan_pull(source.store, chain, state)
+        if plan.action == "reseed" and chain.partial:
+            chain = resolve_chain(source.store, target_version)
+            plan = plan_pull(source.store, chain, state)
         log.info("%s: plan: %s", local.dir, plan.describe())
         if plan.action == "noop":
             assert state is not None
