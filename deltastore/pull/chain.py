@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from deltastore.errors import VersionNotFoundError
 from deltastore.format.index import VersionIndex
 from deltastore.format.state import AppliedState
 from deltastore.storage import VersionStore
-from deltastore.errors import VersionNotFoundError
 from deltastore.storage.chain import iter_chain, walk_chain
 
 log = logging.getLogger("deltastore.pull")
