@@ -16,6 +16,11 @@ copy of the base:
   same ``--workers``.
 
 Both end byte-exact (checked). Prints both times and the ratio deltastore / reference.
+
+``--s3`` also measures a reseed through S3 (a moto server in this process): a full version is
+published to it, then, best of ``--repeat``, ``s3fs.get`` of that version's files into a
+fresh dir against ``pull_weights`` reseeding a fresh host from it (download, verify every
+tensor, durable). Prints the ratio deltastore / s3fs.
 """
 
 from __future__ import annotations
@@ -144,6 +149,37 @@ def checkpoint_bytes(directory: str) -> dict[str, bytes]:
     return out
 
 
+def s3_reseed(work: str, base: str, model: dict[str, torch.Tensor], args: argparse.Namespace):
+    """Best-of times of ``s3fs.get`` of a full version's files and of a reseed pull from it."""
+    import fsspec
+
+    from deltastore.testing.servers import start_moto_s3
+
+    with start_moto_s3() as server:
+        server.make_bucket("bench")
+        options = server.storage_options
+        url = "s3://bench/run"
+        publisher = DeltaPublisher(url, base, storage_options=options)
+        publisher.seed()
+        publisher.publish(model.items(), full=True)
+        fs, root = fsspec.core.url_to_fs(url, **options)
+        files = [f for f in fs.find(root + "/weight_v000001") if f.endswith(".safetensors")]
+        times: dict[str, list[float]] = {"s3fs.get": [], "deltastore": []}
+        for attempt in range(args.repeat):
+            target = os.path.join(work, f"s3get{attempt}")
+            os.makedirs(target)
+            started = time.perf_counter()
+            fs.get(files, target + "/")
+            times["s3fs.get"].append(time.perf_counter() - started)
+            host = os.path.join(work, f"s3host{attempt}")
+            started = time.perf_counter()
+            pull_weights(host, url, 1, base, storage_options=options, workers=args.workers)
+            times["deltastore"].append(time.perf_counter() - started)
+            shutil.rmtree(target)
+            shutil.rmtree(host)
+        return {side: min(t) for side, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tensors", type=int, default=84)
@@ -152,6 +188,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of one pull")
+    parser.add_argument("--s3", action="store_true", help="also a reseed through S3 (moto)")
     parser.add_argument("--workdir", help="scratch dir (default: a temp dir, removed after)")
     args = parser.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="deltastore-pullspeed-")
@@ -184,6 +221,14 @@ def main() -> None:
         print(f"reference  {best['reference']:.3f} s  ({size_mb / best['reference']:.0f} MB/s)")
         print(f"deltastore {best['deltastore']:.3f} s  ({size_mb / best['deltastore']:.0f} MB/s)")
         print(f"ratio deltastore / reference: {best['deltastore'] / best['reference']:.2f}x")
+        if args.s3:
+            best = s3_reseed(work, base, model, args)
+            mb_s = {side: size_mb / t for side, t in best.items()}
+            print(
+                f"s3 reseed: s3fs.get {best['s3fs.get']:.3f} s ({mb_s['s3fs.get']:.0f} MB/s), "
+                f"deltastore {best['deltastore']:.3f} s ({mb_s['deltastore']:.0f} MB/s)"
+            )
+            print(f"ratio deltastore / s3fs.get: {best['deltastore'] / best['s3fs.get']:.2f}x")
         if args.profile:
             host = os.path.join(work, "profiled")
             shutil.rmtree(host, ignore_errors=True)

@@ -156,6 +156,9 @@ class NearestStores(VersionStore):
     def list_files(self, version: int) -> list[str]:
         return self._read(version, lambda s: s.list_files(version))
 
+    def download(self, version: int, name: str, dst: str) -> int:
+        return self._read(version, lambda s: s.download(version, name, dst))
+
     @contextlib.contextmanager
     def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
         position, _ = self._serve(version)

@@ -8,6 +8,7 @@ filesystem, backend and retried call.
 from __future__ import annotations
 
 import contextlib
+import os
 import posixpath
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
@@ -95,6 +96,21 @@ class FileReads:
         return parse_header(
             self.read_range(version, name, 8, 8 + length), file_size=size, source=source
         )
+
+    def download(self, version: int, name: str, dst: str) -> int:
+        """Copy a file of a version to the local path ``dst`` (one streamed GET on an object
+        store; not fsynced) and return its size in bytes. A retry rewrites ``dst`` whole.
+
+        Raises :class:`VersionNotFoundError` if the file is missing (pruned).
+        """
+        path = self.file_path(version, name)
+        try:
+            self._guard(f"downloading {path}", lambda: self.fs.get_file(path, dst))
+        except FileNotFoundError:
+            raise VersionNotFoundError(
+                f"{name} of weight_v{version:06d} is missing in {self.url}"
+            ) from None
+        return os.path.getsize(dst)
 
     @contextlib.contextmanager
     def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
