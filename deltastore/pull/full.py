@@ -38,9 +38,12 @@ def check_full_complete(
     if model is None:
         return
     sizes: dict[str, int] = {}
-    for shard in index.shards():
+
+    def read(shard: str) -> None:  # shard headers are read concurrently: a round trip each
         header = store.read_shard_header(index.version, shard)
         sizes.update({name: entry.nbytes for name, entry in header.tensors.items()})
+
+    run_pool(list(index.shards()), read, 8, name="deltastore-headers")
     missing = sorted(set(model) - set(sizes))
     extra = sorted(set(sizes) - set(model))
     resized = sorted(n for n in set(model) & set(sizes) if model[n].entry.nbytes != sizes[n])
@@ -118,7 +121,7 @@ def stage_full(
         names = {n for n, t in staged.items() if os.path.basename(t.file) == shard}
         check_shard_names(index, shard, names, source=f"{store.url}/{where}/{shard}")
     if index.checksum:
-        digests = full_digests(store, index, get_checksum(index.checksum))
+        digests = full_digests(store, index, get_checksum(index.checksum), staged=staging)
         verify_tensors(staged, digests, where=f"{store.url}/{where}", workers=workers)
     return staging
 

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+_HEADER_GUESS = 64 * 1024
+"""Bytes a shard-header read asks for at once (the 8-byte length prefix and the header)."""
+
 
 class FileReads:
     """Reads of a version's files; see :class:`~deltastore.storage.store.VersionStore`."""
@@ -90,12 +93,15 @@ class FileReads:
         """Parse a shard's safetensors header with ranged reads (no data is read)."""
         source = f"{self.url}/{version_dir_name(version)}/{name}"
         size = self.file_size(version, name)
-        length = header_length(self.read_range(version, name, 0, min(8, size)), source=source)
+        # One read covers the length prefix and a header of up to 64 KiB (most shards'); a
+        # longer header takes a second read for the rest.
+        head = self.read_range(version, name, 0, min(_HEADER_GUESS, size))
+        length = header_length(head[:8], source=source)
         if 8 + length > size:
             raise FormatError(f"{source} is truncated inside its {length}-byte header")
-        return parse_header(
-            self.read_range(version, name, 8, 8 + length), file_size=size, source=source
-        )
+        if 8 + length > len(head):
+            head += self.read_range(version, name, len(head), 8 + length)
+        return parse_header(head[8 : 8 + length], file_size=size, source=source)
 
     def download(self, version: int, name: str, dst: str) -> int:
         """Copy a file of a version to the local path ``dst`` (one streamed GET on an object
