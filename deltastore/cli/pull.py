@@ -14,6 +14,7 @@ from deltastore.cli.common import (
 )
 from deltastore.errors import ConfigError
 from deltastore.pull import pull_weights
+from deltastore.pull.source import PullSource, open_store
 from deltastore.storage import VersionStore
 
 
@@ -31,17 +32,9 @@ def resolve_target(store: VersionStore, target: int | str) -> int:
     Raises :class:`ConfigError` for ``"latest"`` of a URL where nothing was ever published:
     a mistyped path must not read as an empty store (and reset a host to the base).
     """
-    if target != "latest":
-        if not isinstance(target, int):
-            raise ConfigError(f"bad version {target!r}: a number or 'latest'")
-        return target
-    store.refresh()
-    latest = store.latest()
-    if latest == 0 and not store.fs.exists(store.root):
-        raise ConfigError(
-            f"no store at {store.url}: nothing was ever published there; check the URL"
-        )
-    return latest
+    if target != "latest" and not isinstance(target, int):
+        raise ConfigError(f"bad version {target!r}: a number or 'latest'")
+    return PullSource(store).resolve_target(target)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,7 +46,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "directory without a state file is treated as holding nothing and reseeded."
         ),
     )
-    p.add_argument("--store", required=True, help="store URL")
+    p.add_argument(
+        "--store",
+        required=True,
+        action="append",
+        help="store URL; repeat it for copies of one run, nearest first (each version is read "
+        "from the first store that has it)",
+    )
     p.add_argument("--local", required=True, help="host-local checkpoint dir (patched in place)")
     p.add_argument("--base", required=True, help="the engine's base model dir (version 0)")
     p.add_argument("--version", required=True, type=parse_target, help="N or 'latest'")
@@ -65,7 +64,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    store = VersionStore(args.store, parse_storage_options(args.storage_option))
+    store = open_store(args.store, parse_storage_options(args.storage_option))
     target = resolve_target(store, args.version)
     with phase(args, f"pulling weight_v{target:06d} into {args.local}"):
         result = pull_weights(

@@ -26,6 +26,9 @@ class AppliedState:
     files: dict[str, tuple[int, int]] | None = None
     """Weight file name → (size in bytes, mtime in ns) when the state was written; a pull that
     finds other values fully verifies the checkpoint. None: not recorded (a foreign writer)."""
+    sources: dict[int, str] | None = None
+    """Version → URL of the store it was read from, for the versions the last pull read when it
+    read from several stores (``sources`` in the file; reference readers ignore it)."""
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {"version": format_version(self.version)}
@@ -35,6 +38,8 @@ class AppliedState:
             body["source"] = self.source
         if self.files is not None:
             body["files"] = {name: list(value) for name, value in sorted(self.files.items())}
+        if self.sources is not None:
+            body["sources"] = {format_version(v): url for v, url in sorted(self.sources.items())}
         return (json.dumps(body) + "\n").encode()
 
     @classmethod
@@ -55,7 +60,18 @@ class AppliedState:
             stream if isinstance(stream, str) else None,
             src if isinstance(src, str) else None,
             _parse_files(body.get("files")),
+            _parse_sources(body.get("sources")),
         )
+
+
+def _parse_sources(value: object) -> dict[int, str] | None:
+    """The ``sources`` record, or None when absent or malformed (it is informational)."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        return {parse_version(k): v for k, v in value.items() if isinstance(v, str)}
+    except (ValueError, FormatError):
+        return None
 
 
 def _parse_files(value: object) -> dict[str, tuple[int, int]] | None:

@@ -2,9 +2,11 @@
 
 A run of deltas is applied in **one pass per tensor** (catch-up): each changed tensor's payload
 is read once per version, payloads of a foldable encoding are folded and applied once, the
-others in order, on a copy; the result is verified against the final version's digest *before*
-it is written. So whatever happens, each tensor on disk is either at the version the run starts
-from, at the version it ends at, or (a write torn by a crash) neither;
+others in order. Payloads of one foldable, self-inverse encoding (``xor``) are applied straight
+into the mapped file and the result verified there; one that does not verify is put back at
+once by applying the same payloads again. Any other run is applied on a copy, verified
+*before* it is written. So whatever happens, each tensor on disk is either at the version the
+run starts from, at the version it ends at, or (a write torn by a crash) neither;
 :mod:`deltastore.pull.repair` relies on exactly that.
 """
 
@@ -15,11 +17,12 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from deltastore.codecs import ByteArray
 from deltastore.errors import IntegrityError, PutBackError
 from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
-from deltastore.pull.fold import UndoRecord, fold_apply, read_payloads
+from deltastore.pull.fold import UndoRecord, applies_in_place, fold_apply, read_payloads
 from deltastore.pull.history import (
     TensorHistory,
     check_contiguous,
@@ -63,25 +66,47 @@ class _ChainApplier:
         self._lock = threading.Lock()
 
     def apply_one(self, tensor: TensorHistory) -> None:
-        """Fold, verify, then write one tensor (nothing is written unless it verifies)."""
+        """Fold, apply, verify one tensor: a tensor that does not verify is left (or put back)
+        as it was."""
         target = self.local_tensors[tensor.name]
         frames = read_payloads(self.store, tensor.payloads, self.stats)
         view = self.files.view(target)
+        if applies_in_place(tensor.payloads):
+            self._apply_in_place(tensor, target, view, frames)
+            return
         result = fold_apply(view, tensor.payloads, frames, tensor.name)
         if not tensor.final.matches(result):
-            first, final = tensor.payloads[0].version, tensor.payloads[-1].version
-            raise IntegrityError(
-                f"{self.last}: tensor {tensor.name!r} does not match its published "
-                f"{tensor.final.checksum.name} digest after applying v{first:06d}..v{final:06d} "
-                f"(want {tensor.final.hex}); the delta is corrupt or the local checkpoint "
-                f"is not at v{self.applied_version:06d}. Nothing of this tensor was written"
-            )
+            raise self._mismatch(tensor, "Nothing of this tensor was written")
         undo = UndoRecord.of(view, result, tensor.payloads, frames)
         with self._lock:
             self.written.append(_Written(target, tensor.name, undo))
         view[:] = result
         if self.stats is not None:
             self.stats.add(tensors=1, bytes_written=target.entry.nbytes)
+
+    def _apply_in_place(
+        self, tensor: TensorHistory, target: CheckpointTensor, view: ByteArray, frames: list[bytes]
+    ) -> None:
+        """XOR-like payloads go straight into the map (one pass instead of copy, apply, copy
+        back); a result that does not verify is put back by applying them again."""
+        fold_apply(view, tensor.payloads, frames, tensor.name, in_place=True)
+        if not tensor.final.matches(view):
+            fold_apply(view, tensor.payloads[::-1], frames[::-1], tensor.name, in_place=True)
+            raise self._mismatch(tensor, "The tensor was put back as it was")
+        with self._lock:
+            undo = UndoRecord(tuple(tensor.payloads), frames=tuple(frames))
+            self.written.append(_Written(target, tensor.name, undo))
+        if self.stats is not None:
+            self.stats.add(tensors=1, bytes_written=target.entry.nbytes)
+
+    def _mismatch(self, tensor: TensorHistory, what_was_done: str) -> IntegrityError:
+        first, final = tensor.payloads[0].version, tensor.payloads[-1].version
+        return IntegrityError(
+            f"{self.last}: tensor {tensor.name!r} does not match its published "
+            f"{tensor.final.checksum.name} digest after applying v{first:06d}..v{final:06d} "
+            f"(want {tensor.final.hex}); the delta is corrupt or the local checkpoint "
+            f"is not at v{self.applied_version:06d}. {what_was_done}"
+        )
 
     def put_back(self, cause: BaseException, local_dir: str) -> None:
         """Restore every tensor already written and flush; :class:`PutBackError` if that fails."""

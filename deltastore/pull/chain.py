@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from deltastore.errors import VersionNotFoundError
 from deltastore.format.index import VersionIndex
 from deltastore.format.state import AppliedState
 from deltastore.storage import VersionStore
-from deltastore.storage.chain import walk_chain
+from deltastore.storage.chain import iter_chain, walk_chain
 
 log = logging.getLogger("deltastore.pull")
 
@@ -31,6 +32,10 @@ class Chain:
     start_index: VersionIndex | None
     """The full version's index, None when starting from the base."""
     deltas: list[VersionIndex]
+    start_stream: str | None = None
+    partial: bool = False
+    """True when resolved only back to the host's applied version ``start`` (whose stream is
+    ``start_stream``), not to a full version or the base: good for a catch-up, not a reseed."""
 
     @property
     def stream_id(self) -> str | None:
@@ -52,6 +57,8 @@ class Chain:
         return None
 
     def stream_at(self, version: int) -> str | None:
+        if version == self.start and self.partial:
+            return self.start_stream
         if version == self.start:
             return self.start_index.stream_id if self.start_index else None
         for delta in self.deltas:
@@ -69,6 +76,38 @@ def resolve_chain(store: VersionStore, target: int) -> Chain:
     """
     start, deltas = walk_chain(store, target)
     return Chain(target, start.version if start else 0, start, deltas)
+
+
+def resolve_onto(store: VersionStore, target: int, state: AppliedState | None) -> Chain:
+    """The chain to ``target`` as seen from a host holding ``state``: O(versions applied).
+
+    A host that holds a verified version of the target's stream needs only the deltas after
+    it: the walk from ``target`` stops at the host's version, and each delta read must be of
+    the host's stream and link, base by base, onto the host's version. Anything else (no
+    state, the base, a full version or a gap on the way, another stream, a backward target)
+    resolves the whole chain with :func:`resolve_chain` (a reseed needs its start). Raises
+    what :func:`resolve_chain` raises.
+    """
+    if state is None or state.version <= 0 or state.version >= target:
+        return resolve_chain(store, target)
+    held = state.version
+
+    def read(version: int) -> VersionIndex | None:
+        return None if version <= held else store.index(version)
+
+    try:
+        deltas = list(iter_chain(target, read))
+    except VersionNotFoundError:
+        return resolve_chain(store, target)  # the full walk names what is missing
+    deltas.reverse()
+    if (
+        not deltas
+        or not all(d.is_delta for d in deltas)
+        or deltas[0].base_version != held
+        or any(d.stream_id != state.stream_id for d in deltas)
+    ):
+        return resolve_chain(store, target)
+    return Chain(target, held, None, deltas, state.stream_id, partial=True)
 
 
 def version_bytes(store: VersionStore, index: VersionIndex) -> int:
@@ -153,6 +192,10 @@ def plan_pull(store: VersionStore, chain: Chain, state: AppliedState | None) -> 
             return Plan("noop", target, state.version)
         else:
             catchup = sum(version_bytes(store, d) for d in todo)
+            if chain.partial:
+                # A partial chain never includes a full version between the host and the
+                # target, so reseeding would move every byte of this catch-up and more.
+                return Plan("catchup", target, state.version, todo, catchup)
             reseed_bytes = _reseed_bytes(store, chain)
             if chain.start_index is not None and reseed_bytes < catchup:
                 return Plan(

@@ -99,7 +99,7 @@ def pull_all(
     target_version: int,
     *,
     local_checkpoint_dir: str | Mapping[str, str],
-    source_dir: str,
+    source_dir: str | Sequence[str],
     token: str | None = None,
     timeout_s: float = 3600.0,
     max_parallel: int | None = None,
@@ -120,7 +120,8 @@ def pull_all(
                 directory = local_checkpoint_dir[endpoint]
             except KeyError:
                 raise ConfigError(f"no local_checkpoint_dir given for {endpoint}") from None
-        return PullRequest(directory, source_dir, target_version)
+        sources = source_dir if isinstance(source_dir, str) else tuple(source_dir)
+        return PullRequest(directory, sources, target_version)
 
     requests = [request_for(e) for e in endpoints]
     with cf.ThreadPoolExecutor(max_parallel or len(endpoints)) as pool:

@@ -43,17 +43,24 @@ def decompress_payload(
 
 
 def fold_apply(
-    current: ByteArray, payloads: Sequence[PayloadRef], frames: Sequence[bytes], name: str
+    current: ByteArray,
+    payloads: Sequence[PayloadRef],
+    frames: Sequence[bytes],
+    name: str,
+    *,
+    in_place: bool = False,
 ) -> ByteArray:
-    """``current`` with ``payloads`` applied in order, as a new array (``current`` untouched).
+    """``current`` with ``payloads`` applied in order, as a new array (``current`` untouched),
+    or into ``current`` itself when ``in_place`` (see :func:`applies_in_place`).
 
     Consecutive payloads of one foldable encoding are folded into one payload and applied
     once; the others are applied one by one. Raises :class:`FormatError` naming the version
     whose payload does not fit.
     """
     nbytes = current.size
-    result = current.copy()
+    result = current if in_place else current.copy()
     folded: ByteArray | None = None
+    owned = False  # whether `folded` is a private copy (a frame's bytes are read-only)
     folding: Encoding | None = None
     last_version = 0
 
@@ -73,14 +80,33 @@ def fold_apply(
             continue
         try:
             if folded is None:
-                folded, folding = np.frombuffer(raw, dtype=np.uint8).copy(), encoding
+                # One payload (the common case) is applied straight from its decompressed
+                # bytes; a private copy is made only when a second one folds into it.
+                folded, folding, owned = np.frombuffer(raw, dtype=np.uint8), encoding, False
             else:
+                if not owned:
+                    folded, owned = folded.copy(), True
                 folded = encoding.fold(folded, raw, tensor=name)
         except FormatError as exc:
             raise FormatError(f"{payload.where}: {exc}") from None
         last_version = payload.version
     apply_folded()
     return result
+
+
+def applies_in_place(payloads: Sequence[PayloadRef]) -> bool:
+    """True when ``payloads`` may be applied straight into the tensor's mapped bytes.
+
+    That needs one encoding that is foldable (every payload is decompressed and folded before
+    the tensor is touched, and its size is checked before anything is written) and
+    self-inverse (applying the same payloads again puts the old bytes back when the result
+    does not verify).
+    """
+    encodings = {get_encoding(p.encoding) for p in payloads}
+    if len(encodings) != 1:
+        return False
+    (encoding,) = encodings
+    return encoding.foldable and encoding.self_inverse
 
 
 def _apply(

@@ -51,15 +51,22 @@ class PullRequest:
     """``POST /pull_weights`` body."""
 
     local_checkpoint_dir: str
-    source_dir: str
-    """A local directory or a store URL (``s3://``, ``gs://``, ...)."""
+    source_dir: str | tuple[str, ...]
+    """A local directory or a store URL (``s3://``, ``gs://``, ...), or several copies of one
+    run's store, nearest first (each version is read from the first that has it)."""
     target_version: int
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """``source_dir`` as a tuple of one or more sources."""
+        return (self.source_dir,) if isinstance(self.source_dir, str) else self.source_dir
+
     def to_json(self) -> bytes:
+        source = self.source_dir if isinstance(self.source_dir, str) else list(self.source_dir)
         return json.dumps(
             {
                 "local_checkpoint_dir": self.local_checkpoint_dir,
-                "source_dir": self.source_dir,
+                "source_dir": source,
                 "target_version": self.target_version,
             }
         ).encode()
@@ -68,17 +75,34 @@ class PullRequest:
     def from_json(cls, data: bytes | str | Mapping[str, Any]) -> PullRequest:
         """Parse a request; :class:`FormatError` names the missing or mistyped field."""
         body = _load_object(data, "the request")
-        fields = {}
-        for key in ("local_checkpoint_dir", "source_dir"):
-            value = body.get(key)
-            if not isinstance(value, str) or not value:
-                raise FormatError(f"the request needs {key!r} as a non-empty string")
-            fields[key] = check_request_path(value, key)
+        local = body.get("local_checkpoint_dir")
+        if not isinstance(local, str) or not local:
+            raise FormatError("the request needs 'local_checkpoint_dir' as a non-empty string")
         return cls(
-            fields["local_checkpoint_dir"],
-            fields["source_dir"],
+            check_request_path(local, "local_checkpoint_dir"),
+            _source_dir(body.get("source_dir")),
             _target_version(body.get("target_version")),
         )
+
+
+MAX_SOURCES = 8
+"""Most stores one request may name in ``source_dir``."""
+
+
+def _source_dir(raw: object) -> str | tuple[str, ...]:
+    """A non-empty string, or a list of 1..MAX_SOURCES of them (each a checked path/URL)."""
+    if isinstance(raw, str) and raw:
+        return check_request_path(raw, "source_dir")
+    if (
+        isinstance(raw, list)
+        and 0 < len(raw) <= MAX_SOURCES
+        and all(isinstance(item, str) and item for item in raw)
+    ):
+        return tuple(check_request_path(item, "source_dir") for item in raw)
+    raise FormatError(
+        "the request needs 'source_dir' as a non-empty string or a list of 1 to "
+        f"{MAX_SOURCES} non-empty strings (stores nearest first)"
+    )
 
 
 def _target_version(raw: object) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,14 +18,21 @@ from deltastore.errors import (
 from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.state import AppliedState, PendingTransition
 from deltastore.pull.apply import apply_chain
-from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain
+from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain, resolve_onto
 from deltastore.pull.fanout import pull_in_group, resolve_group
 from deltastore.pull.full import check_full_complete, discard_staging, stage_full, swap_in
 from deltastore.pull.local import LocalCheckpoint, same_dir
 from deltastore.pull.recover import recover, trusted_state
 from deltastore.pull.repair import RepairSummary
 from deltastore.pull.result import PullResult
-from deltastore.pull.source import PreRead, PullSource, make_source
+from deltastore.pull.source import (
+    PreRead,
+    PullSource,
+    StoreSpec,
+    each_store,
+    make_source,
+    source_of,
+)
 from deltastore.pull.stats import ApplyStats
 from deltastore.pull.trusted import CheckedPlan, preflight
 from deltastore.storage import VersionStore
@@ -37,7 +44,7 @@ log = logging.getLogger("deltastore.pull")
 
 def pull_weights(
     local_checkpoint_dir: str | os.PathLike[str],
-    source_dir: VersionStore | str | os.PathLike[str],
+    source_dir: StoreSpec | Sequence[StoreSpec],
     target_version: int | str,
     base_dir: str | os.PathLike[str] | None = None,
     *,
@@ -62,6 +69,11 @@ def pull_weights(
     is verified against the published digest; the state file never names a version whose
     bytes were not verified and flushed. A store passed in is not modified (``pre_read`` is
     this call's own hook).
+
+    ``source_dir`` may be a list of stores holding copies of one run, nearest first (e.g. a
+    replica made by ``deltastore replicate``, then the trainer's store): each version is read
+    from the first that has it committed, and ``state.json`` records where each came from
+    (see :mod:`deltastore.pull.nearest`).
 
     ``process_group`` (a ``ProcessGroup``, ``"world"``, or ``"auto"`` for the default group
     when torch.distributed is initialised) makes this a collective: every rank pulls into its
@@ -169,6 +181,15 @@ class _PullRun:
             repair, s.payloads,
         )  # fmt: skip
 
+    def applied(self, version: int, stream: str | None) -> AppliedState:
+        """The state recording ``version``: the store it came from, and, when reading from
+        several stores, where each version this pull read came from."""
+        sources = None
+        if len(each_store(self.store)) > 1:
+            read = [*self.stats.versions, version]
+            sources = {v: source_of(self.store, v) for v in read if v > 0}
+        return AppliedState(version, stream, source_of(self.store, version), sources=sources)
+
     def reseed(self, chain: Chain, state: AppliedState | None, why: str) -> None:
         """Seed from the chain's start and record it; a full version is staged and verified
         before anything local changes (on failure the host keeps its state and bytes)."""
@@ -200,7 +221,7 @@ class _PullRun:
             self.local.copy_missing_extras(self.base)
             self.stats.add(tensors=tensors)
             self.stats.versions.append(chain.start)
-        self.local.finish(AppliedState(chain.start, stream, self.store.url))
+        self.local.finish(self.applied(chain.start, stream))
 
     def _model(self) -> dict[str, CheckpointTensor] | None:
         """The tensors a full version must match: the base's, else the local checkpoint's."""
@@ -228,9 +249,9 @@ class _PullRun:
             raise  # the pending record stays: the next pull repairs
         except DeltastoreError:
             # apply_chain put back what it wrote: the bytes hold `current` again.
-            self.local.finish(AppliedState(current, from_stream, self.store.url))
+            self.local.finish(self.applied(current, from_stream))
             raise
-        self.local.finish(AppliedState(target, chain.stream_id, self.store.url))
+        self.local.finish(self.applied(target, chain.stream_id))
 
 
 def _pull_here(
@@ -256,7 +277,13 @@ def _pull_here(
         state = local.read_state()
         pending = local.read_pending()
         source.refresh(target_version if target_version > 0 else None)
-        chain = resolve_chain(source.store, target_version)
+        # A host holding a version of the target's stream resolves only what is new; the
+        # whole chain is walked only for a repair or a reseed.
+        chain = (
+            resolve_onto(source.store, target_version, state)
+            if pending is None
+            else resolve_chain(source.store, target_version)
+        )
         repair: RepairSummary | None = None
         if pending is not None:
             state, repair = recover(
@@ -266,6 +293,9 @@ def _pull_here(
             source.store, local, state, chain, base, workers, suspect=pending is not None
         )
         plan = plan_pull(source.store, chain, state)
+        if plan.action == "reseed" and chain.partial:
+            chain = resolve_chain(source.store, target_version)
+            plan = plan_pull(source.store, chain, state)
         log.info("%s: plan: %s", local.dir, plan.describe())
         if plan.action == "noop":
             assert state is not None

@@ -335,10 +335,12 @@ class PullServer:
             body = PullRequest.from_json(await request.read())
             local_dir = self.policy.local_dir(body.local_checkpoint_dir)
             # The source check walks a local store: off the event loop, so /healthz answers.
-            source = await asyncio.get_running_loop().run_in_executor(
-                None, self.policy.source, body.source_dir
-            )
-            self.policy.separate(local_dir, source)
+            sources = [
+                await asyncio.get_running_loop().run_in_executor(None, self.policy.source, one)
+                for one in body.sources
+            ]
+            for one in sources:
+                self.policy.separate(local_dir, one)
         except web.HTTPRequestEntityTooLarge:
             message = f"the request body exceeds {MAX_REQUEST_BYTES} bytes"
             return self._reply(PullReply(False, message), 413)
@@ -351,7 +353,7 @@ class PullServer:
             self.busy.add(local_dir)
             try:
                 reply = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, functools.partial(self._pull, local_dir, source, body)
+                    self.executor, functools.partial(self._pull, local_dir, sources, body)
                 )
             finally:
                 self.busy.discard(local_dir)
@@ -359,16 +361,16 @@ class PullServer:
             "pull %s v%06d from %s: %s",
             local_dir,
             body.target_version,
-            source,
+            ", ".join(sources),
             "ok" if reply.success else reply.message,
         )
         return self._reply(reply)
 
-    def _pull(self, local_dir: str, source: str, body: PullRequest) -> PullReply:
+    def _pull(self, local_dir: str, sources: list[str], body: PullRequest) -> PullReply:
         try:
             result = pull_weights(
                 local_dir,
-                source,
+                sources[0] if len(sources) == 1 else sources,
                 body.target_version,
                 self.config.base_dir,
                 storage_options=self.config.storage_options or None,

@@ -4,23 +4,41 @@ the target resolved ("latest"), and kept apart from the local checkpoint."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from deltastore.errors import ConfigError
+from deltastore.pull.nearest import NearestStores
 from deltastore.storage import VersionStore
 
 PreRead = Callable[[str, int], None]
+StoreSpec = VersionStore | str | os.PathLike[str]
+"""One store: a :class:`VersionStore` or its URL."""
 
 
 def open_store(
-    source: VersionStore | str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    source: StoreSpec | Sequence[StoreSpec], storage_options: dict[str, Any] | None = None
 ) -> VersionStore:
-    """``source`` itself when it is a store (never modified), else a new store at that URL."""
+    """``source`` itself when it is a store (never modified), else a new store at that URL;
+    a list (or tuple) of them reads each version from the first that has it
+    (:class:`~deltastore.pull.nearest.NearestStores`; one item is that store alone)."""
     if isinstance(source, VersionStore):
         return source
-    return VersionStore(os.fspath(source), storage_options)
+    if isinstance(source, (str, os.PathLike)):
+        return VersionStore(os.fspath(source), storage_options)
+    stores = [open_store(item, storage_options) for item in source]
+    return stores[0] if len(stores) == 1 else NearestStores(stores)
+
+
+def each_store(store: VersionStore) -> tuple[VersionStore, ...]:
+    """The stores a pull reads: those of a :class:`NearestStores`, else ``store`` itself."""
+    return store.stores if isinstance(store, NearestStores) else (store,)
+
+
+def source_of(store: VersionStore, version: int) -> str:
+    """URL of the store ``version`` was read from."""
+    return store.source_of(version) if isinstance(store, NearestStores) else store.url
 
 
 @dataclass(frozen=True)
@@ -38,7 +56,8 @@ class PullSource:
         """Make other hosts' commits visible and run the pre-read hooks for ``version``."""
         self.store.refresh(version)
         if self.pre_read is not None and version is not None and version > 0:
-            self.pre_read(self.store.url, version)
+            for store in each_store(self.store):
+                self.pre_read(store.url, version)
 
     def resolve_target(self, target: int | str) -> int:
         """``target`` as a version number: ``"latest"`` is the newest committed version.
@@ -50,10 +69,8 @@ class PullSource:
         if target == "latest":
             self.store.refresh()
             latest = self.store.latest()
-            if (
-                latest == 0
-                and not self.store.is_remote
-                and not self.store.fs.exists(self.store.root)
+            if latest == 0 and all(
+                not s.is_remote and not s.fs.exists(s.root) for s in each_store(self.store)
             ):
                 raise ConfigError(
                     f"no store at {self.store.url}: nothing was ever published there; check "
@@ -72,16 +89,17 @@ class PullSource:
         Pulling into such a dir would overwrite published versions (every host pulling them
         afterwards would get other bytes). Real paths are compared, so links do not hide it.
         """
-        if not self.store.is_local:
-            return
-        root = os.path.realpath(self.store.root)
-        local = os.path.realpath(local_dir)
-        if _within(local, root) or _within(root, local):
-            raise ConfigError(
-                f"local checkpoint dir {local_dir} ({local}) overlaps the store {self.store.url} "
-                f"({root}); pulling there would overwrite published versions. Pass a host-local "
-                "dir outside the store"
-            )
+        for store in each_store(self.store):
+            if not store.is_local:
+                continue
+            root = os.path.realpath(store.root)
+            local = os.path.realpath(local_dir)
+            if _within(local, root) or _within(root, local):
+                raise ConfigError(
+                    f"local checkpoint dir {local_dir} ({local}) overlaps the store {store.url} "
+                    f"({root}); pulling there would overwrite published versions. Pass a "
+                    "host-local dir outside the store"
+                )
 
 
 def _within(path: str, root: str) -> bool:
@@ -89,7 +107,7 @@ def _within(path: str, root: str) -> bool:
 
 
 def make_source(
-    source: VersionStore | str | os.PathLike[str],
+    source: StoreSpec | Sequence[StoreSpec],
     storage_options: dict[str, Any] | None,
     pre_read: PreRead | None,
 ) -> PullSource:

@@ -8,6 +8,7 @@ filesystem, backend and retried call.
 from __future__ import annotations
 
 import contextlib
+import os
 import posixpath
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
     from deltastore.storage.backends import Backend
 
 T = TypeVar("T")
+
+_HEADER_GUESS = 64 * 1024
+"""Bytes a shard-header read asks for at once (the 8-byte length prefix and the header)."""
 
 
 class FileReads:
@@ -89,12 +93,30 @@ class FileReads:
         """Parse a shard's safetensors header with ranged reads (no data is read)."""
         source = f"{self.url}/{version_dir_name(version)}/{name}"
         size = self.file_size(version, name)
-        length = header_length(self.read_range(version, name, 0, min(8, size)), source=source)
+        # One read covers the length prefix and a header of up to 64 KiB (most shards'); a
+        # longer header takes a second read for the rest.
+        head = self.read_range(version, name, 0, min(_HEADER_GUESS, size))
+        length = header_length(head[:8], source=source)
         if 8 + length > size:
             raise FormatError(f"{source} is truncated inside its {length}-byte header")
-        return parse_header(
-            self.read_range(version, name, 8, 8 + length), file_size=size, source=source
-        )
+        if 8 + length > len(head):
+            head += self.read_range(version, name, len(head), 8 + length)
+        return parse_header(head[8 : 8 + length], file_size=size, source=source)
+
+    def download(self, version: int, name: str, dst: str) -> int:
+        """Copy a file of a version to the local path ``dst`` (one streamed GET on an object
+        store; not fsynced) and return its size in bytes. A retry rewrites ``dst`` whole.
+
+        Raises :class:`VersionNotFoundError` if the file is missing (pruned).
+        """
+        path = self.file_path(version, name)
+        try:
+            self._guard(f"downloading {path}", lambda: self.fs.get_file(path, dst))
+        except FileNotFoundError:
+            raise VersionNotFoundError(
+                f"{name} of weight_v{version:06d} is missing in {self.url}"
+            ) from None
+        return os.path.getsize(dst)
 
     @contextlib.contextmanager
     def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:

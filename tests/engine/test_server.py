@@ -314,3 +314,20 @@ def test_pull_all_reports_a_host_that_does_not_speak_http():
             fetch_state(url_c, "/nonexistent", timeout_s=30)
     finally:
         still_not_http.close()
+
+
+def test_a_list_of_sources_is_read_nearest_first_and_each_is_checked(world, tmp_path: Path):
+    published, allowed, server = world
+    local = allowed / "h-near"
+    near = str(allowed / "no-replica-yet")
+    body = pull_body(local, published, 2) | {"source_dir": [near, str(published.store_dir)]}
+    status, reply = http("POST", f"{server.url}/pull_weights", body)
+    assert (status, reply["success"]) == (200, True), reply
+    assert verify_local(local, published.store_dir, 2, published.base_dir) == 2
+    state = json.loads((local / ".weight_sync" / "state.json").read_text())
+    assert set(state["sources"].values()) == {str(published.store_dir)}
+    outside = body | {"source_dir": [str(published.store_dir), str(tmp_path)]}
+    assert http("POST", f"{server.url}/pull_weights", outside)[0] == 403
+    for bad in ([], [""], [1], ["a"] * 9):
+        status, reply = http("POST", f"{server.url}/pull_weights", body | {"source_dir": bad})
+        assert status == 400 and "source_dir" in str(reply["message"]), reply
