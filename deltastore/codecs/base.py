@@ -56,8 +56,13 @@ class Encoding(ABC):
         """Raise :class:`ConfigError` if this encoding cannot represent a tensor of this size."""
 
     @abstractmethod
-    def encode(self, old: ByteArray, new: ByteArray) -> EncodedDelta:
-        """Payload that turns ``old`` into ``new`` (both 1-D uint8 of equal length)."""
+    def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
+        """Payload that turns ``old`` into ``new`` (both 1-D uint8 of equal length).
+
+        ``itemsize`` is the tensor's element size in bytes (from the base checkpoint's header
+        dtype); byte-level encodings ignore it, element-aware ones fall back to bytes for a size
+        they do not handle.
+        """
 
     @abstractmethod
     def max_payload_size(self, nbytes: int) -> int:

@@ -195,6 +195,19 @@ class HostStager:
         return buffer
 
     # ------------------------------------------------------------- staging
+    def charge_for(self, tensor: Any, nbytes: int) -> int:
+        """Budget bytes :meth:`stage` will hold for ``tensor`` of ``nbytes`` bytes: the bytes
+        of a host view, or the pooled buffer's size for a copy."""
+        if isinstance(tensor, np.ndarray):
+            return nbytes
+        device = getattr(tensor, "device", None)
+        on_host = device is None or getattr(device, "type", "cpu") == "cpu"
+        if on_host and not self.stage_host_tensors:
+            return nbytes
+        if not on_host and getattr(device, "type", None) != "cuda":
+            return nbytes
+        return _round_up(nbytes)
+
     def stage(self, name: str, tensor: Any) -> Staged:
         """Host bytes of ``tensor`` (blocks while the budget is spent).
 
