@@ -25,6 +25,7 @@ from deltastore.codecs import ENCODINGS
 from deltastore.errors import ConfigError
 from deltastore.publish.config import default_workers
 
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "bench",
@@ -35,27 +36,51 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "print wire bytes, seconds, GB/s per phase and the ratios (with --json: targets)."
         ),
     )
-    p.add_argument("--model", choices=("synthetic", "small", "moe"), default="synthetic",
-                   help="synthetic: few large tensors; small: hundreds of small ones; moe: "
-                   "--tensors experts of 64 KB (ignored with --checkpoint)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        choices=("synthetic", "small", "moe"),
+        default="synthetic",
+        help="synthetic: few large tensors; small: hundreds of small ones; moe: "
+        "--tensors experts of 64 KB (ignored with --checkpoint)",
+    )
     p.add_argument("--size", type=float, default=256, help="synthetic model MB (default 256)")
     p.add_argument("--tensors", type=int, default=8000, help="moe experts (default 8000)")
     p.add_argument("--layers", type=int, default=24, help="small model layers (default 24)")
     p.add_argument("--checkpoint", default=None, help="real weights: a safetensors directory")
-    p.add_argument("--next", default=None,
-                   help="with --checkpoint: the next checkpoint (default: a simulated step)")  # fmt: skip
-    p.add_argument("--density", type=float, default=0.004,
-                   help="simulated step: share of elements moved ±1 ulp (default 0.004)")  # fmt: skip
-    p.add_argument("--encodings", default="xor,sparse-v1,auto",
-                   help="comma-separated encodings to measure (default xor,sparse-v1,auto)")  # fmt: skip
-    p.add_argument("--encoding", default=None, choices=sorted(ENCODINGS),
-                   help="the encoding of the delta-vs-full table (default: the first measured)")  # fmt: skip
+    p.add_argument(
+        "--next",
+        default=None,
+        help="with --checkpoint: the next checkpoint (default: a simulated step)",
+    )
+    p.add_argument(
+        "--density",
+        type=float,
+        default=0.004,
+        help="simulated step: share of elements moved ±1 ulp (default 0.004)",
+    )
+    p.add_argument(
+        "--encodings",
+        default="xor,sparse-v1,auto",
+        help="comma-separated encodings to measure (default xor,sparse-v1,auto)",
+    )
+    p.add_argument(
+        "--encoding",
+        default=None,
+        choices=sorted(ENCODINGS),
+        help="the encoding of the delta-vs-full table (default: the first measured)",
+    )
     p.add_argument("--workers", type=int, default=None, help="threads, both sides (default: cores)")
     p.add_argument("--repeat", type=int, default=3, help="best of N (default 3)")
-    p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # old name of --repeat
+    p.add_argument(
+        "--steps", type=int, default=None, help=argparse.SUPPRESS
+    )  # old name of --repeat
     p.add_argument("--store", default=None, help="store URL prefix (default: a temp dir)")
-    p.add_argument("--backend", choices=("local", "s3"), default="local",
-                   help="s3: sync through an embedded S3 server (moto) instead of a local dir")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        choices=("local", "s3"),
+        default="local",
+        help="s3: sync through an embedded S3 server (moto) instead of a local dir",
+    )
     p.add_argument("--seed", type=int, default=0)
     add_json_flag(p)
     add_storage_option_flag(p)
@@ -99,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
     from deltastore.cli.bench_measure import Bench, run_all
-    from deltastore.cli.bench_report import report, print_tables
+    from deltastore.cli.bench_report import print_tables, report
 
     repeat = args.steps or args.repeat
     encodings = [e for e in args.encodings.split(",") if e]
@@ -117,10 +142,14 @@ def run(args: argparse.Namespace) -> int:
         root, options = stack.enter_context(_store_root(args, workdir))
         base = os.path.join(workdir, "base")
         os.makedirs(base)
-        save_file({n: t.contiguous() for n, t in before.items()}, os.path.join(base, "model.safetensors"))
+        save_file(
+            {n: t.contiguous() for n, t in before.items()}, os.path.join(base, "model.safetensors")
+        )
         bench = Bench(base, after, workdir, workers, root, options)
         total = repeat * (len(encodings) + 2)
-        with step_progress(args, f"bench {kind}: reference, {', '.join(encodings)}, full copy", total) as advance:
+        with step_progress(
+            args, f"bench {kind}: reference, {', '.join(encodings)}, full copy", total
+        ) as advance:
             run_all(bench, encodings, repeat, advance)
     result = report(args, kind, before, after, bench, encodings, workers, repeat)
     if args.json:

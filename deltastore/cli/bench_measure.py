@@ -68,8 +68,8 @@ class Bench:
         from safetensors import safe_open
 
         snapshot: dict[str, np.ndarray] = {}
-        for path in self.base_files():
-            with safe_open(path, "pt") as fh:
+        for file in self.base_files():
+            with safe_open(file, "pt") as fh:
                 for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
                     snapshot[name] = host_bytes(name, fh.get_tensor(name)).copy()
         shard = os.path.join(self.workdir, "reference-delta.safetensors")
@@ -86,7 +86,11 @@ class Bench:
         pull_s = time.perf_counter() - begun
         path = self.paths.setdefault("reference", Path())
         path.wire_bytes = wire
-        path.keep(publish_s, pull_s, {**phases.seconds, **{f"pull_{k}": v for k, v in pulled.seconds.items()}})
+        path.keep(
+            publish_s,
+            pull_s,
+            {**phases.seconds, **{f"pull_{k}": v for k, v in pulled.seconds.items()}},
+        )
 
     def measure_deltastore(self, encoding: str) -> None:
         """Seed a fresh store, publish the step with ``encoding``, pull it onto a host at v0."""
@@ -116,16 +120,16 @@ class Bench:
         """Copy every base file (what shipping the whole checkpoint costs), fsynced."""
         begun = time.perf_counter()
         total = 0
-        for path in self.base_files():
-            target = os.path.join(self.workdir, "full-copy-" + os.path.basename(path))
-            shutil.copyfile(path, target)
+        for source in self.base_files():
+            target = os.path.join(self.workdir, "full-copy-" + os.path.basename(source))
+            shutil.copyfile(source, target)
             with open(target, "rb+") as fh:
                 os.fsync(fh.fileno())
             total += os.path.getsize(target)
         seconds = time.perf_counter() - begun
-        path_ = self.paths.setdefault("full", Path())
-        path_.wire_bytes = total
-        path_.keep(seconds, seconds, {})
+        path = self.paths.setdefault("full", Path())
+        path.wire_bytes = total
+        path.keep(seconds, seconds, {})
 
 
 def run_all(bench: Bench, encodings: list[str], repeat: int, advance: Callable[[], None]) -> None:

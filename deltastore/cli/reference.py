@@ -134,8 +134,8 @@ def reference_pull(shard: str, host_file: str, workers: int) -> Phases:
     """Apply the delta shard at ``shard`` in place to the safetensors file ``host_file``."""
     phases = Phases()
     t0 = time.perf_counter()
-    with open(shard, "rb") as fh:
-        data = fh.read()
+    with open(shard, "rb") as shard_file:
+        data = shard_file.read()
     (hlen,) = struct.unpack_from("<Q", data)
     header = json.loads(data[8 : 8 + hlen])
     digests = header.pop("__metadata__")
@@ -144,7 +144,7 @@ def reference_pull(shard: str, host_file: str, workers: int) -> Phases:
         (host_hlen,) = struct.unpack("<Q", fh.read(8))
         host_header = json.loads(fh.read(host_hlen))
         mapped = mmap.mmap(fh.fileno(), 0)
-    body = np.frombuffer(mapped, dtype=np.uint8)[8 + host_hlen :]
+    host_body = np.frombuffer(mapped, dtype=np.uint8)[8 + host_hlen :]
 
     def apply(name: str) -> None:
         a, b = header[name]["data_offsets"]
@@ -152,7 +152,7 @@ def reference_pull(shard: str, host_file: str, workers: int) -> Phases:
         delta = np.frombuffer(_zstd()[1].decompress(data[8 + hlen + a : 8 + hlen + b]), np.uint8)
         t2 = time.perf_counter()
         lo, hi = host_header[name]["data_offsets"]
-        target = body[lo:hi]
+        target = host_body[lo:hi]
         np.bitwise_xor(target, delta, out=target)
         t3 = time.perf_counter()
         ok = xxhash.xxh3_128_hexdigest(memoryview(target)) == digests[name]
@@ -163,8 +163,6 @@ def reference_pull(shard: str, host_file: str, workers: int) -> Phases:
     with cf.ThreadPoolExecutor(workers) as pool:
         list(pool.map(apply, list(header)))
     t4 = time.perf_counter()
-    mapped.flush()
-    del body
-    mapped.close()
+    mapped.flush()  # the map is closed when the last view of it goes
     phases.add(durable_s=time.perf_counter() - t4)
     return phases
