@@ -228,7 +228,8 @@ class HostStager:
                 f"tensor {name!r} is a {type(tensor).__name__}; pass a torch.Tensor or "
                 "numpy.ndarray"
             )
-        t = tensor.detach()
+        # detach() makes a new tensor object per call: only where autograd tracks the tensor.
+        t = tensor.detach() if tensor.requires_grad else tensor
         on_host = t.device.type == "cpu"
         if on_host and not self.stage_host_tensors:
             view = host_bytes(name, t)
@@ -282,10 +283,10 @@ def host_bytes(name: str, tensor: Any) -> ByteArray:
     import torch
 
     if isinstance(tensor, torch.Tensor):
-        t = tensor.detach()
+        t = tensor.detach() if tensor.requires_grad else tensor
         if t.device.type != "cpu":
             t = t.to("cpu")
-        t = t.contiguous().reshape(-1)
+        t = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
         # torch calls a 0- or 1-element view with stride != 1 contiguous and keeps its stride,
         # which .view(uint8) then rejects: copy it into a fresh stride-1 tensor.
         if t.stride(0) != 1:

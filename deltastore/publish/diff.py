@@ -121,7 +121,7 @@ def _encode_one(settings: DiffSettings, spool: PayloadSpool, item: _Item) -> Enc
         return None
     digest = settings.checksum.hexdigest(new)
     offset, length = spool.append(compress(delta.payload))
-    return Encoded(item.name, delta.changed_bytes, digest, offset, length)
+    return Encoded(item.name, delta.changed_bytes, digest, offset, length, delta.xor_changes)
 
 
 def _encode(
