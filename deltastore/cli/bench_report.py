@@ -92,6 +92,7 @@ def report(
         for name in ["reference", *encodings]
     }
     own = "auto" if "auto" in encodings else encodings[-1]
+    table = bench.paths[args.encoding or encodings[0]]
     return {
         "machine": {
             "cpus": os.cpu_count(),
@@ -112,6 +113,11 @@ def report(
         else (args.store or "local dir"),
         "full_copy_s": round(full.publish_s, 4),
         "paths": paths,
+        "per_step": {  # the delta-vs-full table (--encoding): bytes and seconds
+            "encoding": args.encoding or encodings[0],
+            "delta": {"wire": table.wire_bytes, "publish": table.publish_s, "pull": table.pull_s},
+            "full": {"wire": full.wire_bytes, "publish": full.publish_s, "pull": full.pull_s},
+        },
         "targets": _targets(kind, model_bytes, paths, own),
     }
 
