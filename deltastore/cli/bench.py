@@ -1,15 +1,18 @@
-"""``deltastore bench``: delta sync against full-checkpoint sync, measured in one process.
+"""``deltastore bench``: deltastore side by side with a reference-style delta path and a
+full-checkpoint copy, measured in one process on the same step.
 
-Both are run on the same synthetic model and training steps, in the same process, so the
-printed ratios hold on a noisy machine even where the absolute seconds do not.
+Every ratio is taken in the same process, on the same bytes, with the same thread count, best
+of ``--repeat`` runs interleaved, so the ratios hold on a noisy machine even where the absolute
+seconds do not. docs/benchmarks.md has the figures and the commands that made them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
-import time
+from collections.abc import Iterator
 
 from deltastore.cli.common import (
     add_json_flag,
@@ -18,100 +21,139 @@ from deltastore.cli.common import (
     print_json,
     step_progress,
 )
-from deltastore.cli.demo import SyntheticTraining
-from deltastore.codecs import CHECKSUMS, ENCODINGS
-from deltastore.publish import DeltaPublisher
-from deltastore.pull import pull_weights
-from deltastore.storage import VersionStore
+from deltastore.codecs import ENCODINGS
+from deltastore.errors import ConfigError
+from deltastore.publish.config import default_workers
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "bench",
-        help="measure delta sync against full-checkpoint sync (ratios, same process)",
+        help="measure deltastore against a reference-style delta path and a full copy",
         description=(
-            "Publish and pull the same synthetic training steps as deltas and as full "
-            "checkpoints, and print wire bytes and seconds of each with their ratios."
+            "Publish and pull one training step with each encoding, with a reference-style "
+            "XOR + zstd-1 writer/reader and as a full-checkpoint copy, in one process, and "
+            "print wire bytes, seconds, GB/s per phase and the ratios (with --json: targets)."
         ),
     )
-    p.add_argument("--size", type=float, default=256, help="model size in MB (default 256)")
-    p.add_argument("--steps", type=int, default=3, help="steps measured (default 3)")
-    p.add_argument("--lr", type=float, default=2e-7, help="per-element step (see demo)")
-    p.add_argument("--encoding", default="xor", choices=sorted(ENCODINGS))
-    p.add_argument("--checksum", default="xxh3-128", choices=sorted(CHECKSUMS))
+    p.add_argument(
+        "--model",
+        choices=("synthetic", "small", "moe"),
+        default="synthetic",
+        help="synthetic: few large tensors; small: hundreds of small ones; moe: "
+        "--tensors experts of 64 KB (ignored with --checkpoint)",
+    )
+    p.add_argument("--size", type=float, default=256, help="synthetic model MB (default 256)")
+    p.add_argument("--tensors", type=int, default=8000, help="moe experts (default 8000)")
+    p.add_argument("--layers", type=int, default=24, help="small model layers (default 24)")
+    p.add_argument("--checkpoint", default=None, help="real weights: a safetensors directory")
+    p.add_argument(
+        "--next",
+        default=None,
+        help="with --checkpoint: the next checkpoint (default: a simulated step)",
+    )
+    p.add_argument(
+        "--density",
+        type=float,
+        default=0.004,
+        help="simulated step: share of elements moved ±1 ulp (default 0.004)",
+    )
+    p.add_argument(
+        "--encodings",
+        default="xor,sparse-v1,auto",
+        help="comma-separated encodings to measure (default xor,sparse-v1,auto)",
+    )
+    p.add_argument(
+        "--encoding",
+        default=None,
+        choices=sorted(ENCODINGS),
+        help="the encoding of the delta-vs-full table (default: the first measured)",
+    )
+    p.add_argument("--workers", type=int, default=None, help="threads, both sides (default: cores)")
+    p.add_argument("--repeat", type=int, default=3, help="best of N (default 3)")
+    p.add_argument(
+        "--steps", type=int, default=None, help=argparse.SUPPRESS
+    )  # old name of --repeat
     p.add_argument("--store", default=None, help="store URL prefix (default: a temp dir)")
+    p.add_argument(
+        "--backend",
+        choices=("local", "s3"),
+        default="local",
+        help="s3: sync through an embedded S3 server (moto) instead of a local dir",
+    )
     p.add_argument("--seed", type=int, default=0)
     add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
 
 
+def _models(args: argparse.Namespace) -> tuple[str, dict, dict]:  # type: ignore[type-arg]
+    from deltastore.cli import bench_models as m
+
+    if args.checkpoint:
+        before = m.checkpoint_model(args.checkpoint)
+        after = m.checkpoint_model(args.next) if args.next else None
+        kind = "checkpoint"
+    else:
+        kind = args.model
+        if kind == "synthetic":
+            before = m.synthetic_model(args.size, args.seed)
+        elif kind == "small":
+            before = m.small_model(args.layers, args.seed)
+        else:
+            before = m.moe_model(args.tensors, args.seed)
+        after = None
+    return kind, before, after or m.simulated_step(before, args.density, args.seed + 1)
+
+
+@contextlib.contextmanager
+def _store_root(args: argparse.Namespace, workdir: str) -> Iterator[tuple[str, dict[str, object]]]:
+    options = parse_storage_options(args.storage_option)
+    if args.store:
+        yield args.store, options
+    elif args.backend == "s3":
+        from deltastore.cli.emulate import running_emulator
+
+        with running_emulator("s3", "deltastore-bench") as emulator:
+            yield f"{emulator.url}/bench", {**emulator.storage_options, **options}
+    else:
+        yield workdir, options
+
+
 def run(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
-    options = parse_storage_options(args.storage_option)
-    with tempfile.TemporaryDirectory(prefix="deltastore-bench-") as workdir:
+    from deltastore.cli.bench_measure import Bench, run_all
+    from deltastore.cli.bench_report import print_tables, report
+
+    repeat = args.steps or args.repeat
+    encodings = [e for e in args.encodings.split(",") if e]
+    for name in encodings + ([args.encoding] if args.encoding else []):
+        if name not in ENCODINGS:
+            raise ConfigError(f"unknown encoding {name!r}; known: {', '.join(sorted(ENCODINGS))}")
+    if args.encoding and args.encoding not in encodings:
+        encodings.append(args.encoding)
+    if repeat < 1 or not encodings:
+        raise ConfigError("--repeat must be ≥ 1 and --encodings must name one at least")
+    workers = args.workers or default_workers()
+    kind, before, after = _models(args)
+    with contextlib.ExitStack() as stack:
+        workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="deltastore-bench-"))
+        root, options = stack.enter_context(_store_root(args, workdir))
         base = os.path.join(workdir, "base")
         os.makedirs(base)
-        training = SyntheticTraining(args.size, args.seed)
-        save_file(training.model, os.path.join(base, "model.safetensors"))
-        total = training.total_bytes
-        root = args.store or workdir
-        modes = {"delta": False, "full": True}
-        publishers = {}
-        for mode in modes:
-            store = VersionStore(f"{root.rstrip('/')}/store-{mode}", options)
-            publishers[mode] = DeltaPublisher(
-                store, base, encoding=args.encoding, checksum=args.checksum
-            )
-            publishers[mode].seed()
-            pull_weights(os.path.join(workdir, f"host-{mode}"), store, 0, base_dir=base)
-        sums = {mode: {"wire": 0.0, "publish": 0.0, "pull": 0.0} for mode in modes}
-        with step_progress(args, "publish + pull, delta and full", args.steps) as advance:
-            for _ in range(args.steps):
-                _measure_step(args, training, publishers, modes, sums, workdir, base)
-                advance()
-    per_step = {mode: {k: v / args.steps for k, v in sums[mode].items()} for mode in modes}
-    if args.json:
-        print_json({"model_bytes": total, "steps": args.steps, "encoding": args.encoding,
-                    "checksum": args.checksum, "per_step": per_step})  # fmt: skip
-        return 0
-    _print_table(args, total, per_step)
-    return 0
-
-
-def _measure_step(
-    args: argparse.Namespace,
-    training: SyntheticTraining,
-    publishers: dict[str, DeltaPublisher],
-    modes: dict[str, bool],
-    sums: dict[str, dict[str, float]],
-    workdir: str,
-    base: str,
-) -> None:
-    """One training step, published and pulled as a delta and as a full checkpoint."""
-    training.step(args.lr)
-    for mode, full in modes.items():
-        publisher = publishers[mode]
-        t0 = time.perf_counter()
-        result = publisher.publish(training.model.items(), full=full)
-        t1 = time.perf_counter()
-        host = os.path.join(workdir, f"host-{mode}")
-        pull_weights(host, publisher.store, result.version, base_dir=base)
-        t2 = time.perf_counter()
-        sums[mode]["wire"] += result.wire_bytes
-        sums[mode]["publish"] += t1 - t0
-        sums[mode]["pull"] += t2 - t1
-
-
-def _print_table(
-    args: argparse.Namespace, total: int, per_step: dict[str, dict[str, float]]
-) -> None:
-    print(f"model {total / 1e6:.1f} MB bf16, {args.steps} steps, {args.encoding} + {args.checksum}")
-    print(f"{'per step':<12}{'delta':>12}{'full':>12}{'delta/full':>12}")
-    for key, unit, scale in (("wire", "MB", 1e6), ("publish", "s", 1.0), ("pull", "s", 1.0)):
-        delta, full = per_step["delta"][key], per_step["full"][key]
-        print(
-            f"{key + ' ' + unit:<12}{delta / scale:>12.3f}{full / scale:>12.3f}"
-            f"{(delta / full if full else float('nan')):>12.4f}"
+        save_file(
+            {n: t.contiguous() for n, t in before.items()}, os.path.join(base, "model.safetensors")
         )
+        bench = Bench(base, after, workdir, workers, root, options)
+        total = repeat * (len(encodings) + 2)
+        with step_progress(
+            args, f"bench {kind}: reference, {', '.join(encodings)}, full copy", total
+        ) as advance:
+            run_all(bench, encodings, repeat, advance)
+    result = report(args, kind, before, after, bench, encodings, workers, repeat)
+    if args.json:
+        print_json(result)
+    else:
+        print_tables(result, args.encoding or encodings[0])
+    return 0

@@ -25,6 +25,31 @@ class EncodedDelta:
     payload: bytes | memoryview
     changed_bytes: int
     """How many bytes of the tensor differ between old and new."""
+    xor_changes: XorChanges | None = None
+    """The change as element positions and XOR values, where the encoding found them anyway
+    (sparse encodings): the publisher applies these to its snapshot after the commit instead of
+    decoding the payload again. None where the encoding has none (then the payload is applied)."""
+
+
+@dataclass(frozen=True)
+class XorChanges:
+    """Changed elements of a tensor: ``elements[positions] ^= values`` turns old into new."""
+
+    positions: npt.NDArray[np.int64]
+    """Ascending element indices."""
+    values: np.ndarray
+    """``old XOR new`` of each, as unsigned little-endian ints of the element size."""
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held (bytes)."""
+        return int(self.positions.nbytes + self.values.nbytes)
+
+    def apply(self, target: ByteArray) -> None:
+        """XOR the values into the writable 1-D uint8 ``target`` in place."""
+        if self.positions.size:
+            elements = target.view(self.values.dtype)
+            elements[self.positions] ^= self.values
 
 
 class Encoding(ABC):
@@ -56,8 +81,13 @@ class Encoding(ABC):
         """Raise :class:`ConfigError` if this encoding cannot represent a tensor of this size."""
 
     @abstractmethod
-    def encode(self, old: ByteArray, new: ByteArray) -> EncodedDelta:
-        """Payload that turns ``old`` into ``new`` (both 1-D uint8 of equal length)."""
+    def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
+        """Payload that turns ``old`` into ``new`` (both 1-D uint8 of equal length).
+
+        ``itemsize`` is the tensor's element size in bytes (from the base checkpoint's header
+        dtype); byte-level encodings ignore it, element-aware ones fall back to bytes for a size
+        they do not handle.
+        """
 
     @abstractmethod
     def max_payload_size(self, nbytes: int) -> int:

@@ -25,7 +25,7 @@ class XorEncoding(Encoding):
     foldable = True
     exact_payload_size = True
 
-    def encode(self, old: ByteArray, new: ByteArray) -> EncodedDelta:
+    def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
         delta = np.bitwise_xor(old, new)
         return EncodedDelta(memoryview(delta), int(np.count_nonzero(delta)))
 
@@ -68,7 +68,7 @@ class OverwriteEncoding(Encoding):
                 "with encoding='xor'"
             )
 
-    def encode(self, old: ByteArray, new: ByteArray) -> EncodedDelta:
+    def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
         self.check_size(old.size, tensor="?")
         positions = np.flatnonzero(old != new).astype("<u4")
         values = new[positions]

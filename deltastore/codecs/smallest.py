@@ -75,7 +75,7 @@ class AutoEncoding(Encoding):
     def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
         """Tagged payload of the smaller encoding; ``itemsize`` as for ``sparse-v1``."""
         tag, inner = self.choose(old, new, itemsize=itemsize)
-        return EncodedDelta(_tagged(tag, inner.payload), inner.changed_bytes)
+        return EncodedDelta(_tagged(tag, inner.payload), inner.changed_bytes, inner.xor_changes)
 
     def max_payload_size(self, nbytes: int) -> int:
         return 1 + max(self.xor.max_payload_size(nbytes), self.sparse.max_payload_size(nbytes))

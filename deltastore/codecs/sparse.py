@@ -36,7 +36,7 @@ import struct
 
 import numpy as np
 
-from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding
+from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, XorChanges
 from deltastore.codecs.compression import compress, decompress
 from deltastore.codecs.kernels import (
     ELEMENT_DTYPES,
@@ -87,7 +87,11 @@ class SparseXorEncoding(Encoding):
             MAGIC, size, k, VALUES_XOR, old.size, values.size, unary_bits, len(frame)
         )
         payload = b"".join((header, unary.data, remainders.data, frame))
-        return EncodedDelta(payload, int(np.count_nonzero(values.view(np.uint8))))
+        return EncodedDelta(
+            payload,
+            int(np.count_nonzero(values.view(np.uint8))),
+            XorChanges(positions, values),
+        )
 
     def max_payload_size(self, nbytes: int) -> int:
         # At most one change per byte; the unary stream holds at most sum(gaps) + count ≤ 2n

@@ -195,6 +195,19 @@ class HostStager:
         return buffer
 
     # ------------------------------------------------------------- staging
+    def charge_for(self, tensor: Any, nbytes: int) -> int:
+        """Budget bytes :meth:`stage` will hold for ``tensor`` of ``nbytes`` bytes: the bytes
+        of a host view, or the pooled buffer's size for a copy."""
+        if isinstance(tensor, np.ndarray):
+            return nbytes
+        device = getattr(tensor, "device", None)
+        on_host = device is None or getattr(device, "type", "cpu") == "cpu"
+        if on_host and not self.stage_host_tensors:
+            return nbytes
+        if not on_host and getattr(device, "type", None) != "cuda":
+            return nbytes
+        return _round_up(nbytes)
+
     def stage(self, name: str, tensor: Any) -> Staged:
         """Host bytes of ``tensor`` (blocks while the budget is spent).
 
@@ -215,7 +228,8 @@ class HostStager:
                 f"tensor {name!r} is a {type(tensor).__name__}; pass a torch.Tensor or "
                 "numpy.ndarray"
             )
-        t = tensor.detach()
+        # detach() makes a new tensor object per call: only where autograd tracks the tensor.
+        t = tensor.detach() if tensor.requires_grad else tensor
         on_host = t.device.type == "cpu"
         if on_host and not self.stage_host_tensors:
             view = host_bytes(name, t)
@@ -269,10 +283,10 @@ def host_bytes(name: str, tensor: Any) -> ByteArray:
     import torch
 
     if isinstance(tensor, torch.Tensor):
-        t = tensor.detach()
+        t = tensor.detach() if tensor.requires_grad else tensor
         if t.device.type != "cpu":
             t = t.to("cpu")
-        t = t.contiguous().reshape(-1)
+        t = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
         # torch calls a 0- or 1-element view with stride != 1 contiguous and keeps its stride,
         # which .view(uint8) then rejects: copy it into a fresh stride-1 tensor.
         if t.stride(0) != 1:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltastore.codecs import ByteArray, Checksum, Encoding, compress
+from deltastore.codecs.kernels import itemsize_of_dtype
 from deltastore.errors import PublishError
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.device import HostStager, Staged, StagerStats
@@ -95,31 +96,56 @@ def named_pairs(named_tensors: NamedTensors) -> Iterator[tuple[str, Any]]:
         yield item[0], item[1]
 
 
+@dataclass
+class _Item:
+    """One tensor queued for the encode pool: its snapshot bytes, staged bytes, element size."""
+
+    name: str
+    old: ByteArray
+    staged: Staged
+    itemsize: int
+
+
+BATCH_BYTES = 4 * 1024**2
+"""Tensors smaller than this are encoded several per pool task, up to this many bytes a task:
+a task's fixed cost (a future, a queue hand-off, a lock) then spreads over many small tensors."""
+BATCH_TENSORS = 256
+"""At most this many tensors in one pool task."""
+
+
+def _encode_one(settings: DiffSettings, spool: PayloadSpool, item: _Item) -> Encoded | None:
+    """Encode one staged tensor; a changed one's frame goes straight into the spool."""
+    new = item.staged.wait()
+    delta = settings.encoding.encode(item.old, new, itemsize=item.itemsize)
+    if not delta.changed_bytes:
+        return None
+    digest = settings.checksum.hexdigest(new)
+    offset, length = spool.append(compress(delta.payload))
+    return Encoded(item.name, delta.changed_bytes, digest, offset, length, delta.xor_changes)
+
+
 def _encode(
     settings: DiffSettings,
     spool: PayloadSpool,
     metrics: dict[str, float],
     lock: threading.Lock,
-    name: str,
-    old: ByteArray,
-    staged: Staged,
-) -> tuple[str, Encoded | None]:
-    """Worker: encode one tensor; a changed one's frame goes straight into the spool."""
+    batch: list[_Item],
+) -> list[tuple[str, Encoded | None]]:
+    """Worker: encode a batch of tensors (one large one, or several small ones)."""
+    begun = time.perf_counter()
+    results: list[tuple[str, Encoded | None]] = []
     try:
-        new = staged.wait()
-        begun = time.perf_counter()
-        delta = settings.encoding.encode(old, new)
-        result = None
-        if delta.changed_bytes:
-            digest = settings.checksum.hexdigest(new)
-            offset, length = spool.append(compress(delta.payload))
-            result = Encoded(name, delta.changed_bytes, digest, offset, length)
-        del delta
+        for item in batch:
+            try:
+                results.append((item.name, _encode_one(settings, spool, item)))
+            finally:
+                item.staged.release()
+    finally:
+        for item in batch[len(results) :]:
+            item.staged.release()
         with lock:
             metrics["encode_s"] += time.perf_counter() - begun
-        return name, result
-    finally:
-        staged.release()
+    return results
 
 
 def diff_tensors(
@@ -145,29 +171,48 @@ def diff_tensors(
     )
     lock = threading.Lock()
     window = 2 * settings.workers
-    pending: deque[cf.Future[tuple[str, Encoded | None]]] = deque()
+    pending: deque[cf.Future[list[tuple[str, Encoded | None]]]] = deque()
 
     def take_oldest() -> None:
-        name, encoded = pending.popleft().result()
-        result.passed[name] = encoded
-        if encoded is not None:
-            result.encoded[name] = encoded
+        for name, encoded in pending.popleft().result():
+            result.passed[name] = encoded
+            if encoded is not None:
+                result.encoded[name] = encoded
 
     seen: set[str] = set()
+    batch: list[_Item] = []
+    batch_bytes = 0
+    batch_limit = min(BATCH_BYTES, settings.max_inflight_bytes // 2)
     started = time.perf_counter()
     with cf.ThreadPoolExecutor(settings.workers, thread_name_prefix="deltastore-encode") as pool:
+
+        def submit() -> None:
+            nonlocal batch, batch_bytes
+            pending.append(pool.submit(_encode, settings, spool, metrics, lock, batch))
+            batch, batch_bytes = [], 0
+            while pending and (len(pending) > window or pending[0].done()):
+                take_oldest()
+
         try:
             for name, tensor in named_pairs(named_tensors):
-                _check_tensor(name, tensor, sources, seen, settings)
+                nbytes, itemsize = _check_tensor(name, tensor, sources, seen, settings)
+                # The unsubmitted batch holds budget nobody releases: it must leave room for
+                # the next tensor, or staging it would wait forever.
+                charge = stager.charge_for(tensor, nbytes)
+                if batch and batch_bytes + charge > batch_limit:
+                    submit()
                 old, staged = _load_and_stage(name, tensor, old_bytes, stager, metrics)
-                pending.append(
-                    pool.submit(_encode, settings, spool, metrics, lock, name, old, staged)
-                )
-                while pending and (len(pending) > window or pending[0].done()):
-                    take_oldest()
+                batch.append(_Item(name, old, staged, itemsize))
+                batch_bytes += charge
+                if batch_bytes >= batch_limit or len(batch) >= BATCH_TENSORS:
+                    submit()
+            if batch:
+                submit()
             while pending:
                 take_oldest()
         except BaseException:
+            for item in batch:
+                item.staged.release()
             for future in pending:
                 future.cancel()
             raise
@@ -204,8 +249,9 @@ def _check_tensor(
     sources: Mapping[str, TensorSource],
     seen: set[str],
     settings: DiffSettings,
-) -> None:
-    """Refuse a tensor passed twice, unknown to the base, or of another layout."""
+) -> tuple[int, int]:
+    """Refuse a tensor passed twice, unknown to the base, or of another layout; else its size
+    and the element size (bytes) of its dtype in the base checkpoint's header."""
     if name in seen:
         raise PublishError(f"tensor {name!r} was passed twice in one publish")
     seen.add(name)
@@ -218,3 +264,4 @@ def _check_tensor(
     nbytes = nbytes_of(name, tensor)
     check_layout(name, tensor, nbytes, source)
     settings.encoding.check_size(nbytes, tensor=name)
+    return nbytes, itemsize_of_dtype(source.dtype)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from deltastore.codecs import ByteArray, Encoding, decompress
+from deltastore.codecs.base import XorChanges
 from deltastore.errors import PublishError
 from deltastore.publish.lineage import apply_lineage, rebuild_lineage
 from deltastore.publish.messages import Layout, Placement
@@ -25,6 +26,9 @@ class Encoded:
     digest: str
     offset: int
     length: int
+    changes: XorChanges | None = None
+    """The change in element form where the encoding gave it (applied instead of the payload
+    when the snapshot advances: no second decode)."""
 
 
 def apply_payload(
@@ -95,7 +99,10 @@ class RankSnapshot:
         read back from it.
         """
         for name, entry in encoded.items():
-            apply_payload(encoding, name, self.snapshot.load(name), entry, spool)
+            if entry.changes is not None:
+                entry.changes.apply(self.snapshot.load(name))
+            else:
+                apply_payload(encoding, name, self.snapshot.load(name), entry, spool)
         for name in layout.changed:
             if name not in encoded:
                 self.snapshot.evict(name)

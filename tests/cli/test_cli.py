@@ -213,3 +213,32 @@ def test_demo_on_other_backends(tmp_path: Path, backend: str) -> None:
     assert ("s3://" in proc.stdout) == (backend == "s3")
     assert ("gs://" in proc.stdout) == (backend == "gcs")
     assert "WARNING" not in proc.stderr, proc.stderr  # gcsfs's bucket-type probe is off
+
+
+def _bench_json(*args: str) -> dict:  # type: ignore[type-arg]
+    out = deltastore("bench", "--model", "small", "--layers", "1", "--repeat", "1", "--json", *args)
+    return json.loads(out.stdout)
+
+
+def test_bench_json_has_paths_phases_and_targets() -> None:
+    result = _bench_json("--density", "0.01")
+    assert set(result["paths"]) == {"reference", "xor", "sparse-v1", "auto"}
+    for row in result["paths"].values():
+        assert row["wire_bytes"] > 0 and row["publish_s"] > 0 and row["pull_s"] > 0
+        assert {"wire_pct_of_full", "publish_vs_reference", "pull_vs_full_copy"} <= set(row)
+    assert {"encode_s", "diff_s", "write_s"} <= set(result["paths"]["auto"]["phase_s"])
+    assert result["paths"]["reference"]["wire_vs_reference"] == 1.0
+    targets = {t["target"]: t for t in result["targets"]}
+    assert set(targets) == {"wire_vs_reference", "publish_vs_reference", "pull_vs_reference"}
+    assert all(t["encoding"] == "auto" for t in targets.values())
+    for target in targets.values():
+        assert target["met"] == (target["measured"] <= target["at_most"])
+
+
+def test_bench_density_sets_the_share_of_changed_elements() -> None:
+    sparse = _bench_json("--density", "0.002", "--encodings", "xor")
+    dense = _bench_json("--density", "0.05", "--encodings", "xor")
+    # bf16 ±1 ulp changes one or two bytes of an element: a byte density of 1/2 to 1 of it.
+    assert 0.0005 < sparse["model"]["density_bytes"] < 0.003
+    assert 0.0125 < dense["model"]["density_bytes"] < 0.06
+    assert dense["paths"]["xor"]["wire_bytes"] > 3 * sparse["paths"]["xor"]["wire_bytes"]

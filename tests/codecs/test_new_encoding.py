@@ -31,7 +31,7 @@ class AddEncoding(Encoding):
     exact_payload_size = True
     folds = 0
 
-    def encode(self, old: ByteArray, new: ByteArray) -> EncodedDelta:
+    def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
         delta = (new.astype(np.int16) - old.astype(np.int16)).astype(np.uint8)
         return EncodedDelta(memoryview(delta), int(np.count_nonzero(delta)))
 
