@@ -163,6 +163,8 @@ def diff_tensors(
     ``encode_s`` and ``diff_s`` to ``metrics``. Raises :class:`PublishError` naming a tensor
     passed twice, unknown to the base, or of another size, dtype or shape.
     """
+    # long because the open batch, the bounded window of futures and the pool share one
+    # scope and one clean-up path; split apart they would hand state between five helpers.
     result = DiffResult()
     stager = HostStager(
         settings.max_inflight_bytes,

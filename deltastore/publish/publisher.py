@@ -33,7 +33,6 @@ from deltastore.errors import (
     PublishError,
     SnapshotError,
 )
-from deltastore.hooks.context import publishing_rank
 from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.coordination import Coordinator, make_coordinator
@@ -66,6 +65,7 @@ from deltastore.publish.metrics import (
 from deltastore.publish.planning import (
     plan_layout,
 )
+from deltastore.publish.post_write import run_post_write
 from deltastore.publish.rank_state import RankSnapshot
 from deltastore.publish.seeding import seed_rank
 from deltastore.publish.shards import ShardWriter
@@ -220,7 +220,7 @@ class DeltaPublisher:
             wire_bytes=outcome.totals.wire_bytes,
             owner=plan.layout.owner,
         )
-        hook_error = self._hook_phase(plan.version, metrics)
+        hook_error = run_post_write(self.store, self._post_write, self.rank, plan.version, metrics)
         metrics["publish_s"] = time.perf_counter() - started
         result = result_of(plan, outcome)
         finals = self._finish_phase(plan.version, advance_error, hook_error, metrics)
@@ -416,21 +416,6 @@ class DeltaPublisher:
             )
         except Exception as exc:
             return exc
-        return None
-
-    def _hook_phase(self, version: int, metrics: dict[str, float]) -> BaseException | None:
-        """Run the post-write hook (the publisher's, else the store's) for ``version``."""
-        begun = time.perf_counter()
-        try:
-            with publishing_rank(self.rank):
-                if self._post_write is not None:
-                    self._post_write(self.store.version_url(version))
-                else:
-                    self.store.after_write(version)
-        except Exception as exc:
-            return exc
-        finally:
-            metrics["hook_s"] = time.perf_counter() - begun
         return None
 
     def _finish_phase(
