@@ -42,32 +42,13 @@ import torch
 import xxhash
 import zstandard
 
+# The synthetic model and its base checkpoint are catchup.py's (run from benchmarks/ as a script).
+from catchup import build_model, write_base
+
 from deltastore import DeltaPublisher, pull_weights
 from deltastore.format.checkpoint import scan_checkpoint
 
 CHUNK = 2 * 1024**2
-
-
-def build_model(tensors: int, elements: int, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        f"model.layers.{i // 8}.w{i % 8}": torch.randn(elements, generator=g).to(torch.bfloat16)
-        for i in range(tensors)
-    }
-
-
-def write_base(directory: str, model: dict[str, torch.Tensor], shards: int = 4) -> None:
-    from safetensors.torch import save_file
-
-    os.makedirs(directory, exist_ok=True)
-    names = sorted(model)
-    weight_map = {}
-    for s in range(shards):
-        file_name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: model[n] for n in names[s::shards]}, os.path.join(directory, file_name))
-        weight_map.update(dict.fromkeys(names[s::shards], file_name))
-    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as fh:
-        json.dump({"metadata": {}, "weight_map": weight_map}, fh)
 
 
 def publish_step(store: str, base: str, model: dict[str, torch.Tensor], density: float) -> None:
