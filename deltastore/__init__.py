@@ -32,6 +32,7 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format import VersionIndex
+from deltastore.progress import ProgressCallback
 from deltastore.publish import DeltaPublisher, PublishResult
 from deltastore.pull import HostOutcome, PullResult, RepairSummary, pull_weights, verify_local
 from deltastore.replicate import replicate
@@ -53,6 +54,7 @@ __all__ = [
     "LockTimeoutError",
     "NameMismatchError",
     "OutOfOrderError",
+    "ProgressCallback",
     "PublishError",
     "PublishResult",
     "PullResult",

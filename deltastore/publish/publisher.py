@@ -28,22 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 from deltastore.codecs import get_checksum, get_encoding
-from deltastore.errors import (
-    ConfigError,
-    PublishError,
-    SnapshotError,
-)
+from deltastore.errors import ConfigError, PublishError, SnapshotError
+from deltastore.progress import ProgressCallback
 from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.coordination import Coordinator, make_coordinator
 from deltastore.publish.device import StagerStats
-from deltastore.publish.diff import (
-    DiffResult,
-    DiffSettings,
-    NamedTensors,
-    diff_tensors,
-    report_of,
-)
+from deltastore.publish.diff import DiffResult, DiffSettings, NamedTensors, diff_tensors, report_of
 from deltastore.publish.messages import (
     DiffReport,
     Failure,
@@ -62,11 +53,10 @@ from deltastore.publish.metrics import (
     result_of,
     warn_if_dense,
 )
-from deltastore.publish.planning import (
-    plan_layout,
-)
+from deltastore.publish.planning import plan_layout
 from deltastore.publish.post_write import run_post_write
 from deltastore.publish.rank_state import RankSnapshot
+from deltastore.publish.reporting import counted, write_meter
 from deltastore.publish.seeding import seed_rank
 from deltastore.publish.shards import ShardWriter
 from deltastore.publish.snapshot import Snapshot
@@ -165,7 +155,9 @@ class DeltaPublisher:
         return None if self.stream is None else self.stream.stream_id
 
     # ---------------------------------------------------------------------- seed
-    def seed(self, *, continue_latest: bool = False) -> None:
+    def seed(
+        self, *, continue_latest: bool = False, progress: ProgressCallback | None = None
+    ) -> None:
         """Set up version 0 (the base checkpoint's bytes) or resume; publishes nothing.
 
         On an empty store a new stream starts at version 1. ``continue_latest=True`` (what
@@ -175,7 +167,8 @@ class DeltaPublisher:
         Raises :class:`StreamError` on a non-empty store without resume/new_stream,
         :class:`ConfigError` when a rank cannot read its base or ranks hold different bases,
         :class:`PublishError` when loading the snapshot fails, and the store's errors (e.g.
-        :class:`IntegrityError` when a resumed tensor fails its digest).
+        :class:`IntegrityError` when a resumed tensor fails its digest). ``progress`` gets
+        phase ``seed``: the snapshot bytes loaded (see :mod:`deltastore.progress`).
         """
         self._held, self.stream = seed_rank(
             self.store,
@@ -184,10 +177,17 @@ class DeltaPublisher:
             self.config,
             preload=self.preload,
             continue_latest=continue_latest,
+            progress=progress,
         )
 
     # ------------------------------------------------------------------- publish
-    def publish(self, named_tensors: NamedTensors, *, full: bool = False) -> PublishResult:
+    def publish(
+        self,
+        named_tensors: NamedTensors,
+        *,
+        full: bool = False,
+        progress: ProgressCallback | None = None,
+    ) -> PublishResult:
         """Diff ``named_tensors`` against the snapshot and publish the change as one version.
 
         ``named_tensors`` is a mapping name → tensor (a state dict) or an iterable of
@@ -197,17 +197,22 @@ class DeltaPublisher:
         own tensors. Raises (see the module docstring) :class:`PublishError` or
         :class:`VersionConflictError` when nothing was committed, :class:`HookError` or
         :class:`SnapshotError` when the version was (or may have been) committed.
+        ``progress``: phases ``diff``, ``write`` (:mod:`.reporting`); raising commits nothing.
         """
         held, stream = self._seeded()
         started = time.perf_counter()
         metrics = dict.fromkeys(METRIC_KEYS, 0.0)
         with PayloadSpool(self.config.spool_memory_bytes) as spool:
-            diff, local_error = self._diff_phase(named_tensors, held, stream, spool, metrics)
+            diff, local_error = self._diff_phase(
+                named_tensors, held, stream, spool, metrics, progress
+            )
             plan, slot = self._plan_phase(
                 report_of(self.rank, diff, local_error, full=full), stream, metrics
             )
             self._raise_failure(plan.failure, local_error)
-            written, local_error = self._write_phase(plan, slot, diff, held, stream, spool, metrics)
+            written, local_error = self._write_phase(
+                plan, slot, diff, held, stream, spool, metrics, progress
+            )
             outcome = self._commit_phase(plan, slot, written, stream, metrics)
             if outcome.failure is not None:
                 self.stream = stream.aborted()
@@ -266,10 +271,11 @@ class DeltaPublisher:
         stream: StreamState,
         spool: PayloadSpool,
         metrics: dict[str, float],
+        progress: ProgressCallback | None,
     ) -> tuple[DiffResult, BaseException | None]:
         try:
             diff = diff_tensors(
-                named_tensors,
+                counted(named_tensors, held.snapshot, progress),
                 held.snapshot.sources,
                 lambda name: held.old_bytes(name, stream),
                 self._diff_settings,
@@ -328,21 +334,18 @@ class DeltaPublisher:
         stream: StreamState,
         spool: PayloadSpool,
         metrics: dict[str, float],
+        progress: ProgressCallback | None,
     ) -> tuple[Written, BaseException | None]:
         assert slot is not None and plan.layout is not None
         begun = time.perf_counter()
-        writer = ShardWriter(
-            slot.open_write,
-            diff.encoded,
-            spool,
-            self.encoding,
-            self.checksum,
-            self.config.threads,
-        )
+        jobs, full = plan.shards_of(self.rank), plan.layout.full
         try:
-            entries, wire, facts = writer.write_all(
-                plan.shards_of(self.rank), full=plan.layout.full, held=held, stream=stream
-            )
+            meter = write_meter(progress, jobs, full, diff.encoded, held.snapshot.sources)
+            writer = ShardWriter(
+                slot.open_write, diff.encoded, spool, self.encoding, self.checksum,
+                self.config.threads, meter,
+            )  # fmt: skip
+            entries, wire, facts = writer.write_all(jobs, full=full, held=held, stream=stream)
         except Exception as exc:
             return Written(self.rank, describe(exc)), exc
         finally:

@@ -12,6 +12,7 @@ import logging
 
 import deltastore.errors
 from deltastore.errors import ConfigError, DeltastoreError, PublishError
+from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.coordination import Coordinator
 from deltastore.publish.lineage import apply_lineage
@@ -92,15 +93,25 @@ def _decision(
     return decision
 
 
-def _load(snapshot: Snapshot, coord: Coordinator, workers: int, preload: bool) -> None:
-    """Load the snapshot now if ``preload``; a failure is raised on every rank as the class of
-    the first failing rank's error (e.g. :class:`IntegrityError`), naming every failing rank."""
+def _load(
+    snapshot: Snapshot,
+    coord: Coordinator,
+    workers: int,
+    preload: bool,
+    progress: ProgressCallback | None = None,
+) -> None:
+    """Load the snapshot now if ``preload`` (reported as phase ``seed``); a failure is raised
+    on every rank as the class of the first failing rank's error (e.g.
+    :class:`IntegrityError`), naming every failing rank."""
     error: BaseException | None = None
-    if preload:
-        try:
-            snapshot.load_all(workers)
-        except Exception as exc:
-            error = exc
+    try:
+        meter = ProgressMeter.start(progress, "seed", snapshot.total_bytes if preload else 0)
+        if preload:
+            snapshot.load_all(workers, meter)
+        if meter is not None:
+            meter.finish()
+    except Exception as exc:
+        error = exc
     kind = None if error is None else type(error).__name__
     errors = coord.all_gather((kind, describe(error)), what="seed: load snapshot")
     failed = [(k, f"rank {r}: {e}") for r, (k, e) in enumerate(errors) if e is not None]
@@ -120,6 +131,7 @@ def seed_rank(
     *,
     preload: bool,
     continue_latest: bool,
+    progress: ProgressCallback | None = None,
 ) -> tuple[RankSnapshot, StreamState]:
     """This rank's snapshot and the stream it continues (see ``DeltaPublisher.seed``)."""
     sources = read_bases(base_checkpoint, coord)
@@ -128,7 +140,7 @@ def seed_rank(
     snapshot = Snapshot(dict(sources), store)
     if decision.lineage is not None:
         apply_lineage(snapshot, decision.lineage, sources)
-    _load(snapshot, coord, config.threads, preload)
+    _load(snapshot, coord, config.threads, preload, progress)
     lineage = decision.lineage
     log.info(
         "rank %d: seeded %d tensors (%d bytes%s) from %s; next version %d of stream %s%s",

@@ -13,6 +13,7 @@ from typing import Any, BinaryIO, cast
 
 from deltastore.codecs import ByteArray, Checksum, Encoding
 from deltastore.format.safetensors_io import TensorLayout, build_header
+from deltastore.progress import ProgressMeter
 from deltastore.publish.messages import Placement, ShardJob
 from deltastore.publish.rank_state import Encoded, RankSnapshot, apply_payload
 from deltastore.publish.spool import COPY_CHUNK, PayloadSpool
@@ -49,6 +50,8 @@ class ShardWriter:
     encoding: Encoding
     checksum: Checksum
     workers: int
+    meter: ProgressMeter | None = None
+    """Counts the payload (delta) or tensor (full) bytes written, if progress is reported."""
 
     def write_all(
         self, jobs: Sequence[ShardJob], *, full: bool, held: RankSnapshot, stream: StreamState
@@ -80,6 +83,8 @@ class ShardWriter:
             out.write(header)
             for n in job.names:
                 self.spool.copy_to(out.as_binary(), encoded[n].offset, encoded[n].length)
+                if self.meter is not None:
+                    self.meter.advance(encoded[n].length)
                 end = offset + encoded[n].length
                 entries[n] = Placement(job.shard, offset, end, encoded[n].digest)
                 offset = end
@@ -107,6 +112,8 @@ class ShardWriter:
                 data = self._new_bytes(n, held, stream)
                 for lo in range(0, data.size, COPY_CHUNK):
                     out.write(memoryview(data[lo : lo + COPY_CHUNK]))
+                    if self.meter is not None:
+                        self.meter.advance(min(COPY_CHUNK, data.size - lo))
                 end = offset + int(data.size)
                 entries[n] = Placement(job.shard, offset, end, digests[n])
                 offset = end

@@ -23,6 +23,7 @@ from deltastore.errors import ConfigError, IntegrityError, PublishError
 from deltastore.format import PayloadRef
 from deltastore.format.checkpoint import checkpoint_files, read_file_range
 from deltastore.format.safetensors_io import read_header_file
+from deltastore.progress import ProgressMeter
 from deltastore.publish.device import host_bytes
 from deltastore.storage import VersionStore
 
@@ -187,10 +188,17 @@ class Snapshot:
             if not keep_loaded:
                 self._loaded.pop(name, None)
 
-    def load_all(self, workers: int = 4) -> None:
-        """Load every tensor now (each checked against its source's digest)."""
+    def load_all(self, workers: int = 4, meter: ProgressMeter | None = None) -> None:
+        """Load every tensor now (each checked against its source's digest); ``meter`` counts
+        each tensor's bytes once it is loaded."""
+
+        def load(name: str) -> None:
+            self.load(name)
+            if meter is not None:
+                meter.advance(self.sources[name].nbytes)
+
         with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-load") as pool:
-            list(pool.map(self.load, list(self.sources)))
+            list(pool.map(load, list(self.sources)))
 
     def read(self, name: str) -> ByteArray:
         """Read a tensor from its source, apply its deltas and check its digest.

@@ -150,6 +150,8 @@ def apply_chain(
     history = collect_history(store, deltas)
     local_tensors = tensors if tensors is not None else scan_checkpoint(local.dir)
     check_local_names(history, local_tensors, local.dir)
+    if stats is not None and stats.progress is not None:
+        stats.report("apply", sum(p.end - p.start for t in history.values() for p in t.payloads))
     last = version_dir_name(deltas[-1].version)
     with mapped_files() as files:
         applier = _ChainApplier(store, files, local_tensors, applied_version, last, stats)

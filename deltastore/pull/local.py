@@ -11,13 +11,14 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import xxhash
 
 from deltastore.errors import ConfigError, FormatError, IntegrityError, LockTimeoutError
 from deltastore.format.names import INDEX_NAME, LOCK_NAME, PENDING_NAME, STATE_DIR, STATE_NAME
 from deltastore.format.state import AppliedState, PendingTransition
+from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.storage.durable import atomic_replace, fsync_path
 
 log = logging.getLogger("deltastore.pull")
@@ -43,11 +44,12 @@ def temp_sibling(path: str) -> str:
     return f"{path}.{uuid.uuid4().hex[:12]}.tmp"
 
 
-def copy_verified(src: str, dst: str) -> None:
+def copy_verified(src: str, dst: str, on_read: Callable[[int], None] | None = None) -> None:
     """Copy a file (never a hard link: the source must stay untouched) and verify the content.
 
     The source is hashed while it is copied and the copy is hashed again after an fsync, so a
-    short or corrupt copy is caught. Raises :class:`IntegrityError` on a mismatch.
+    short or corrupt copy is caught; ``on_read(n)`` is told of each chunk of the source read.
+    Raises :class:`IntegrityError` on a mismatch.
     """
     tmp = temp_sibling(dst)
     source_hash = xxhash.xxh3_128()
@@ -55,11 +57,15 @@ def copy_verified(src: str, dst: str) -> None:
         with open(src, "rb") as fh:
             while chunk := fh.read(_COPY_CHUNK):
                 source_hash.update(chunk)
+                if on_read is not None:
+                    on_read(len(chunk))
     else:
         with open(src, "rb") as fin, open(tmp, "wb") as fout:
             while chunk := fin.read(_COPY_CHUNK):
                 source_hash.update(chunk)
                 fout.write(chunk)
+                if on_read is not None:
+                    on_read(len(chunk))
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
         copy_hash = xxhash.xxh3_128()
@@ -195,8 +201,9 @@ class LocalCheckpoint:
         for name in self.weight_files() + partial:
             os.unlink(os.path.join(self.dir, name))
 
-    def seed_from_base(self, base_dir: str) -> None:
-        """Replace the local weights with a verified copy of ``base_dir`` (never modified)."""
+    def seed_from_base(self, base_dir: str, progress: ProgressCallback | None = None) -> None:
+        """Replace the local weights with a verified copy of ``base_dir`` (never modified);
+        ``progress`` gets phase ``seed``, the bytes of the base copied."""
         base_dir = os.path.abspath(base_dir)
         if not os.path.isdir(base_dir):
             raise ConfigError(f"base directory {base_dir!r} does not exist")
@@ -205,12 +212,17 @@ class LocalCheckpoint:
                 f"local checkpoint {self.dir} is the base model path itself; deltas would "
                 "modify the user's model. Pass a separate host-local directory"
             )
+        names = [
+            n
+            for n in sorted(os.listdir(base_dir))
+            if n != STATE_DIR and os.path.isfile(os.path.join(base_dir, n))
+        ]
+        total = sum(os.path.getsize(os.path.join(base_dir, n)) for n in names) if progress else 0
+        meter = ProgressMeter.start(progress, "seed", total)
         self.clear_weights()
-        for name in sorted(os.listdir(base_dir)):
-            src = os.path.join(base_dir, name)
-            if name == STATE_DIR or not os.path.isfile(src):
-                continue
-            copy_verified(src, os.path.join(self.dir, name))
+        for name in names:
+            on_read = meter.advance if meter is not None else None
+            copy_verified(os.path.join(base_dir, name), os.path.join(self.dir, name), on_read)
         fsync_path(self.dir)
 
     def copy_missing_extras(self, base_dir: str | None) -> None:

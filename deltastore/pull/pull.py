@@ -17,6 +17,7 @@ from deltastore.errors import (
 )
 from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.state import AppliedState, PendingTransition
+from deltastore.progress import ProgressCallback
 from deltastore.pull.apply import apply_chain
 from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain, resolve_onto
 from deltastore.pull.fanout import pull_in_group, resolve_group
@@ -54,6 +55,7 @@ def pull_weights(
     lock_timeout_s: float = 3600.0,
     process_group: Any = None,
     trusted_keys: TrustedKeys | None = None,
+    progress: ProgressCallback | None = None,
 ) -> PullResult:
     """Bring ``local_checkpoint_dir`` to ``target_version`` of the store at ``source_dir``.
 
@@ -85,6 +87,12 @@ def pull_weights(
     first write (docs/signing.md states the exact guarantee). A seed from the base checks
     the base against the stream's recorded base digests first.
 
+    ``progress`` (see :mod:`deltastore.progress`) gets phase ``seed`` (the base's bytes
+    copied), ``download`` (a full version's shard bytes staged) and ``apply`` (the delta
+    payload bytes read and applied). If it raises, the pull stops as on any error there: a
+    catch-up puts back what it wrote and the checkpoint stays at its verified version; a
+    reseed from the base is repaired by the next pull.
+
     Raises a :class:`DeltastoreError` subclass naming the version and tensor at fault
     (:class:`SignatureError` for a version the trusted keys do not vouch for,
     :class:`ConfigError` for a local dir overlapping a local store,
@@ -105,6 +113,7 @@ def pull_weights(
                 workers=workers,
                 lock_timeout_s=lock_timeout_s,
                 keys=keys,
+                progress=progress,
             )
 
         try:
@@ -203,16 +212,18 @@ class _PullRun:
                 )
             self.local.begin(pending)
             log.info("%s: seeding from base %s", self.local.dir, self.base)
-            self.local.seed_from_base(self.base)
+            self.local.seed_from_base(self.base, self.stats.progress)
         else:
             log.info("%s: seeding from full version %d", self.local.dir, chain.start)
             check_full_complete(self.store, chain.start_index, self._model())
+            self.stats.report("download", chain.start_index.totals.get("wire_bytes"))
             try:
                 staging = stage_full(
                     self.store, chain.start_index, self.local, workers=self.workers,
                     stats=self.stats,
                 )  # fmt: skip
                 self.checked.check_staged(staging, chain.start_index)
+                self.stats.end_report()
             except BaseException:
                 discard_staging(self.local)
                 raise
@@ -247,8 +258,9 @@ class _PullRun:
             )  # fmt: skip
         except PutBackError:
             raise  # the pending record stays: the next pull repairs
-        except DeltastoreError:
-            # apply_chain put back what it wrote: the bytes hold `current` again.
+        except Exception:
+            # apply_chain put back what it wrote (whatever failed, a progress callback
+            # included): the bytes hold `current` again.
             self.local.finish(self.applied(current, from_stream))
             raise
         self.local.finish(self.applied(target, chain.stream_id))
@@ -263,6 +275,7 @@ def _pull_here(
     workers: int,
     lock_timeout_s: float,
     keys: tuple[TrustedKey, ...] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> PullResult:
     base = os.path.abspath(os.fspath(base_dir)) if base_dir is not None else None
     local = LocalCheckpoint(local_checkpoint_dir)
@@ -272,7 +285,8 @@ def _pull_here(
         )
     source.check_apart_from(local.dir)
     os.makedirs(local.dir, exist_ok=True)
-    run = _PullRun(source, local, base, workers, ApplyStats(), time.perf_counter())
+    stats = ApplyStats(progress=progress)
+    run = _PullRun(source, local, base, workers, stats, time.perf_counter())
     with local.lock(lock_timeout_s):
         state = local.read_state()
         pending = local.read_pending()

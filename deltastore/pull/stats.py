@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from deltastore.progress import ProgressCallback, ProgressMeter
+
 _T = TypeVar("_T")
 
 
@@ -23,7 +25,21 @@ class ApplyStats:
     """Bytes read from the store."""
     bytes_written: int = 0
     versions: list[int] = field(default_factory=list)
+    progress: ProgressCallback | None = field(default=None, repr=False, compare=False)
+    """Where the bytes read are reported (see :meth:`report`)."""
+    _meter: ProgressMeter | None = field(default=None, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def report(self, phase: str, total: int | None) -> None:
+        """From now on, bytes read count towards ``phase`` of ``total`` bytes (if a progress
+        callback was given)."""
+        self._meter = ProgressMeter.start(self.progress, phase, total)
+
+    def end_report(self) -> None:
+        """The current phase is over: report its final count."""
+        meter, self._meter = self._meter, None
+        if meter is not None:
+            meter.finish()
 
     def add(
         self, *, tensors: int = 0, payloads: int = 0, bytes_read: int = 0, bytes_written: int = 0
@@ -34,6 +50,9 @@ class ApplyStats:
             self.payloads += payloads
             self.bytes_read += bytes_read
             self.bytes_written += bytes_written
+        meter = self._meter
+        if meter is not None and bytes_read:
+            meter.advance(bytes_read)
 
 
 def run_pool(

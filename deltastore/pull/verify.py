@@ -14,6 +14,7 @@ from deltastore.format.checkpoint import CheckpointTensor, read_tensor, scan_che
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
 from deltastore.format.safetensors_io import read_header_file
+from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.pull.chain import Chain, resolve_chain
 from deltastore.pull.history import check_digest
 from deltastore.pull.local import LocalCheckpoint
@@ -71,18 +72,26 @@ def verify_tensors(
     *,
     where: str,
     workers: int = 4,
+    progress: ProgressCallback | None = None,
 ) -> None:
     """Hash each local tensor named in ``expected``; :class:`IntegrityError` lists mismatches.
 
-    Raises :class:`NameMismatchError` when a tensor of ``expected`` is missing locally.
+    ``progress`` gets phase ``verify``: the bytes hashed. Raises :class:`NameMismatchError`
+    when a tensor of ``expected`` is missing locally.
     """
     missing = sorted(set(expected) - set(local_tensors))
     if missing:
         raise NameMismatchError(f"{where}: the local checkpoint lacks tensors {missing[:5]}")
 
+    total = sum(local_tensors[n].entry.nbytes for n in expected) if progress else None
+    meter = ProgressMeter.start(progress, "verify", total)
+
     def check(name: str) -> str | None:
         digest = expected[name]
-        return None if hash_tensor(local_tensors[name], digest.checksum) == digest.hex else name
+        matches = hash_tensor(local_tensors[name], digest.checksum) == digest.hex
+        if meter is not None:
+            meter.advance(local_tensors[name].entry.nbytes)
+        return None if matches else name
 
     with cf.ThreadPoolExecutor(max(1, workers)) as pool:
         bad = [n for n in pool.map(check, sorted(expected)) if n is not None]
@@ -105,11 +114,17 @@ def _full_version_digests(store: VersionStore, full: VersionIndex) -> dict[str, 
     return expected
 
 
-def expected_digests(store: VersionStore, chain: Chain, base_dir: str | None) -> dict[str, Digest]:
+def expected_digests(
+    store: VersionStore,
+    chain: Chain,
+    base_dir: str | None,
+    progress: ProgressCallback | None = None,
+) -> dict[str, Digest]:
     """Digest of every tensor at the chain's target.
 
     Tensors the chain never changed since the base are hashed from the base's bytes (so a chain
-    that starts at the base needs ``base_dir``: else :class:`ConfigError`).
+    that starts at the base needs ``base_dir``: else :class:`ConfigError`), reported to
+    ``progress`` as phase ``base``.
     """
     expected: dict[str, Digest] = {}
     if chain.start_index is not None:
@@ -126,14 +141,23 @@ def expected_digests(store: VersionStore, chain: Chain, base_dir: str | None) ->
         if base_dir is None:
             raise ConfigError("verifying against a chain that starts at the base needs base_dir")
         checksum = get_checksum("xxh3-128")
-        for name, tensor in scan_checkpoint(base_dir).items():
-            if name not in expected:
-                expected[name] = Digest.of(checksum, read_tensor(tensor, name))
+        unchanged = {n: t for n, t in scan_checkpoint(base_dir).items() if n not in expected}
+        total = sum(t.entry.nbytes for t in unchanged.values()) if progress else None
+        meter = ProgressMeter.start(progress, "base", total)
+        for name, tensor in unchanged.items():
+            expected[name] = Digest.of(checksum, read_tensor(tensor, name))
+            if meter is not None:
+                meter.advance(tensor.entry.nbytes)
     return expected
 
 
 def verify_checkpoint(
-    store: VersionStore, local_dir: str, version: int, base_dir: str | None, workers: int
+    store: VersionStore,
+    local_dir: str,
+    version: int,
+    base_dir: str | None,
+    workers: int,
+    progress: ProgressCallback | None = None,
 ) -> None:
     """Hash every tensor of ``local_dir`` against ``version`` of ``store``.
 
@@ -141,13 +165,13 @@ def verify_checkpoint(
     :class:`VersionNotFoundError` when the version's chain is no longer in the store.
     """
     chain = resolve_chain(store, version)
-    expected = expected_digests(store, chain, base_dir)
+    expected = expected_digests(store, chain, base_dir, progress)
     local_tensors = scan_checkpoint(local_dir)
     where = f"{local_dir} at v{version:06d}"
     extra = sorted(set(local_tensors) - set(expected))
     if extra:
         raise NameMismatchError(f"{where}: local tensors {extra[:5]} are not in the version")
-    verify_tensors(local_tensors, expected, where=where, workers=workers)
+    verify_tensors(local_tensors, expected, where=where, workers=workers, progress=progress)
 
 
 def verify_signatures(
@@ -174,12 +198,15 @@ def verify_local(
     storage_options: dict[str, Any] | None = None,
     workers: int = 4,
     trusted_keys: TrustedKeys | None = None,
+    progress: ProgressCallback | None = None,
 ) -> int:
     """Check every tensor of a local checkpoint against ``version`` by digest (not by state).
 
     ``version`` defaults to the one the local state records. Returns the version verified.
     With ``trusted_keys``, every version of its chain must carry a valid signature of one of
-    them first (the digests compared are then the signed ones).
+    them first (the digests compared are then the signed ones). ``progress`` (see
+    :mod:`deltastore.progress`) gets phase ``base`` (hashing the base's tensors no version
+    changed, when the chain starts at the base) and ``verify`` (hashing the local tensors).
     Raises :class:`IntegrityError` / :class:`NameMismatchError` naming the tensors at fault,
     :class:`SignatureError` for a version the keys do not vouch for.
     """
@@ -202,5 +229,5 @@ def verify_local(
         chain = resolve_chain(store, version)
         start = [chain.start_index] if chain.start_index is not None else []
         verify_signatures(store, [*start, *chain.deltas], keys)
-    verify_checkpoint(store, local.dir, version, base, workers)
+    verify_checkpoint(store, local.dir, version, base, workers, progress)
     return version

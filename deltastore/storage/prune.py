@@ -34,6 +34,7 @@ from typing import Protocol
 from deltastore.errors import ConfigError, VersionNotFoundError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME
+from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.storage.chain import iter_chain
 from deltastore.storage.listing import FileEntry, StoreListing
 
@@ -202,30 +203,36 @@ def plan(
     )
 
 
-def prune(
-    store: PrunableStore, *, keep: int, grace_s: float = 3600.0, dry_run: bool = False
-) -> PruneReport:
-    """Keep the newest ``keep`` committed versions and their chains; unpublish the rest, and
-    delete the data of versions unpublished or fenced more than ``grace_s`` seconds ago.
+class _Sizes:
+    """Bytes a prune run removes at each step, from the listing it planned with."""
 
-    Uncommitted leftovers older than ``grace_s`` are fenced with an abort marker, then deleted.
-    ``dry_run`` changes nothing. Returns a :class:`PruneReport`. Raises :class:`ConfigError`
-    for ``keep < 1`` or a negative grace period.
-    """
-    if keep < 1:
-        raise ConfigError(f"prune keep={keep}: at least the latest version must be kept")
-    if grace_s < 0:
-        raise ConfigError(f"prune grace period {grace_s} s is negative")
-    store.refresh()
-    report = plan(store, keep, grace_s, store.listing(), time.time())
-    if dry_run:
-        return report
+    def __init__(self, listing: StoreListing, report: PruneReport) -> None:
+        self.listing = listing
+        self.unpublished = set(report.unpublish)
+
+    def index(self, version: int) -> int:
+        entry = self.listing.files.get(version, {}).get(INDEX_NAME)
+        return 0 if entry is None else entry.size
+
+    def data(self, version: int) -> int:
+        """A deleted version's files and claim (its index is counted when unpublished)."""
+        files = sum(e.size for e in self.listing.files.get(version, {}).values())
+        claim = self.listing.claims.get(version)
+        already = self.index(version) if version in self.unpublished else 0
+        return files + (0 if claim is None else claim.size) - already
+
+    def total(self, report: PruneReport) -> int:
+        return (
+            sum(self.index(v) for v in report.unpublish)
+            + sum(self.data(v) for v in report.delete)
+            + sum(self.listing.other[p].size for p in report.stray)
+        )
+
+
+def _fence(store: PrunableStore, versions: tuple[int, ...]) -> list[int]:
+    """Fence stale uncommitted versions; returns those committed meanwhile (left alone)."""
     meanwhile: list[int] = []
-    for version in report.unpublish:
-        store.write_tombstone(version, "pruned")
-        store.remove(store.file_path(version, INDEX_NAME))
-        log.info("%s: unpublished weight_v%06d", store.url, version)
-    for version in report.fence:
+    for version in versions:
         token = store.write_tombstone(version, "fenced")
         # The writer may have committed between our listing and our tombstone. It writes its
         # index, then checks for a tombstone; we write the tombstone, then check for an index:
@@ -239,17 +246,64 @@ def prune(
             log.warning("%s: weight_v%06d was committed while being fenced", store.url, version)
             continue
         log.info("%s: fenced stale uncommitted weight_v%06d", store.url, version)
-    for version in report.delete:
-        if version in meanwhile:
-            continue
-        # Index first: a half-finished delete must never leave an index without its shards.
-        # The tombstone stays for good: an index that lands late is never visible.
+    return meanwhile
+
+
+def _delete(store: PrunableStore, version: int) -> None:
+    """Delete an unpublished or fenced version's data."""
+    # Index first: a half-finished delete must never leave an index without its shards. The
+    # tombstone stays for good: an index that lands late is never visible.
+    store.remove(store.file_path(version, INDEX_NAME))
+    store.remove(store.version_path(version), recursive=True)
+    store.remove(store.claim_path(version))
+    log.info("%s: deleted the data of weight_v%06d", store.url, version)
+
+
+def prune(
+    store: PrunableStore,
+    *,
+    keep: int,
+    grace_s: float = 3600.0,
+    dry_run: bool = False,
+    progress: ProgressCallback | None = None,
+) -> PruneReport:
+    """Keep the newest ``keep`` committed versions and their chains; unpublish the rest, and
+    delete the data of versions unpublished or fenced more than ``grace_s`` seconds ago.
+
+    Uncommitted leftovers older than ``grace_s`` are fenced with an abort marker, then deleted.
+    ``dry_run`` changes nothing. ``progress`` (see :mod:`deltastore.progress`) gets phase
+    ``prune``: the listed bytes of the files removed (a version committed while being fenced
+    counts as done, untouched); a dry run reports nothing. If it raises, the run stops there:
+    what was removed stays removed, the next run finishes the job. Returns a
+    :class:`PruneReport`. Raises :class:`ConfigError` for ``keep < 1`` or a negative grace.
+    """
+    if keep < 1:
+        raise ConfigError(f"prune keep={keep}: at least the latest version must be kept")
+    if grace_s < 0:
+        raise ConfigError(f"prune grace period {grace_s} s is negative")
+    store.refresh()
+    listing = store.listing()
+    report = plan(store, keep, grace_s, listing, time.time())
+    if dry_run:
+        return report
+    sizes = _Sizes(listing, report)
+    meter = ProgressMeter.start(progress, "prune", sizes.total(report) if progress else None)
+    for version in report.unpublish:
+        store.write_tombstone(version, "pruned")
         store.remove(store.file_path(version, INDEX_NAME))
-        store.remove(store.version_path(version), recursive=True)
-        store.remove(store.claim_path(version))
-        log.info("%s: deleted the data of weight_v%06d", store.url, version)
+        log.info("%s: unpublished weight_v%06d", store.url, version)
+        if meter is not None:
+            meter.advance(sizes.index(version))
+    meanwhile = _fence(store, report.fence)
+    for version in report.delete:
+        if version not in meanwhile:
+            _delete(store, version)
+        if meter is not None:
+            meter.advance(sizes.data(version))
     for path in report.stray:
         store.remove(path)
+        if meter is not None:
+            meter.advance(listing.other[path].size)
     return PruneReport(
         keep=report.keep,
         unpublish=report.unpublish,

@@ -38,6 +38,7 @@ from deltastore.errors import (
 )
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
+from deltastore.progress import ProgressCallback
 from deltastore.storage.backends import REMOTE_PROTOCOLS, Backend, make_backend
 from deltastore.storage.listing import StoreListing, parse_listing
 from deltastore.storage.objects import StoreObjects, new_token
@@ -335,8 +336,15 @@ class VersionStore(StoreObjects, FileReads):
         VersionWriter(self, version, "").abort()
 
     # ------------------------------------------------------------------ prune
-    def prune(self, keep: int, *, grace_s: float = 3600.0, dry_run: bool = False) -> PruneReport:
+    def prune(
+        self,
+        keep: int,
+        *,
+        grace_s: float = 3600.0,
+        dry_run: bool = False,
+        progress: ProgressCallback | None = None,
+    ) -> PruneReport:
         """Remove old versions and garbage; see :func:`deltastore.storage.prune.prune`."""
         from deltastore.storage.prune import prune
 
-        return prune(self, keep=keep, grace_s=grace_s, dry_run=dry_run)
+        return prune(self, keep=keep, grace_s=grace_s, dry_run=dry_run, progress=progress)
