@@ -51,7 +51,10 @@ def test_a_dry_run_reports_nothing(tmp_path: Path) -> None:
     assert progress.calls == []
 
 
-def test_a_raising_callback_stops_prune_and_the_next_run_finishes(tmp_path: Path) -> None:
+def test_a_raising_callback_stops_prune_and_the_next_run_finishes(
+    tmp_path: Path, monkeypatch
+) -> None:
+    report_every_step(monkeypatch)
     store = _store_with_versions(tmp_path, "ddfd")
     failing = Recorder(fail_when=lambda call: call[1] > 0)
     with pytest.raises(RuntimeError, match="progress callback gave up"):
