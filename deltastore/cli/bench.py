@@ -12,17 +12,19 @@ import argparse
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from deltastore.cli.common import (
     add_json_flag,
     add_storage_option_flag,
+    byte_progress,
     parse_storage_options,
     print_json,
-    step_progress,
 )
 from deltastore.codecs import ENCODINGS
 from deltastore.errors import ConfigError
+from deltastore.progress import ProgressCallback
 from deltastore.publish.config import default_workers
 
 
@@ -120,6 +122,29 @@ def _store_root(args: argparse.Namespace, workdir: str) -> Iterator[tuple[str, d
         yield workdir, options
 
 
+def _runs_progress(
+    progress: ProgressCallback | None,
+    model: Mapping[str, Any],
+    repeat: int,
+    encodings: list[str],
+) -> Callable[[], None]:
+    """``advance()`` for each finished run of one path: the bar counts the model bytes synced,
+    one model per run (the runs are measured without a callback, so it costs them nothing)."""
+    model_bytes = sum(t.numel() * t.element_size() for t in model.values())
+    total = repeat * (len(encodings) + 2) * model_bytes
+    done = 0
+    if progress is not None:
+        progress("runs", 0, total)
+
+    def advance() -> None:
+        nonlocal done
+        done += model_bytes
+        if progress is not None:
+            progress("runs", done, total)
+
+    return advance
+
+
 def run(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
@@ -146,11 +171,9 @@ def run(args: argparse.Namespace) -> int:
             {n: t.contiguous() for n, t in before.items()}, os.path.join(base, "model.safetensors")
         )
         bench = Bench(base, after, workdir, workers, root, options)
-        total = repeat * (len(encodings) + 2)
-        with step_progress(
-            args, f"bench {kind}: reference, {', '.join(encodings)}, full copy", total
-        ) as advance:
-            run_all(bench, encodings, repeat, advance)
+        what = f"bench {kind}: reference, {', '.join(encodings)}, full copy"
+        with byte_progress(args, what) as progress:
+            run_all(bench, encodings, repeat, _runs_progress(progress, before, repeat, encodings))
     result = report(args, kind, before, after, bench, encodings, workers, repeat)
     if args.json:
         print_json(result)

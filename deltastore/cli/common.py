@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from deltastore.errors import DeltastoreError
+from deltastore.progress import ProgressCallback
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -125,7 +126,8 @@ def progress_enabled(args: argparse.Namespace) -> bool:
 def phase(args: argparse.Namespace, what: str) -> Iterator[None]:
     """A spinner with ``what`` and the time elapsed while the block runs (on a TTY, stderr).
 
-    Used where the library offers no byte-level progress callback.
+    Used where no total is known (listing, reading indexes); long byte work uses
+    :func:`byte_progress`.
     """
     if not progress_enabled(args):
         yield
@@ -170,6 +172,48 @@ def step_progress(args: argparse.Namespace, what: str, total: int) -> Iterator[C
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=total)
         yield lambda: bar.advance(task)
+
+
+@contextlib.contextmanager
+def byte_progress(args: argparse.Namespace, what: str) -> Iterator[ProgressCallback | None]:
+    """A bar of the bytes the library reports (on a TTY, stderr): phase, bytes done of the
+    total, rate and ETA; a pulsing bar until a total is known. Yields the callback to pass as
+    ``progress=``, or None when progress is off (no TTY, ``--quiet``, ``--json``)."""
+    if not progress_enabled(args):
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    console = Console(stderr=True)
+    columns = (
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+    started = time.monotonic()
+    current: list[str] = []
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(what, total=None)
+
+        def report(phase: str, done_bytes: int, total_bytes: int | None) -> None:
+            if current != [phase]:  # a new phase: its own total, rate and ETA
+                current[:] = [phase]
+                bar.reset(task, total=total_bytes, description=f"{what}: {phase}")
+            bar.update(task, completed=done_bytes)
+
+        yield report
+    console.print(f"{what}: {time.monotonic() - started:.1f} s", style="dim", markup=False)
 
 
 def add_trust_flag(p: argparse.ArgumentParser) -> None:

@@ -8,8 +8,8 @@ from dataclasses import asdict
 from deltastore.cli.common import (
     add_json_flag,
     add_storage_option_flag,
+    byte_progress,
     parse_storage_options,
-    phase,
     print_json,
 )
 from deltastore.storage import VersionStore
@@ -45,8 +45,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.url, parse_storage_options(args.storage_option))
-    with phase(args, f"pruning {store.url}" + ("" if args.yes else " (dry run)")):
-        report = store.prune(keep=args.keep, grace_s=args.grace, dry_run=not args.yes)
+    what = f"pruning {store.url}" + ("" if args.yes else " (dry run)")
+    with byte_progress(args, what) as progress:
+        report = store.prune(
+            keep=args.keep, grace_s=args.grace, dry_run=not args.yes, progress=progress
+        )
     if args.json:
         print_json({"url": store.url, **asdict(report), "lines": report.lines()})
         return 0

@@ -8,6 +8,7 @@ import os
 from deltastore.cli.common import (
     add_json_flag,
     add_storage_option_flag,
+    byte_progress,
     parse_storage_options,
     phase,
     print_json,
@@ -112,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
         signing_key=args.sign_key,
     )
-    with phase(args, f"seeding from --prev {prev}"):
-        publisher.seed(continue_latest=True)
+    with byte_progress(args, f"seeding from --prev {prev}") as progress:
+        publisher.seed(continue_latest=True, progress=progress)
     if publisher.next_version != latest + 1:
         # Another publisher committed after --prev was checked against weight_v{latest}.
         raise VersionConflictError(
@@ -133,9 +134,12 @@ def run(args: argparse.Namespace) -> int:
                 f"tensor {name!r} is {tensor.dtype}{list(tensor.shape)} in --new but "
                 f"{base.dtype}{list(base.shape)} in --prev"
             )
-    with phase(args, f"publishing weight_v{publisher.next_version:06d} to {store.url}"):
+    what = f"publishing weight_v{publisher.next_version:06d} to {store.url}"
+    with byte_progress(args, what) as progress:
         result = publisher.publish(
-            ((name, t.data) for name, t in target.tensors.items()), full=args.full
+            ((name, t.data) for name, t in target.tensors.items()),
+            full=args.full,
+            progress=progress,
         )
     if args.json:
         print_json(

@@ -8,8 +8,8 @@ from deltastore.cli.common import (
     add_json_flag,
     add_storage_option_flag,
     add_trust_flag,
+    byte_progress,
     parse_storage_options,
-    phase,
     print_json,
 )
 from deltastore.errors import ConfigError
@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     store = open_store(args.store, parse_storage_options(args.storage_option))
     target = resolve_target(store, args.version)
-    with phase(args, f"pulling weight_v{target:06d} into {args.local}"):
+    with byte_progress(args, f"pulling weight_v{target:06d} into {args.local}") as progress:
         result = pull_weights(
             args.local,
             store,
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             base_dir=args.base,
             workers=args.workers,
             trusted_keys=args.trust,
+            progress=progress,
         )
     if args.json:
         print_json(

@@ -8,8 +8,8 @@ from deltastore.cli.common import (
     add_json_flag,
     add_storage_option_flag,
     add_trust_flag,
+    byte_progress,
     parse_storage_options,
-    phase,
     print_json,
 )
 from deltastore.pull import verify_local
@@ -37,9 +37,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.store, parse_storage_options(args.storage_option))
-    with phase(args, f"hashing every tensor of {args.local}"):
+    with byte_progress(args, f"hashing every tensor of {args.local}") as progress:
         version = verify_local(
-            args.local, store, args.version, base_dir=args.base, trusted_keys=args.trust
+            args.local,
+            store,
+            args.version,
+            base_dir=args.base,
+            trusted_keys=args.trust,
+            progress=progress,
         )
     if args.json:
         print_json({"local": args.local, "version": version, "matches": True})
