@@ -27,8 +27,8 @@ def counted(
         return named_tensors
 
     def pairs() -> Iterator[tuple[str, object]]:
-        meter = ProgressMeter(progress, "diff", snapshot.total_bytes)
-        meter.finish()  # the first report: nothing done yet
+        meter = ProgressMeter.start(progress, "diff", snapshot.total_bytes)
+        assert meter is not None
         for name, tensor in named_pairs(named_tensors):
             yield name, tensor
             source = snapshot.sources.get(name)
