@@ -99,6 +99,24 @@ def check_prev_against_chain(store: VersionStore, prev_dir: str, latest: int) ->
     return len(recorded)
 
 
+def _read_new(publisher: DeltaPublisher, new: str) -> Snapshot:
+    """--new as a lazily read snapshot; :class:`PublishError` when it lacks a tensor of --prev
+    or holds one of another dtype or shape."""
+    assert publisher.snapshot is not None
+    target = Snapshot.from_checkpoint(new)
+    missing = sorted(set(publisher.snapshot) - set(target))
+    if missing:
+        raise PublishError(f"--new {new} lacks tensors of --prev: {missing[:5]}")
+    for name, tensor in target.tensors.items():
+        base = publisher.snapshot.tensors.get(name)
+        if base is not None and (base.dtype, base.shape) != (tensor.dtype, tensor.shape):
+            raise PublishError(
+                f"tensor {name!r} is {tensor.dtype}{list(tensor.shape)} in --new but "
+                f"{base.dtype}{list(base.shape)} in --prev"
+            )
+    return target
+
+
 def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.store, parse_storage_options(args.storage_option))
     prev, new = os.path.abspath(args.prev), os.path.abspath(args.new)
@@ -122,18 +140,7 @@ def run(args: argparse.Namespace) -> int:
             f"weight_v{publisher.next_version - 1:06d} while --prev was being checked; another "
             "publisher is writing to this store. Pull the latest version and publish again"
         )
-    assert publisher.snapshot is not None
-    target = Snapshot.from_checkpoint(new)
-    missing = sorted(set(publisher.snapshot) - set(target))
-    if missing:
-        raise PublishError(f"--new {new} lacks tensors of --prev: {missing[:5]}")
-    for name, tensor in target.tensors.items():
-        base = publisher.snapshot.tensors.get(name)
-        if base is not None and (base.dtype, base.shape) != (tensor.dtype, tensor.shape):
-            raise PublishError(
-                f"tensor {name!r} is {tensor.dtype}{list(tensor.shape)} in --new but "
-                f"{base.dtype}{list(base.shape)} in --prev"
-            )
+    target = _read_new(publisher, new)
     what = f"publishing weight_v{publisher.next_version:06d} to {store.url}"
     with byte_progress(args, what) as progress:
         result = publisher.publish(
