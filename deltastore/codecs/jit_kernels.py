@@ -1,0 +1,198 @@
+"""numba kernels of ``sparse-v2`` encoding: imported only by :mod:`deltastore.codecs.jit`.
+
+Two compiled calls per tensor: one counts the changed elements (so every output is allocated
+once, at its exact size), one finds them, codes their steps, chooses ``k`` and ``w`` exactly as
+the numpy path does (:mod:`deltastore.codecs.steps`, :func:`~deltastore.codecs.kernels.
+rice_parameter`) and writes the payload. Both release the GIL, so pool threads encode in
+parallel. Arithmetic is on uint64 throughout (numba turns mixed signed/unsigned into floats).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from deltastore.codecs.base import ByteArray, XorChanges
+from deltastore.codecs.kernels import ELEMENT_DTYPES
+from deltastore.codecs.steps import varint
+
+U64 = np.uint64
+MARK = 0x20
+LOG2 = {1: 0, 2: 1, 4: 2, 8: 3}
+
+
+@numba.njit(cache=True, nogil=True)
+def _count(old, new):  # type: ignore[no-untyped-def]
+    count = 0
+    for i in range(old.size):
+        count += old[i] != new[i]
+    return count
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bit_length(value):  # type: ignore[no-untyped-def]
+    length = 0
+    while value:
+        value >>= U64(1)
+        length += 1
+    return length
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put(out, at, acc, held, value, width):  # type: ignore[no-untyped-def]
+    """Append the low ``width`` (≤ 32) bits of ``value``, MSB first; whole bytes go out."""
+    acc = (acc << U64(width)) | value
+    held += width
+    while held >= 8:
+        held -= 8
+        out[at] = np.uint8((acc >> U64(held)) & U64(0xFF))
+        at += 1
+    return at, acc, held
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_wide(out, at, acc, held, value, width):  # type: ignore[no-untyped-def]
+    if width > 32:
+        at, acc, held = _put(out, at, acc, held, value >> U64(32), width - 32)
+        return _put(out, at, acc, held, value & U64(0xFFFFFFFF), 32)
+    return _put(out, at, acc, held, value, width)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _flush(out, at, acc, held, ones):  # type: ignore[no-untyped-def]
+    """Pad the last partial byte with zeros (or ones) and write it."""
+    if held:
+        pad = U64((1 << (8 - held)) - 1) if ones else U64(0)
+        at, acc, held = _put(out, at, acc, held, pad, 8 - held)
+    return at
+
+
+@numba.njit(cache=True, nogil=True)
+def _changes(old, new, count, bits):  # type: ignore[no-untyped-def]
+    """Positions, XOR values and step fields of the ``count`` changed elements."""
+    positions = np.empty(count, np.int64)
+    xored = np.empty(count, old.dtype)
+    fields = np.empty(count, np.uint64)
+    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - bits)
+    half = U64(1) << U64(bits - 1)
+    j = 0
+    for i in range(old.size):
+        a = old[i]
+        b = new[i]
+        if a != b:
+            positions[j] = i
+            xored[j] = a ^ b
+            a64 = U64(a)
+            b64 = U64(b)
+            diff = (b64 - a64) & mask
+            if diff > half:
+                magnitude = (a64 - b64) & mask
+                low = b64
+            else:
+                magnitude = diff
+                low = a64
+            lowest = magnitude & (~magnitude + U64(1))
+            flag = U64(1) if low & lowest else U64(0)
+            fields[j] = ((magnitude - U64(1)) << U64(1)) | flag
+            j += 1
+    return positions, xored, fields
+
+
+@numba.njit(cache=True, nogil=True)
+def _rice_k(positions):  # type: ignore[no-untyped-def]
+    count = positions.size
+    total = positions[count - 1] + 1 - count
+    low = max(_bit_length(U64(int(total / count * 0.6931))) - 1, 0)
+    high = min(low + 1, 63)
+    low_cost = count * low
+    high_cost = count * high
+    previous = -1
+    for i in range(count):
+        gap = positions[i] - previous - 1
+        previous = positions[i]
+        low_cost += gap >> low
+        high_cost += gap >> high
+    return low if low_cost <= high_cost else high
+
+
+@numba.njit(cache=True, nogil=True)
+def _width(fields, bits):  # type: ignore[no-untyped-def]
+    histogram = np.zeros(66, np.int64)
+    for f in fields:
+        plus = f + U64(1)
+        histogram[65 if plus == U64(0) else _bit_length(plus)] += 1
+    count = fields.size
+    best, best_cost, cumulative = bits, count * bits, 0
+    for w in range(bits):
+        cumulative += histogram[w]
+        cost = count * w + (count - cumulative) * bits
+        if cost < best_cost:
+            best, best_cost = w, cost
+    return best
+
+
+@numba.njit(cache=True, nogil=True)
+def _write(old, new, count, bits, head):  # type: ignore[no-untyped-def]
+    positions, xored, fields = _changes(old, new, count, bits)
+    k = _rice_k(positions)
+    width = _width(fields, bits)
+    escape = U64((1 << width) - 1) if width < 64 else U64(0xFFFFFFFFFFFFFFFF)
+    escapes = 0
+    if width < bits:
+        for f in fields:
+            escapes += f >= escape
+    unary_bits = count
+    previous = -1
+    for i in range(count):
+        unary_bits += (positions[i] - previous - 1) >> k
+        previous = positions[i]
+    size = head.size + 2 + (count * k + 7) // 8 + (count * width + 7) // 8
+    size += escapes * (bits // 8) + (unary_bits + 7) // 8
+    out = np.empty(size, np.uint8)
+    out[: head.size] = head
+    out[head.size] = k
+    out[head.size + 1] = width
+    at, acc, held = head.size + 2, U64(0), 0
+    remainder = U64((1 << k) - 1)
+    previous = -1
+    for i in range(count):
+        gap = U64(positions[i] - previous - 1)
+        previous = positions[i]
+        at, acc, held = _put_wide(out, at, acc, held, gap & remainder, k)
+    at = _flush(out, at, acc, held, False)
+    held = 0
+    for f in fields:
+        at, acc, held = _put_wide(out, at, acc, held, escape if f >= escape else f, width)
+    at = _flush(out, at, acc, held, False)
+    held = 0
+    if width < bits:
+        for f in fields:
+            if f >= escape:
+                for byte in range(bits // 8):
+                    out[at] = np.uint8((f >> U64(8 * byte)) & U64(0xFF))
+                    at += 1
+    previous = -1
+    for i in range(count):
+        quotient = (positions[i] - previous - 1) >> k
+        previous = positions[i]
+        while quotient >= 32:
+            at, acc, held = _put(out, at, acc, held, U64(0xFFFFFFFF), 32)
+            quotient -= 32
+        at, acc, held = _put(out, at, acc, held, U64(((1 << quotient) - 1) << 1), quotient + 1)
+    _flush(out, at, acc, held, True)
+    return out, positions, xored
+
+
+def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[memoryview | bytes, XorChanges]:
+    """The sparse-v2 payload turning ``old`` into ``new`` (byte for byte what the numpy path
+    writes) and the changes as positions and XOR values."""
+    dtype = ELEMENT_DTYPES[itemsize]
+    before, after = old.view(dtype), new.view(dtype)
+    count = int(_count(before, after))
+    head = bytes((MARK | LOG2[itemsize],)) + varint(old.size) + varint(count)
+    if not count:
+        return head, XorChanges(np.zeros(0, np.int64), np.zeros(0, dtype))
+    out, positions, xored = _write(
+        before, after, count, itemsize * 8, np.frombuffer(head, dtype=np.uint8)
+    )
+    return memoryview(out), XorChanges(positions, xored)
