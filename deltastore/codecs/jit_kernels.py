@@ -1,7 +1,7 @@
 """numba kernels of ``sparse-v2`` encoding: imported only by :mod:`deltastore.codecs.jit`.
 
-Two compiled calls per tensor: one counts the changed elements (so every output is allocated
-once, at its exact size), one finds them, codes their steps, chooses ``k`` and ``w`` exactly as
+One compiled call per tensor: it counts the differing 8-byte words (so every buffer is
+allocated once), finds the changed elements, codes their steps, chooses ``k`` and ``w`` exactly as
 the numpy path does (:mod:`deltastore.codecs.steps`, :func:`~deltastore.codecs.kernels.
 rice_parameter`) and writes the payload. Both release the GIL, so pool threads encode in
 parallel. Arithmetic is on uint64 throughout (numba turns mixed signed/unsigned into floats).
@@ -14,19 +14,10 @@ import numpy as np
 
 from deltastore.codecs.base import ByteArray, XorChanges
 from deltastore.codecs.kernels import ELEMENT_DTYPES
-from deltastore.codecs.steps import varint
 
 U64 = np.uint64
 MARK = 0x20
 LOG2 = {1: 0, 2: 1, 4: 2, 8: 3}
-
-
-@numba.njit(cache=True, nogil=True)
-def _count(old, new):  # type: ignore[no-untyped-def]
-    count = 0
-    for i in range(old.size):
-        count += old[i] != new[i]
-    return count
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -67,35 +58,62 @@ def _flush(out, at, acc, held, ones):  # type: ignore[no-untyped-def]
     return at
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _record(positions, xored, fields, j, i, a, b, mask, half):  # type: ignore[no-untyped-def]
+    """Store element ``i`` (old ``a``, new ``b``) as change ``j``."""
+    positions[j] = i
+    xored[j] = a ^ b
+    a64 = U64(a)
+    b64 = U64(b)
+    diff = (b64 - a64) & mask
+    if diff > half:
+        magnitude = (a64 - b64) & mask
+        low = b64
+    else:
+        magnitude = diff
+        low = a64
+    lowest = magnitude & (~magnitude + U64(1))
+    flag = U64(1) if low & lowest else U64(0)
+    fields[j] = ((magnitude - U64(1)) << U64(1)) | flag
+
+
 @numba.njit(cache=True, nogil=True)
-def _changes(old, new, count, bits):  # type: ignore[no-untyped-def]
-    """Positions, XOR values and step fields of the ``count`` changed elements."""
-    positions = np.empty(count, np.int64)
-    xored = np.empty(count, old.dtype)
-    fields = np.empty(count, np.uint64)
+def _changes(old_words, new_words, old, new, bits):  # type: ignore[no-untyped-def]
+    """Positions, XOR values and step fields of the changed elements. 8-byte words are
+    compared first (a branch-free count sizes the buffers), and only a differing word is
+    looked at element by element."""
+    per_word = 64 // bits
+    differing = 0
+    for w in range(old_words.size):
+        differing += old_words[w] != new_words[w]
+    capacity = differing * per_word + old.size - old_words.size * per_word
+    positions = np.empty(capacity, np.int64)
+    xored = np.empty(capacity, old.dtype)
+    fields = np.empty(capacity, np.uint64)
     mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - bits)
     half = U64(1) << U64(bits - 1)
     j = 0
-    for i in range(old.size):
-        a = old[i]
-        b = new[i]
-        if a != b:
-            positions[j] = i
-            xored[j] = a ^ b
-            a64 = U64(a)
-            b64 = U64(b)
-            diff = (b64 - a64) & mask
-            if diff > half:
-                magnitude = (a64 - b64) & mask
-                low = b64
-            else:
-                magnitude = diff
-                low = a64
-            lowest = magnitude & (~magnitude + U64(1))
-            flag = U64(1) if low & lowest else U64(0)
-            fields[j] = ((magnitude - U64(1)) << U64(1)) | flag
+    for w in range(old_words.size):
+        if old_words[w] != new_words[w]:
+            for i in range(w * per_word, (w + 1) * per_word):
+                if old[i] != new[i]:
+                    _record(positions, xored, fields, j, i, old[i], new[i], mask, half)
+                    j += 1
+    for i in range(old_words.size * per_word, old.size):  # the last elements, under a word
+        if old[i] != new[i]:
+            _record(positions, xored, fields, j, i, old[i], new[i], mask, half)
             j += 1
-    return positions, xored, fields
+    return positions[:j], xored[:j], fields[:j]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _varint(out, at, value):  # type: ignore[no-untyped-def]
+    while value >= 0x80:
+        out[at] = np.uint8((value & 0x7F) | 0x80)
+        value >>= 7
+        at += 1
+    out[at] = np.uint8(value)
+    return at + 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -132,8 +150,15 @@ def _width(fields, bits):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _write(old, new, count, bits, head):  # type: ignore[no-untyped-def]
-    positions, xored, fields = _changes(old, new, count, bits)
+def _write(old_words, new_words, old, new, bits, mark, nbytes):  # type: ignore[no-untyped-def]
+    """The whole payload (see :mod:`deltastore.codecs.sparse2`), positions and XOR values."""
+    positions, xored, fields = _changes(old_words, new_words, old, new, bits)
+    count = positions.size
+    head = np.empty(21, np.uint8)
+    head[0] = mark
+    head_size = _varint(head, _varint(head, 1, nbytes), count)
+    if count == 0:
+        return head[:head_size].copy(), positions, xored
     k = _rice_k(positions)
     width = _width(fields, bits)
     escape = U64((1 << width) - 1) if width < 64 else U64(0xFFFFFFFFFFFFFFFF)
@@ -146,13 +171,13 @@ def _write(old, new, count, bits, head):  # type: ignore[no-untyped-def]
     for i in range(count):
         unary_bits += (positions[i] - previous - 1) >> k
         previous = positions[i]
-    size = head.size + 2 + (count * k + 7) // 8 + (count * width + 7) // 8
+    size = head_size + 2 + (count * k + 7) // 8 + (count * width + 7) // 8
     size += escapes * (bits // 8) + (unary_bits + 7) // 8
     out = np.empty(size, np.uint8)
-    out[: head.size] = head
-    out[head.size] = k
-    out[head.size + 1] = width
-    at, acc, held = head.size + 2, U64(0), 0
+    out[:head_size] = head[:head_size]
+    out[head_size] = k
+    out[head_size + 1] = width
+    at, acc, held = head_size + 2, U64(0), 0
     remainder = U64((1 << k) - 1)
     previous = -1
     for i in range(count):
@@ -187,12 +212,14 @@ def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[memoryview | 
     """The sparse-v2 payload turning ``old`` into ``new`` (byte for byte what the numpy path
     writes) and the changes as positions and XOR values."""
     dtype = ELEMENT_DTYPES[itemsize]
-    before, after = old.view(dtype), new.view(dtype)
-    count = int(_count(before, after))
-    head = bytes((MARK | LOG2[itemsize],)) + varint(old.size) + varint(count)
-    if not count:
-        return head, XorChanges(np.zeros(0, np.int64), np.zeros(0, dtype))
+    whole = old.size // 8 * 8
     out, positions, xored = _write(
-        before, after, count, itemsize * 8, np.frombuffer(head, dtype=np.uint8)
+        old[:whole].view(np.uint64),
+        new[:whole].view(np.uint64),
+        old.view(dtype),
+        new.view(dtype),
+        itemsize * 8,
+        MARK | LOG2[itemsize],
+        old.size,
     )
     return memoryview(out), XorChanges(positions, xored)
