@@ -141,10 +141,13 @@ def _width(fields, bits):  # type: ignore[no-untyped-def]
         histogram[65 if plus == U64(0) else _bit_length(plus)] += 1
     count = fields.size
     best, best_cost, cumulative = bits, count * bits, 0
-    for w in range(bits):
-        cumulative += histogram[w]
-        cost = count * w + (count - cumulative) * bits
-        if cost < best_cost:
+    for w in range(bits + 1):
+        if w < bits:
+            cumulative += histogram[w]
+            cost = count * w + (count - cumulative) * bits
+        else:
+            cost = count * bits  # at full width nothing escapes
+        if w == 0 or cost < best_cost:  # the narrowest wins a tie
             best, best_cost = w, cost
     return best
 
