@@ -1,10 +1,11 @@
-"""numba kernels of ``sparse-v2`` encoding: imported only by :mod:`deltastore.codecs.jit`.
+"""numba kernels of ``sparse-v2``: imported only by :mod:`deltastore.codecs.jit`.
 
 One compiled call per tensor: it counts the differing 8-byte words (so every buffer is
 allocated once), finds the changed elements, codes their steps, chooses ``k`` and ``w`` exactly as
 the numpy path does (:mod:`deltastore.codecs.steps`, :func:`~deltastore.codecs.kernels.
 rice_parameter`) and writes the payload. Both release the GIL, so pool threads encode in
-parallel. Arithmetic is on uint64 throughout (numba turns mixed signed/unsigned into floats).
+parallel. Decoding reads every stream into arrays and checks it before the target is touched,
+then applies the steps in one loop. Arithmetic is on uint64 throughout (numba turns mixed signed/unsigned into floats).
 """
 
 from __future__ import annotations
@@ -209,6 +210,127 @@ def _write(old_words, new_words, old, new, bits, mark, nbytes):  # type: ignore[
         at, acc, held = _put(out, at, acc, held, U64(((1 << quotient) - 1) << 1), quotient + 1)
     _flush(out, at, acc, held, True)
     return out, positions, xored
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _get(raw, bit, width):  # type: ignore[no-untyped-def]
+    """(the ``width``-bit field at bit offset ``bit``, MSB first; the offset after it)."""
+    value = U64(0)
+    while width > 0:
+        room = 8 - (bit & 7)
+        take = min(room, width)
+        part = (U64(raw[bit >> 3]) >> U64(room - take)) & U64((1 << take) - 1)
+        value = (value << U64(take)) | part
+        bit += take
+        width -= take
+    return value, bit
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _leading_ones(byte, skip):  # type: ignore[no-untyped-def]
+    """One bits at the top of ``byte`` after its first ``skip`` bits, up to the first zero."""
+    ones = 0
+    for shift in range(7 - skip, -1, -1):
+        if not (byte >> shift) & 1:
+            break
+        ones += 1
+    return ones
+
+
+@numba.njit(cache=True, nogil=True)
+def _unary(raw, bit, count, k, low, positions, nelements):  # type: ignore[no-untyped-def]
+    """Positions from the unary stream at ``bit`` and the remainders in ``low``; False when the
+    stream is not exactly ``count`` codes and < 8 one bits, or a position is out of order."""
+    end = raw.size * 8
+    previous = -1
+    for j in range(count):
+        quotient = 0
+        while True:
+            if bit >= end:
+                return False
+            ones = _leading_ones(raw[bit >> 3], bit & 7)
+            quotient += ones
+            bit += ones
+            if bit & 7 or ones == 0:  # stopped at a zero bit inside the byte
+                if bit >= end:
+                    return False
+                bit += 1
+                break
+        if quotient >> (63 - k) or quotient << k >= nelements:
+            return False
+        gap = (quotient << k) | np.int64(low[j])
+        if gap >= nelements - previous - 1:
+            return False
+        previous += gap + 1
+        positions[j] = previous
+    if end - bit >= 8:
+        return False
+    while bit < end:
+        if not (raw[bit >> 3] >> (7 - (bit & 7))) & 1:
+            return False
+        bit += 1
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _decode(raw, at, count, k, width, itemsize, nelements):  # type: ignore[no-untyped-def]
+    """(status, positions, fields): status 0 when valid, 1 when the escapes are truncated, 2
+    when the positions are not a valid ascending set inside the tensor."""
+    positions = np.empty(count, np.int64)
+    fields = np.empty(count, np.uint64)
+    bit = at * 8
+    for j in range(count):
+        fields[j], bit = _get(raw, bit, k)  # the gaps' remainders, for now
+    bit = (bit + 7) // 8 * 8
+    escape = U64((1 << width) - 1) if width < 64 else U64(0xFFFFFFFFFFFFFFFF)
+    steps = np.empty(count, np.uint64)
+    escapes = 0
+    for j in range(count):
+        steps[j], bit = _get(raw, bit, width)
+        if width < itemsize * 8 and steps[j] == escape:
+            escapes += 1
+    at = (bit + 7) // 8
+    if at + escapes * itemsize > raw.size:
+        return 1, positions, steps
+    if width < itemsize * 8:
+        for j in range(count):
+            if steps[j] == escape:
+                value = U64(0)
+                for byte in range(itemsize):
+                    value |= U64(raw[at + byte]) << U64(8 * byte)
+                steps[j] = value
+                at += itemsize
+    if not _unary(raw, at * 8, count, k, fields, positions, nelements):
+        return 2, positions, steps
+    return 0, positions, steps
+
+
+@numba.njit(cache=True, nogil=True)
+def _apply_steps(elements, positions, steps, bits):  # type: ignore[no-untyped-def]
+    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - bits)
+    for j in range(positions.size):
+        current = U64(elements[positions[j]])
+        magnitude = (steps[j] >> U64(1)) + U64(1)
+        lowest = magnitude & (~magnitude + U64(1))
+        if ((current & lowest) != 0) == ((steps[j] & U64(1)) != 0):
+            elements[positions[j]] = (current + magnitude) & mask
+        else:
+            elements[positions[j]] = (current - magnitude) & mask
+
+
+def decode(
+    raw: ByteArray, at: int, count: int, k: int, width: int, itemsize: int, nelements: int
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """(status, positions, step fields as uint64) of the streams from byte ``at`` on (the
+    header is the caller's to check); status 0 when they are valid, 1 when the escapes run past
+    the end, 2 when the positions are not ascending inside ``nelements``."""
+    status, positions, steps = _decode(raw, at, count, k, width, itemsize, nelements)
+    return int(status), positions, steps
+
+
+def apply_steps(elements: np.ndarray, positions: np.ndarray, steps: np.ndarray) -> None:
+    """Move ``elements[positions]`` (either side of each pair) to the other side, in place."""
+    _apply_steps(elements, positions, steps, elements.dtype.itemsize * 8)
 
 
 def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[memoryview | bytes, XorChanges]:

@@ -90,6 +90,37 @@ def encode_numpy(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[bytes, 
     return b"".join(parts), XorChanges(positions, xored)
 
 
+def _decode_numpy(
+    raw: ByteArray,
+    starts: tuple[int, int, int],
+    count: int,
+    k: int,
+    width: int,
+    itemsize: int,
+    nelements: int,
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """What :func:`deltastore.codecs.jit_kernels.decode` returns, with numpy: (status 0 valid,
+    1 escapes truncated, 2 positions bad; positions; step fields as uint64). ``starts`` are
+    the byte offsets of the remainders, the fields and the escapes."""
+    remainders_at, fields_at, escapes_at = starts
+    none = np.zeros(0, np.int64)
+    wide = _bits_to_fields(raw[fields_at:escapes_at], width, count)
+    escaped = 0
+    if width < itemsize * 8:
+        escaped = int(np.count_nonzero(wide == np.uint64((1 << width) - 1))) * itemsize
+    if escapes_at + escaped > raw.size:
+        return 1, none, wide
+    fields = unpack_fields(wide, raw[escapes_at : escapes_at + escaped], width, itemsize)
+    quotients = read_unary(raw[escapes_at + escaped :], count)
+    if quotients is None or int(quotients.max()) >> (63 - k):
+        return 2, none, fields
+    gaps = quotients.astype(np.uint64) << np.uint64(k)
+    if k:
+        gaps |= _bits_to_fields(raw[remainders_at:fields_at], k, count)
+    positions = decode_gaps(gaps, nelements)
+    return (2, none, fields) if positions is None else (0, positions, fields)
+
+
 class CompactSparseEncoding(Encoding):
     """Rice-coded gaps and symmetric ulp steps, bit-packed, with a header of a few bytes."""
 
@@ -109,12 +140,12 @@ class CompactSparseEncoding(Encoding):
         """Payload turning ``old`` into ``new``; ``itemsize`` is the element size in bytes (one
         other than 1, 2, 4, 8, or one that does not divide the tensor, codes bytes)."""
         size = element_size(old.size, itemsize)
-        kernel = jit.encoder(self.use_jit)
-        if kernel is not None:
-            payload, changes = kernel(old, new, size)
+        compiled = jit.kernels(self.use_jit)
+        if compiled is not None:
+            payload, changes = compiled.encode(old, new, size)
         else:
             payload, changes = encode_numpy(old, new, size)
-        changed = int(np.count_nonzero(changes.values.view(np.uint8))) if changes.positions.size else 0
+        changed = int(np.count_nonzero(changes.values.view(np.uint8))) if len(changes.values) else 0
         return EncodedDelta(payload, changed, changes)
 
     def max_payload_size(self, nbytes: int) -> int:
@@ -125,14 +156,15 @@ class CompactSparseEncoding(Encoding):
     def decode(
         self, payload: bytes | memoryview, nbytes: int, *, tensor: str
     ) -> tuple[np.ndarray, np.ndarray, int]:
-        """(positions as int64, step fields, itemsize) of a payload, every bound checked."""
+        """(positions as int64, step fields as uint64, itemsize) of a payload, every bound
+        checked; raises :class:`FormatError` naming ``tensor`` for a corrupt one."""
         raw = np.frombuffer(payload, dtype=np.uint8)
         what = f"{NAME} payload of tensor {tensor!r}"
         itemsize, count, offset = self._header(raw, nbytes, what)
         if not count:
             if offset != raw.size:
                 raise FormatError(f"{what} has {raw.size - offset} bytes after an empty change")
-            return np.zeros(0, np.int64), np.zeros(0, ELEMENT_DTYPES[itemsize]), itemsize
+            return np.zeros(0, np.int64), np.zeros(0, np.uint64), itemsize
         if offset + 2 > raw.size:
             raise FormatError(f"{what} is truncated inside its header; it is corrupt")
         k, width = int(raw[offset]), int(raw[offset + 1])
@@ -144,14 +176,18 @@ class CompactSparseEncoding(Encoding):
         escapes_at = fields_at + (count * width + 7) // 8
         if escapes_at > raw.size:
             raise FormatError(f"{what} is truncated: {raw.size} bytes, {escapes_at} needed")
-        gaps_low = _bits_to_fields(raw[offset:fields_at], k, count) if k else None
-        fields, escaped = self._fields(raw, fields_at, escapes_at, width, itemsize, count, what)
-        quotients = read_unary(raw[escapes_at + escaped :], count)
-        positions = None
-        if quotients is not None and not int(quotients.max()) >> (63 - k):
-            gaps = quotients.astype(np.uint64) << np.uint64(k)
-            positions = decode_gaps(gaps if gaps_low is None else gaps | gaps_low, nelements)
-        if positions is None:
+        compiled = jit.kernels(self.use_jit)
+        if compiled is not None:
+            status, positions, fields = compiled.decode(
+                raw, offset, count, k, width, itemsize, nelements
+            )
+        else:
+            status, positions, fields = _decode_numpy(
+                raw, (offset, fields_at, escapes_at), count, k, width, itemsize, nelements
+            )
+        if status == 1:
+            raise FormatError(f"{what} is truncated inside its escaped steps; it is corrupt")
+        if status:
             raise FormatError(
                 f"{what} has positions that are not ascending inside its {nelements} elements; "
                 "it is corrupt"
@@ -180,21 +216,13 @@ class CompactSparseEncoding(Encoding):
             )
         return itemsize, counted[0], counted[1]
 
-    @staticmethod
-    def _fields(
-        raw: ByteArray, start: int, stop: int, width: int, itemsize: int, count: int, what: str
-    ) -> tuple[np.ndarray, int]:
-        """(step fields, bytes of escapes after the packed fields at ``raw[start:stop]``)."""
-        wide = _bits_to_fields(raw[start:stop], width, count) if width else np.zeros(count, np.uint64)
-        escaped = 0
-        if width < itemsize * 8:
-            escaped = int(np.count_nonzero(wide == np.uint64((1 << width) - 1))) * itemsize
-        if stop + escaped > raw.size:
-            raise FormatError(f"{what} is truncated inside its escaped steps; it is corrupt")
-        return unpack_fields(wide, raw[stop : stop + escaped], width, itemsize), escaped
-
     def apply(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
         positions, fields, itemsize = self.decode(payload, target.size, tensor=tensor)
-        if positions.size:
-            elements = target.view(ELEMENT_DTYPES[itemsize])
-            elements[positions] = apply_steps(elements[positions], fields)
+        if not positions.size:
+            return
+        elements = target.view(ELEMENT_DTYPES[itemsize])
+        compiled = jit.kernels(self.use_jit)
+        if compiled is not None:
+            compiled.apply_steps(elements, positions, fields)
+        else:
+            elements[positions] = apply_steps(elements[positions], fields.astype(elements.dtype))

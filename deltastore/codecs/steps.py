@@ -85,13 +85,12 @@ def pack_fields(fields: np.ndarray, width: int, bits: int) -> tuple[ByteArray, B
 
 
 def unpack_fields(fields: np.ndarray, escapes: ByteArray, width: int, itemsize: int) -> np.ndarray:
-    """Fields (unsigned, ``itemsize`` bytes) from the unpacked ``width``-bit fields (uint64,
-    updated in place) and the escape stream, which holds exactly one field per escape."""
-    dtype = ELEMENT_DTYPES[itemsize]
+    """Fields (uint64) from the unpacked ``width``-bit fields (updated in place) and the escape
+    stream, which holds exactly one whole ``itemsize``-byte field per escape."""
     if width < itemsize * 8:
         escaped = np.flatnonzero(fields == np.uint64((1 << width) - 1))
-        fields[escaped] = escapes.view(dtype)
-    return fields.astype(dtype)
+        fields[escaped] = escapes.view(ELEMENT_DTYPES[itemsize])
+    return fields
 
 
 def varint(value: int) -> bytes:

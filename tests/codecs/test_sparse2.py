@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltastore.codecs import compress, decompress, get_encoding, jit
+from deltastore.codecs import compress, decompress, jit
 from deltastore.codecs.sparse2 import CompactSparseEncoding
 from deltastore.errors import ConfigError, FormatError
 from deltastore.publish.snapshot import tensor_bytes
@@ -22,6 +22,8 @@ from deltastore.publish.snapshot import tensor_bytes
 HAVE_NUMBA = jit._load() is not None
 PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not HAVE_NUMBA, reason="no numba"))]
 NUMPY = CompactSparseEncoding(use_jit=False)
+DECODERS = [NUMPY, *([CompactSparseEncoding(use_jit=True)] if HAVE_NUMBA else [])]
+"""Both decoders accept, apply and refuse the same payloads."""
 DENSITIES = [0.0, 0.001, 0.004, 0.05, 0.3, 0.9, 1.0]
 
 
@@ -40,11 +42,12 @@ def roundtrip(old: np.ndarray, new: np.ndarray, itemsize: int) -> bytes:
     assert delta.changed_bytes == int(np.count_nonzero(old != new))
     assert len(payload) <= NUMPY.max_payload_size(old.size)
     restored = decompress(compress(payload), max_size=NUMPY.max_payload_size(old.size), what="f")
-    target = old.copy()
-    NUMPY.apply(target, restored, tensor="t")
-    assert target.tobytes() == new.tobytes()
-    NUMPY.apply(target, restored, tensor="t")
-    assert target.tobytes() == old.tobytes()
+    for decoder in DECODERS:
+        target = old.copy()
+        decoder.apply(target, restored, tensor="t")
+        assert target.tobytes() == new.tobytes()
+        decoder.apply(target, restored, tensor="t")
+        assert target.tobytes() == old.tobytes()
     if delta.xor_changes is not None:  # what the publisher applies to its snapshot
         snapshot = old.copy()
         delta.xor_changes.apply(snapshot)
@@ -198,12 +201,13 @@ def test_the_fast_extra_is_optional(monkeypatch: pytest.MonkeyPatch):
     """DELTASTORE_NO_JIT keeps the default encoder on numpy; asking for numba without it is a
     clear ConfigError."""
     monkeypatch.setenv(jit.NO_JIT_VARIABLE, "1")
-    assert jit.encoder(None) is None
+    assert jit.kernels(None) is None
     monkeypatch.setenv(jit.NO_JIT_VARIABLE, "0")
-    assert (jit.encoder(None) is not None) == HAVE_NUMBA
-    monkeypatch.setitem(jit._loaded, "encode", None)
+    assert (jit.kernels(None) is not None) == HAVE_NUMBA
+    monkeypatch.setitem(jit._loaded, "kernels", None)
+    assert jit.kernels(None) is None
     with pytest.raises(ConfigError, match="deltastore\\[fast\\]"):
-        jit.encoder(True)
+        jit.kernels(True)
 
 
 def _payload() -> bytes:
@@ -230,13 +234,35 @@ def _payload() -> bytes:
         (lambda p: p[:-1], "not ascending"),
     ],
 )
-def test_corrupt_payloads_are_refused(corrupt, match: str):
+@pytest.mark.parametrize("use_jit", PATHS)
+def test_corrupt_payloads_are_refused(corrupt, match: str, use_jit: bool):
     payload = _payload()
     target = np.zeros(256, dtype=np.uint8)
+    encoding = CompactSparseEncoding(use_jit=use_jit)
     with pytest.raises(FormatError, match=match) as caught:
-        get_encoding("sparse-v2").apply(target, corrupt(payload), tensor="layers.0.w")
+        encoding.apply(target, corrupt(payload), tensor="layers.0.w")
     assert "layers.0.w" in str(caught.value)
     assert not target.any()
+
+
+@settings(max_examples=200, deadline=None)
+@given(flips=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 7)), min_size=1, max_size=4))
+def test_flipped_bits_are_refused_or_applied_alike_by_both_decoders(flips: list[tuple[int, int]]):
+    """A payload with bits flipped is refused by both decoders with the same message, or
+    applied by both to the same bytes (never out of bounds)."""
+    payload = bytearray(_payload())
+    for byte, bit in flips:
+        payload[byte % len(payload)] ^= 1 << bit
+    outcomes = []
+    for decoder in DECODERS:
+        target = np.arange(256, dtype=np.uint8)
+        try:
+            decoder.apply(target, bytes(payload), tensor="t")
+            outcomes.append(("applied", target.tobytes()))
+        except FormatError as exc:
+            outcomes.append(("refused", str(exc).encode()))
+            assert (target == np.arange(256, dtype=np.uint8)).all()
+    assert all(outcome == outcomes[0] for outcome in outcomes)
 
 
 def test_an_unchanged_payload_with_trailing_bytes_is_refused():
