@@ -136,18 +136,16 @@ def _rice_k(positions):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True, nogil=True)
 def _width(fields, bits):  # type: ignore[no-untyped-def]
-    histogram = np.zeros(66, np.int64)
+    """As :func:`deltastore.codecs.steps.field_width`."""
+    histogram = np.zeros(65, np.int64)
     for f in fields:
-        plus = f + U64(1)
-        histogram[65 if plus == U64(0) else _bit_length(plus)] += 1
+        histogram[_bit_length(f)] += 1
     count = fields.size
-    best, best_cost, cumulative = bits, count * bits, 0
+    index_width = _bit_length(U64(count - 1))
+    best, best_cost, narrower = 0, 0, 0
     for w in range(bits + 1):
-        if w < bits:
-            cumulative += histogram[w]
-            cost = count * w + (count - cumulative) * bits
-        else:
-            cost = count * bits  # at full width nothing escapes
+        narrower += histogram[w]
+        cost = count * w + (count - narrower) * (index_width + bits - w)
         if w == 0 or cost < best_cost:  # the narrowest wins a tie
             best, best_cost = w, cost
     return best
@@ -165,18 +163,17 @@ def _write(old_words, new_words, old, new, bits, mark, nbytes):  # type: ignore[
         return head[:head_size].copy(), positions, xored
     k = _rice_k(positions)
     width = _width(fields, bits)
-    escape = U64((1 << width) - 1) if width < 64 else U64(0xFFFFFFFFFFFFFFFF)
-    escapes = 0
-    if width < bits:
-        for f in fields:
-            escapes += f >= escape
+    index_width = _bit_length(U64(count - 1))
+    patches = 0
+    for f in fields:
+        patches += _bit_length(f) > width
     unary_bits = count
     previous = -1
     for i in range(count):
         unary_bits += (positions[i] - previous - 1) >> k
         previous = positions[i]
-    size = head_size + 2 + (count * k + 7) // 8 + (count * width + 7) // 8
-    size += escapes * (bits // 8) + (unary_bits + 7) // 8
+    size = head_size + 2 + (count * k + 7) // 8 + (count * width + 7) // 8 + 10
+    size += (patches * (index_width + bits - width) + 7) // 8 + (unary_bits + 7) // 8
     out = np.empty(size, np.uint8)
     out[:head_size] = head[:head_size]
     out[head_size] = k
@@ -190,16 +187,21 @@ def _write(old_words, new_words, old, new, bits, mark, nbytes):  # type: ignore[
         at, acc, held = _put_wide(out, at, acc, held, gap & remainder, k)
     at = _flush(out, at, acc, held, False)
     held = 0
+    low = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - width) if width else U64(0)
     for f in fields:
-        at, acc, held = _put_wide(out, at, acc, held, escape if f >= escape else f, width)
+        at, acc, held = _put_wide(out, at, acc, held, f & low, width)
     at = _flush(out, at, acc, held, False)
     held = 0
-    if width < bits:
-        for f in fields:
-            if f >= escape:
-                for byte in range(bits // 8):
-                    out[at] = np.uint8((f >> U64(8 * byte)) & U64(0xFF))
-                    at += 1
+    at = _varint(out, at, patches)
+    if patches:
+        for j in range(count):
+            if _bit_length(fields[j]) > width:
+                at, acc, held = _put_wide(out, at, acc, held, U64(j), index_width)
+                at, acc, held = _put_wide(
+                    out, at, acc, held, fields[j] >> U64(width), bits - width
+                )
+        at = _flush(out, at, acc, held, False)
+        held = 0
     previous = -1
     for i in range(count):
         quotient = (positions[i] - previous - 1) >> k
@@ -208,8 +210,8 @@ def _write(old_words, new_words, old, new, bits, mark, nbytes):  # type: ignore[
             at, acc, held = _put(out, at, acc, held, U64(0xFFFFFFFF), 32)
             quotient -= 32
         at, acc, held = _put(out, at, acc, held, U64(((1 << quotient) - 1) << 1), quotient + 1)
-    _flush(out, at, acc, held, True)
-    return out, positions, xored
+    at = _flush(out, at, acc, held, True)
+    return out[:at], positions, xored
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -272,34 +274,56 @@ def _unary(raw, bit, count, k, low, positions, nelements):  # type: ignore[no-un
     return True
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _read_varint(raw, at):  # type: ignore[no-untyped-def]
+    """(value, offset after it, ok) of the LEB128 at ``at``, as ``steps.read_varint``: not ok
+    when truncated or over 64 bits."""
+    value = U64(0)
+    shift = 0
+    while at < raw.size and shift < 64:
+        byte = U64(raw[at])
+        if shift == 63 and (byte & U64(0x7F)) > U64(1):
+            return value, at, False
+        value |= (byte & U64(0x7F)) << U64(shift)
+        at += 1
+        if not byte & U64(0x80):
+            return value, at, True
+        shift += 7
+    return value, at, False
+
+
 @numba.njit(cache=True, nogil=True)
 def _decode(raw, at, count, k, width, itemsize, nelements):  # type: ignore[no-untyped-def]
-    """(status, positions, fields): status 0 when valid, 1 when the escapes are truncated, 2
-    when the positions are not a valid ascending set inside the tensor."""
+    """(status, positions, fields): status 0 when valid, 1 when the patches are truncated or
+    out of order, 2 when the positions are not a valid ascending set inside the tensor."""
     positions = np.empty(count, np.int64)
     fields = np.empty(count, np.uint64)
     bit = at * 8
     for j in range(count):
         fields[j], bit = _get(raw, bit, k)  # the gaps' remainders, for now
     bit = (bit + 7) // 8 * 8
-    escape = U64((1 << width) - 1) if width < 64 else U64(0xFFFFFFFFFFFFFFFF)
     steps = np.empty(count, np.uint64)
-    escapes = 0
     for j in range(count):
         steps[j], bit = _get(raw, bit, width)
-        if width < itemsize * 8 and steps[j] == escape:
-            escapes += 1
     at = (bit + 7) // 8
-    if at + escapes * itemsize > raw.size:
+    declared, at, ok = _read_varint(raw, at)
+    bits = itemsize * 8
+    if not ok or declared > U64(count) or (width == bits and declared):
         return 1, positions, steps
-    if width < itemsize * 8:
-        for j in range(count):
-            if steps[j] == escape:
-                value = U64(0)
-                for byte in range(itemsize):
-                    value |= U64(raw[at + byte]) << U64(8 * byte)
-                steps[j] = value
-                at += itemsize
+    patches = np.int64(declared)
+    index_width = _bit_length(U64(count - 1))
+    if at + (patches * (index_width + bits - width) + 7) // 8 > raw.size:
+        return 1, positions, steps
+    bit = at * 8
+    previous = -1
+    for _ in range(patches):
+        index, bit = _get(raw, bit, index_width)
+        high, bit = _get(raw, bit, bits - width)
+        if np.int64(index) <= previous or index >= U64(count):
+            return 1, positions, steps
+        previous = np.int64(index)
+        steps[previous] |= high << U64(width)
+    at = (bit + 7) // 8
     if not _unary(raw, at * 8, count, k, fields, positions, nelements):
         return 2, positions, steps
     return 0, positions, steps
@@ -322,8 +346,8 @@ def decode(
     raw: ByteArray, at: int, count: int, k: int, width: int, itemsize: int, nelements: int
 ) -> tuple[int, np.ndarray, np.ndarray]:
     """(status, positions, step fields as uint64) of the streams from byte ``at`` on (the
-    header is the caller's to check); status 0 when they are valid, 1 when the escapes run past
-    the end, 2 when the positions are not ascending inside ``nelements``."""
+    header is the caller's to check); status 0 when they are valid, 1 when the patches are
+    truncated or out of order, 2 when the positions are not ascending inside ``nelements``."""
     status, positions, steps = _decode(raw, at, count, k, width, itemsize, nelements)
     return int(status), positions, steps
 

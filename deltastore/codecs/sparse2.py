@@ -13,8 +13,11 @@ the version. Layout (bit streams MSB first)::
     byte        k                          Rice parameter of the gaps (≤ 63)
     byte        w                          width of a step field (0 .. 8*itemsize)
     ceil(count*k/8) bytes                  remainders: per gap, its low k bits (zero-padded)
-    ceil(count*w/8) bytes                  step fields, w bits each (zero-padded)
-    escapes*itemsize bytes                 escaped fields, whole, little-endian
+    ceil(count*w/8) bytes                  step fields: the low w bits of each (zero-padded)
+    varint      patches                    fields wider than w (0 when w = 8*itemsize)
+    ceil(patches*(i+8*itemsize-w)/8) bytes per patch: its index among the fields (i =
+                                           bit_length(count - 1) bits, ascending) and the
+                                           field's high 8*itemsize - w bits (zero-padded)
     the rest                               unary: per gap, gap >> k one bits then a zero;
                                            padded with one bits to a byte (< 8 of them)
 
@@ -50,11 +53,11 @@ from deltastore.codecs.steps import (
     apply_steps,
     field_width,
     pack_fields,
+    read_patches,
     read_unary,
     read_varint,
     step_fields,
     unary_stream,
-    unpack_fields,
     varint,
 )
 from deltastore.errors import FormatError
@@ -78,45 +81,36 @@ def encode_numpy(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[bytes, 
     before = old.view(ELEMENT_DTYPES[itemsize])[positions]
     fields = step_fields(before, before ^ xored)
     width = field_width(fields, itemsize * 8)
-    packed, escapes = pack_fields(fields, width, itemsize * 8)
     parts = (
         head,
         bytes((k, width)),
         _fields_to_bits(gaps, k).data,
-        packed.data,
-        escapes.data,
+        pack_fields(fields, width, itemsize * 8),
         unary_stream(gaps >> np.uint64(k)).data,
     )
     return b"".join(parts), XorChanges(positions, xored)
 
 
 def _decode_numpy(
-    raw: ByteArray,
-    starts: tuple[int, int, int],
-    count: int,
-    k: int,
-    width: int,
-    itemsize: int,
-    nelements: int,
+    raw: ByteArray, at: int, count: int, k: int, width: int, itemsize: int, nelements: int
 ) -> tuple[int, np.ndarray, np.ndarray]:
     """What :func:`deltastore.codecs.jit_kernels.decode` returns, with numpy: (status 0 valid,
-    1 escapes truncated, 2 positions bad; positions; step fields as uint64). ``starts`` are
-    the byte offsets of the remainders, the fields and the escapes."""
-    remainders_at, fields_at, escapes_at = starts
+    1 patches bad, 2 positions bad; positions; step fields as uint64)."""
+    fields_at = at + (count * k + 7) // 8
+    patches_at = fields_at + (count * width + 7) // 8
     none = np.zeros(0, np.int64)
-    wide = _bits_to_fields(raw[fields_at:escapes_at], width, count)
-    escaped = 0
-    if width < itemsize * 8:
-        escaped = int(np.count_nonzero(wide == np.uint64((1 << width) - 1))) * itemsize
-    if escapes_at + escaped > raw.size:
-        return 1, none, wide
-    fields = unpack_fields(wide, raw[escapes_at : escapes_at + escaped], width, itemsize)
-    quotients = read_unary(raw[escapes_at + escaped :], count)
+    fields = _bits_to_fields(raw[fields_at:patches_at], width, count)
+    patches = read_patches(raw, patches_at, count, width, itemsize * 8)
+    if patches is None:
+        return 1, none, fields
+    indices, high, unary_at = patches
+    fields[indices] |= high << np.uint64(width)
+    quotients = read_unary(raw[unary_at:], count)
     if quotients is None or int(quotients.max()) >> (63 - k):
         return 2, none, fields
     gaps = quotients.astype(np.uint64) << np.uint64(k)
     if k:
-        gaps |= _bits_to_fields(raw[remainders_at:fields_at], k, count)
+        gaps |= _bits_to_fields(raw[at:fields_at], k, count)
     positions = decode_gaps(gaps, nelements)
     return (2, none, fields) if positions is None else (0, positions, fields)
 
@@ -149,9 +143,9 @@ class CompactSparseEncoding(Encoding):
         return EncodedDelta(payload, changed, changes)
 
     def max_payload_size(self, nbytes: int) -> int:
-        # At most one change per byte: 21 header bytes; remainders ≤ 64 bits, fields plus
-        # escapes ≤ 16 bytes, unary ≤ sum(gaps) + count ≤ 2 * nbytes bits, per change.
-        return 32 + nbytes * 8 + nbytes * 16 + nbytes // 4 + 1
+        # At most one change per byte: 23 header and varint bytes; per change a remainder ≤ 64
+        # bits, a field ≤ 64, a patch ≤ 128, unary ≤ sum(gaps) + count ≤ 2 * nbytes bits.
+        return 32 + nbytes * 8 + nbytes * 24 + nbytes // 4 + 1
 
     def decode(
         self, payload: bytes | memoryview, nbytes: int, *, tensor: str
@@ -172,10 +166,9 @@ class CompactSparseEncoding(Encoding):
         if k > min(63, nelements.bit_length() + 1) or width > itemsize * 8:
             raise FormatError(f"{what} declares k={k}, w={width}; it is corrupt")
         offset += 2
-        fields_at = offset + (count * k + 7) // 8
-        escapes_at = fields_at + (count * width + 7) // 8
-        if escapes_at > raw.size:
-            raise FormatError(f"{what} is truncated: {raw.size} bytes, {escapes_at} needed")
+        patches_at = offset + (count * k + 7) // 8 + (count * width + 7) // 8
+        if patches_at > raw.size:
+            raise FormatError(f"{what} is truncated: {raw.size} bytes, {patches_at} needed")
         compiled = jit.kernels(self.use_jit)
         if compiled is not None:
             status, positions, fields = compiled.decode(
@@ -183,10 +176,10 @@ class CompactSparseEncoding(Encoding):
             )
         else:
             status, positions, fields = _decode_numpy(
-                raw, (offset, fields_at, escapes_at), count, k, width, itemsize, nelements
+                raw, offset, count, k, width, itemsize, nelements
             )
         if status == 1:
-            raise FormatError(f"{what} is truncated inside its escaped steps; it is corrupt")
+            raise FormatError(f"{what} has patched steps that are truncated or out of order")
         if status:
             raise FormatError(
                 f"{what} has positions that are not ascending inside its {nelements} elements; "

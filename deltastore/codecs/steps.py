@@ -14,9 +14,10 @@ Adding ``m`` flips bit ``t``, so a reader holding ``x`` (either side) takes ``x 
 step does to most bf16 weights) is the field 0 or 1: one bit, where its XOR (1, 3, 7, ...)
 carries about two.
 
-Fields are packed ``w`` bits each; with ``w < B`` the all-ones field ``2**w - 1`` is an escape
-whose field follows, whole, in the escape stream. ``w`` is the width with the fewest bits in
-all (ties: the narrower), computed exactly from the bit lengths of ``field + 1``.
+Fields are packed ``w`` bits each (their low bits); a field wider than ``w`` is patched: its
+index among the fields and its high ``B - w`` bits follow in a patch stream. ``w`` is the width
+with the fewest bits in all (ties: the narrower), computed exactly from the fields' bit lengths,
+so a step of ±1 ulp costs one bit and a rare wide step costs its index and high bits.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from deltastore.codecs.base import ByteArray
-from deltastore.codecs.kernels import ELEMENT_DTYPES, _fields_to_bits
+from deltastore.codecs.kernels import _fields_to_bits
 
 
 def step_fields(before: np.ndarray, after: np.ndarray) -> np.ndarray:
@@ -48,49 +49,85 @@ def apply_steps(current: np.ndarray, fields: np.ndarray) -> np.ndarray:
     return np.where(at_low, current + magnitude, current - magnitude)
 
 
-def bit_lengths_plus_one(fields: np.ndarray) -> np.ndarray:
-    """``bit_length(field + 1)`` of each field, exact (65 where a 64-bit field is all ones)."""
+def bit_lengths(fields: np.ndarray) -> np.ndarray:
+    """``bit_length(field)`` of each field, exact for every width up to 64 bits."""
     if fields.dtype.itemsize < 8:
-        return np.frexp(fields.astype(np.float64) + 1.0)[1]
-    plus = fields + np.uint64(1)
-    high = plus >> np.uint64(32)
-    lengths = np.where(
+        return np.frexp(fields.astype(np.float64))[1]
+    wide = fields.astype(np.uint64, copy=False)
+    high = wide >> np.uint64(32)
+    return np.where(
         high != 0,
         np.frexp(high.astype(np.float64))[1] + 32,
-        np.frexp((plus & np.uint64(0xFFFFFFFF)).astype(np.float64))[1],
+        np.frexp((wide & np.uint64(0xFFFFFFFF)).astype(np.float64))[1],
     )
-    return np.where(plus == 0, 65, lengths)
+
+
+def index_bits(count: int) -> int:
+    """Bits of a patch's index among ``count`` fields."""
+    return (count - 1).bit_length()
 
 
 def field_width(fields: np.ndarray, bits: int) -> int:
-    """The field width ``w`` (0..bits) that codes ``fields`` in the fewest bits, escapes
-    included (each costs ``w`` plus ``bits``); the narrowest on ties."""
-    histogram = np.bincount(bit_lengths_plus_one(fields), minlength=66)
-    # escapes(w) = fields whose field + 1 needs more than w bits
-    escapes = fields.size - np.cumsum(histogram)[: bits + 1]
-    costs = fields.size * np.arange(bits + 1) + escapes * bits
-    costs[bits] = fields.size * bits  # at full width nothing escapes
+    """The width ``w`` (0..bits) that codes ``fields`` in the fewest bits, patches included
+    (each costs its index and ``bits - w`` high bits); the narrowest on ties."""
+    histogram = np.bincount(bit_lengths(fields), minlength=bits + 1)
+    widths = np.arange(bits + 1)
+    patches = fields.size - np.cumsum(histogram)[: bits + 1]  # fields wider than w
+    costs = fields.size * widths + patches * (index_bits(fields.size) + bits - widths)
     return int(np.argmin(costs))
 
 
-def pack_fields(fields: np.ndarray, width: int, bits: int) -> tuple[ByteArray, ByteArray]:
-    """(packed ``width``-bit fields, escape stream of whole little-endian fields)."""
+def _bit_rows(values: np.ndarray, k: int) -> ByteArray:
+    """The low ``k`` bits of each value (uint64) as a (count, k) array of bits, MSB first."""
+    big_endian = values.astype(">u8")
+    return np.unpackbits(big_endian.view(np.uint8).reshape(-1, 8), axis=1)[:, 64 - k :]
+
+
+def _row_values(rows: ByteArray) -> np.ndarray:
+    """Inverse of :func:`_bit_rows`: uint64 values of (count, k) bit rows."""
+    padded = np.zeros((rows.shape[0], 64), dtype=np.uint8)
+    padded[:, 64 - rows.shape[1] :] = rows
+    return np.packbits(padded, axis=1).reshape(-1).view(">u8").astype(np.uint64)
+
+
+def pack_fields(fields: np.ndarray, width: int, bits: int) -> bytes:
+    """Low ``width`` bits of every field (zero-padded to a byte), the patch count as a varint,
+    then per patch (a field wider than ``width``) its index and its ``bits - width`` high bits,
+    back to back (zero-padded to a byte)."""
     wide = fields.astype(np.uint64)
-    if width < bits:
-        escape = np.uint64((1 << width) - 1)
-        escaped = wide >= escape
-        packed = _fields_to_bits(np.where(escaped, escape, wide), width)
-        return packed, fields[escaped].astype(fields.dtype.newbyteorder("<")).view(np.uint8)
-    return _fields_to_bits(wide, width), np.zeros(0, dtype=np.uint8)
+    low = _fields_to_bits(wide, width).tobytes() if width else b""
+    if width == bits:
+        return low + b"\x00"
+    patched = np.flatnonzero(wide >> np.uint64(width))
+    rows = np.concatenate(
+        (
+            _bit_rows(patched.astype(np.uint64), index_bits(wide.size)),
+            _bit_rows(wide[patched] >> np.uint64(width), bits - width),
+        ),
+        axis=1,
+    )
+    return low + varint(patched.size) + np.packbits(rows.reshape(-1)).tobytes()
 
 
-def unpack_fields(fields: np.ndarray, escapes: ByteArray, width: int, itemsize: int) -> np.ndarray:
-    """Fields (uint64) from the unpacked ``width``-bit fields (updated in place) and the escape
-    stream, which holds exactly one whole ``itemsize``-byte field per escape."""
-    if width < itemsize * 8:
-        escaped = np.flatnonzero(fields == np.uint64((1 << width) - 1))
-        fields[escaped] = escapes.view(ELEMENT_DTYPES[itemsize])
-    return fields
+def read_patches(
+    raw: ByteArray, at: int, count: int, width: int, bits: int
+) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """(patch indices, high parts (uint64), offset after them) of the patch varint and stream
+    at ``at``; None when truncated, or the indices are not ascending below ``count``."""
+    counted = read_varint(raw, at)
+    if counted is None or counted[0] > count or (width == bits and counted[0]):
+        return None
+    patches, at = counted
+    index_width = index_bits(count)
+    end = at + (patches * (index_width + bits - width) + 7) // 8
+    if end > raw.size:
+        return None
+    rows = np.unpackbits(raw[at:end], count=patches * (index_width + bits - width))
+    rows = rows.reshape(patches, index_width + bits - width)
+    indices = _row_values(rows[:, :index_width])
+    if patches and (int(indices[-1]) >= count or not bool(np.all(indices[1:] > indices[:-1]))):
+        return None
+    return indices.astype(np.int64), _row_values(rows[:, index_width:]), end
 
 
 def varint(value: int) -> bytes:

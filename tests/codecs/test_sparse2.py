@@ -141,27 +141,27 @@ def _bits(data: bytes) -> str:
 
 
 def test_payload_layout():
-    """Header, remainders, fields, escapes and unary stream exactly as the module describes,
+    """Header, remainders, fields, patches and unary stream exactly as the module describes,
     read back with plain string operations."""
     old = np.zeros(4000, dtype=np.uint8)
     new = old.copy()
     elements = new.view("<u2")
-    elements[[3, 300, 301, 1999]] = [1, 0xFFFF, 2, 0x8123]  # steps +1, -1, +2, escaped
+    elements[[3, 300, 301, 1999]] = [1, 0xFFFF, 1, 0x8123]  # steps +1, -1, +1, wide
     payload = encode_both(old, new, 2)
-    assert payload[:5] == bytes([0x21, 0xA0, 0x1F, 4, payload[4]])  # 4000 = 0xA0 0x1F
+    assert payload[:4] == bytes([0x21, 0xA0, 0x1F, 4])  # 4000 = 0xA0 0x1F, 4 changes
     k, width = payload[4], payload[5]
-    assert width == 2
+    assert width == 1
     rest = payload[6:]
     remainders = _bits(rest[: (4 * k + 7) // 8])
     rest = rest[(4 * k + 7) // 8 :]
-    fields = _bits(rest[:1])[:8]
-    # steps: +1 from 0 (lo=0, bit0 of 0 = 0) -> 0; -1 (lo=0xFFFF, bit0 = 1) -> 1;
-    # +2 (m=2, lo=0, bit1 = 0) -> 2; the wide one escapes -> 3
-    assert fields == "00" "01" "10" "11"
-    escaped = int.from_bytes(rest[1:3], "little")
-    m = 0x10000 - 0x8123 if 0x8123 > 0x8000 else 0x8123
-    assert escaped >> 1 == m - 1
-    unary = _bits(rest[3:])
+    # +1 from 0: m=1, lo=0, bit 0 of lo = 0 -> field 0; -1: lo=0xFFFF, bit 0 = 1 -> field 1;
+    # the wide one (m = 0x10000 - 0x8123, lo = 0x8123) -> (m - 1) << 1 | bit 0 of 0x8123
+    wide = (0x10000 - 0x8123 - 1) << 1 | 1
+    assert _bits(rest[:1])[:4] == "0" "1" "0" + str(wide & 1)
+    assert rest[1] == 1  # one patch: index 3 (2 bits of 0..3), then the 15 high bits
+    patch = _bits(rest[2:5])[: 2 + 15]
+    assert int(patch[:2], 2) == 3 and int(patch[2:], 2) == wide >> 1
+    unary = _bits(rest[5:])
     assert len(unary) - len(unary.rstrip("1")) < 8
     quotients = [len(run) for run in unary.rstrip("1").split("0")[:-1]]
     gaps = [(q << k) | int(remainders[i * k : (i + 1) * k] or "0", 2) for i, q in enumerate(quotients)]
@@ -217,6 +217,14 @@ def _payload() -> bytes:
     return encode_both(old, new, 2)
 
 
+def _with_patch_count(payload: bytes, patches: int) -> bytes:
+    """``payload`` (from :func:`_payload`, one-byte header varints) declaring ``patches``."""
+    k, width = payload[4], payload[5]
+    at = 6 + (4 * k + 7) // 8 + (4 * width + 7) // 8
+    assert payload[at] >= 1  # _payload has a patched step
+    return payload[:at] + bytes([patches]) + payload[at + 1 :]
+
+
 @pytest.mark.parametrize(
     ("corrupt", "match"),
     [
@@ -229,6 +237,8 @@ def _payload() -> bytes:
         (lambda p: p[:4] + b"\x40" + p[5:], "k=64"),
         (lambda p: p[:5] + b"\x11" + p[6:], "w=17"),
         (lambda p: p[:8], "truncated"),
+        (lambda p: _with_patch_count(p, 5), "patched steps"),
+        (lambda p: _with_patch_count(p, 0), "not ascending"),
         (lambda p: p + b"\xff", "not ascending"),
         (lambda p: p + b"\x00", "not ascending"),
         (lambda p: p[:-1], "not ascending"),
