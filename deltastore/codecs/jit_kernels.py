@@ -5,7 +5,8 @@ allocated once), finds the changed elements, codes their steps, chooses ``k`` an
 the numpy path does (:mod:`deltastore.codecs.steps`, :func:`~deltastore.codecs.kernels.
 rice_parameter`) and writes the payload. Both release the GIL, so pool threads encode in
 parallel. Decoding reads every stream into arrays and checks it before the target is touched,
-then applies the steps in one loop. Arithmetic is on uint64 throughout (numba turns mixed signed/unsigned into floats).
+then applies the steps in one loop. Arithmetic is on uint64 throughout (numba turns mixed
+signed and unsigned integers into floats).
 """
 
 from __future__ import annotations
@@ -197,9 +198,7 @@ def _write(old_words, new_words, old, new, bits, mark, nbytes):  # type: ignore[
         for j in range(count):
             if _bit_length(fields[j]) > width:
                 at, acc, held = _put_wide(out, at, acc, held, U64(j), index_width)
-                at, acc, held = _put_wide(
-                    out, at, acc, held, fields[j] >> U64(width), bits - width
-                )
+                at, acc, held = _put_wide(out, at, acc, held, fields[j] >> U64(width), bits - width)
         at = _flush(out, at, acc, held, False)
         held = 0
     previous = -1
@@ -315,7 +314,7 @@ def _decode(raw, at, count, k, width, itemsize, nelements):  # type: ignore[no-u
     if at + (patches * (index_width + bits - width) + 7) // 8 > raw.size:
         return 1, positions, steps
     bit = at * 8
-    previous = -1
+    previous = np.int64(-1)
     for _ in range(patches):
         index, bit = _get(raw, bit, index_width)
         high, bit = _get(raw, bit, bits - width)

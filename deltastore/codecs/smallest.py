@@ -110,5 +110,6 @@ class AutoEncoding(Encoding):
         else:
             raise FormatError(
                 f"auto payload of tensor {tensor!r} names encoding tag {tag}, which this "
-                "deltastore does not know (0 = xor, 1 = sparse-v1, 2 = sparse-v2); upgrade deltastore"
+                "deltastore does not know (0 = xor, 1 = sparse-v1, 2 = sparse-v2); upgrade "
+                "deltastore"
             )

@@ -122,8 +122,8 @@ def read_patches(
     end = at + (patches * (index_width + bits - width) + 7) // 8
     if end > raw.size:
         return None
-    rows = np.unpackbits(raw[at:end], count=patches * (index_width + bits - width))
-    rows = rows.reshape(patches, index_width + bits - width)
+    flat = np.unpackbits(raw[at:end], count=patches * (index_width + bits - width))
+    rows = flat.reshape(patches, index_width + bits - width)
     indices = _row_values(rows[:, :index_width])
     if patches and (int(indices[-1]) >= count or not bool(np.all(indices[1:] > indices[:-1]))):
         return None

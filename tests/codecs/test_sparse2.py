@@ -157,14 +157,16 @@ def test_payload_layout():
     # +1 from 0: m=1, lo=0, bit 0 of lo = 0 -> field 0; -1: lo=0xFFFF, bit 0 = 1 -> field 1;
     # the wide one (m = 0x10000 - 0x8123, lo = 0x8123) -> (m - 1) << 1 | bit 0 of 0x8123
     wide = (0x10000 - 0x8123 - 1) << 1 | 1
-    assert _bits(rest[:1])[:4] == "0" "1" "0" + str(wide & 1)
+    assert _bits(rest[:1])[:4] == "010" + str(wide & 1)
     assert rest[1] == 1  # one patch: index 3 (2 bits of 0..3), then the 15 high bits
     patch = _bits(rest[2:5])[: 2 + 15]
     assert int(patch[:2], 2) == 3 and int(patch[2:], 2) == wide >> 1
     unary = _bits(rest[5:])
     assert len(unary) - len(unary.rstrip("1")) < 8
     quotients = [len(run) for run in unary.rstrip("1").split("0")[:-1]]
-    gaps = [(q << k) | int(remainders[i * k : (i + 1) * k] or "0", 2) for i, q in enumerate(quotients)]
+    gaps = [
+        (q << k) | int(remainders[i * k : (i + 1) * k] or "0", 2) for i, q in enumerate(quotients)
+    ]
     assert gaps == [3, 296, 0, 1697]
 
 

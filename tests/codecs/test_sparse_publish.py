@@ -1,4 +1,4 @@
-"""sparse-v1, sparse-v2, auto through the real publisher and puller; a reference reader refuses them.
+"""sparse-v1, sparse-v2, auto through the real publisher and puller; reference readers refuse them.
 
 The publisher names the encoding in the index; deltastore's pull applies it byte-exactly
 (also catching up over several versions); the reference reader (written from the reference
