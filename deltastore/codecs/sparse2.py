@@ -51,6 +51,7 @@ from deltastore.codecs.kernels import (
 )
 from deltastore.codecs.steps import (
     apply_steps,
+    changed_in_words,
     field_width,
     pack_fields,
     read_patches,
@@ -66,12 +67,18 @@ NAME = "sparse-v2"
 MARK = 0x20
 """High bits of byte 0: a payload that does not carry them is not a sparse-v2 payload."""
 LOG2 = {1: 0, 2: 1, 4: 2, 8: 3}
+SMALL_BYTES = 2 * 1024**2
+"""Tensors up to this size are compared in one step (fewer numpy calls); larger ones in
+cache-sized chunks."""
 
 
 def encode_numpy(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[bytes, XorChanges]:
     """The sparse-v2 payload turning ``old`` into ``new``, built with numpy; the changes as
     positions and XOR values. ``itemsize`` must be one :func:`element_size` accepts."""
-    positions, xored = changed_elements(old, new, itemsize)
+    if old.size <= SMALL_BYTES:
+        positions, xored = changed_in_words(old, new, itemsize)
+    else:
+        positions, xored = changed_elements(old, new, itemsize)
     count = positions.size
     head = bytes((MARK | LOG2[itemsize],)) + varint(old.size) + varint(count)
     if not count:
