@@ -281,3 +281,20 @@ def test_an_unchanged_payload_with_trailing_bytes_is_refused():
     payload = encode_both(np.zeros(16, np.uint8), np.zeros(16, np.uint8), 2) + b"\x00"
     with pytest.raises(FormatError, match="after an empty change"):
         NUMPY.apply(np.zeros(16, np.uint8), payload, tensor="t")
+
+
+@pytest.mark.parametrize("use_jit", PATHS)
+def test_read_only_unaligned_memory_maps(tmp_path, use_jit: bool):
+    """The snapshot and a host's file are memory maps, at any offset: a read-only map at an odd
+    offset encodes to the same bytes, and a writable one is applied in place."""
+    path = tmp_path / "t.bin"
+    np.arange(1001, dtype=np.uint8).tofile(path)
+    old = np.memmap(path, dtype=np.uint8, mode="r")[1:]
+    new = np.array(old)
+    new[[5, 700]] ^= 3
+    encoding = CompactSparseEncoding(use_jit=use_jit)
+    payload = encoding.encode(old, new, itemsize=2).payload
+    assert bytes(payload) == encode_both(np.array(old), new, 2)
+    target = np.memmap(path, dtype=np.uint8, mode="r+")[1:]
+    encoding.apply(target, payload, tensor="t")
+    assert target.tobytes() == new.tobytes()
