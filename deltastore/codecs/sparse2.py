@@ -106,7 +106,10 @@ def _decode_numpy(
     fields_at = at + (count * k + 7) // 8
     patches_at = fields_at + (count * width + 7) // 8
     none = np.zeros(0, np.int64)
-    fields = _bits_to_fields(raw[fields_at:patches_at], width, count)
+    if width == 1:  # the usual ±1-ulp steps: one bit each, two numpy calls
+        fields = np.unpackbits(raw[fields_at:patches_at], count=count).astype(np.uint64)
+    else:
+        fields = _bits_to_fields(raw[fields_at:patches_at], width, count)
     patches = read_patches(raw, patches_at, count, width, itemsize * 8)
     if patches is None:
         return 1, none, fields
