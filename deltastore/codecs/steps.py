@@ -27,7 +27,6 @@ import numpy as np
 from deltastore.codecs.base import ByteArray
 from deltastore.codecs.kernels import ELEMENT_DTYPES, _fields_to_bits
 
-
 _LANES = {size: np.arange(8 // size, dtype=np.int64) for size in (1, 2, 4, 8)}
 
 
@@ -39,7 +38,7 @@ def changed_in_words(
     dtype = ELEMENT_DTYPES[itemsize]
     whole = old.size // 8 * 8
     old_words, new_words = old[:whole].view(np.uint64), new[:whole].view(np.uint64)
-    words = np.flatnonzero(old_words != new_words)  # on bools: 2-3× faster than on words
+    words = np.flatnonzero(old_words != new_words)  # on bools: 2-3 times faster than on words
     values = (old_words[words] ^ new_words[words]).view(dtype)
     inside = np.flatnonzero(values)
     lanes = _LANES[itemsize]
