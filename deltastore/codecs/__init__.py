@@ -8,10 +8,13 @@ from deltastore.codecs.compression import COMPRESSION_NAME, compress, decompress
 from deltastore.codecs.encodings import OverwriteEncoding, XorEncoding
 from deltastore.codecs.smallest import AutoEncoding
 from deltastore.codecs.sparse import SparseXorEncoding
+from deltastore.codecs.sparse2 import CompactSparseEncoding
 from deltastore.errors import ConfigError
 
 ENCODINGS: dict[str, Encoding] = {e.name: e for e in (XorEncoding(), OverwriteEncoding())}
-ENCODINGS.update({e.name: e for e in (SparseXorEncoding(), AutoEncoding())})  # deltastore's own
+ENCODINGS.update(  # deltastore's own
+    {e.name: e for e in (SparseXorEncoding(), CompactSparseEncoding(), AutoEncoding())}
+)
 CHECKSUMS: dict[str, Checksum] = {
     c.name: c for c in (Xxh3Checksum(), Blake3Checksum(), Adler32Checksum())
 }

@@ -1,4 +1,4 @@
-"""``auto``: per tensor, the smaller of ``xor`` and ``sparse-v1``, tagged in the payload.
+"""``auto``: per tensor, the smallest of ``xor``, ``sparse-v1`` and ``sparse-v2``, tagged.
 
 The index names ``auto`` as the version's delta encoding (a reference reader refuses it, as it
 does any name it does not know). Each tensor's payload starts with one tag byte saying which
@@ -6,19 +6,22 @@ encoding follows; the rest is that encoding's payload, unchanged::
 
     0x00 ‖ xor payload        (new XOR old, the tensor's full size)
     0x01 ‖ sparse-v1 payload  (see deltastore.codecs.sparse)
+    0x02 ‖ sparse-v2 payload  (see deltastore.codecs.sparse2)
 
 So the choice travels with the bytes it describes: no side table in the index or the shard
-metadata, and a reader needs nothing but the payload. Both choices XOR their values in, so an
-``auto`` payload applied twice reverts, like ``xor``.
+metadata, and a reader needs nothing but the payload. Every choice is self-inverse, so an
+``auto`` payload applied twice reverts, like ``xor``. A deltastore older than ``sparse-v2``
+refuses tag 2 with a message that says to upgrade.
 
-The choice: sparse-v1 is encoded first (it reads each input once). When its payload (already
-compressed) is at most 1/16 of the tensor it is kept without trying ``xor``: at that density
-zstd-1 spends more per change on a XOR array of zero runs than the Rice code does. Otherwise
-the XOR is compressed with the store's zstd-1 and the smaller is kept, so such a tensor costs
-one extra compression of its XOR. Measured on bf16 Adam-like steps, sparse-v1 stays smaller up
-to ~90 % element density (its byte planes compress better than interleaved XOR bytes); a tensor
-of fully random changes stays ``xor``. Building positions costs up to 8 bytes of memory per
-changed element while a tensor is encoded.
+The choice: sparse-v2 is encoded first (one pass over each input). When its payload is at most
+1/16 of the tensor it is kept without trying anything else: at that density its bit-packed
+streams are smaller than a zstd-1 frame of a XOR array of zero runs, and smaller than
+sparse-v1's (same gaps, a 38-byte header and zstd'd XOR planes for values). Otherwise (a dense
+change, rare in a training step) the XOR is compressed with the store's zstd-1 and sparse-v1 is
+encoded too, and the smallest is kept: such a tensor costs two extra passes. Measured on bf16
+Adam-like steps sparse-v2 is the smallest up to about 30 % density; a tensor of random changes
+stays ``xor``. Building positions costs up to 16 bytes of memory per changed element while a
+tensor is encoded.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding
 from deltastore.codecs.compression import compress
 from deltastore.codecs.encodings import XorEncoding
 from deltastore.codecs.sparse import SparseXorEncoding
+from deltastore.codecs.sparse2 import CompactSparseEncoding
 from deltastore.errors import FormatError
 
 TAG_XOR = 0
 TAG_SPARSE = 1
+TAG_COMPACT = 2
 SPARSE_WITHOUT_COMPARING = 16
-"""A sparse payload at most 1/16 of the tensor is kept without compressing the XOR to compare."""
+"""A sparse-v2 payload at most 1/16 of the tensor is kept without trying the others."""
 
 
 def _tagged(tag: int, payload: bytes | memoryview) -> memoryview:
@@ -45,7 +50,7 @@ def _tagged(tag: int, payload: bytes | memoryview) -> memoryview:
 
 
 class AutoEncoding(Encoding):
-    """Per tensor, whichever of ``xor`` and ``sparse-v1`` is smaller on the wire."""
+    """Per tensor, whichever of ``xor``, ``sparse-v1`` and ``sparse-v2`` is smallest on the wire."""
 
     name = "auto"
     idempotent = False
@@ -56,21 +61,28 @@ class AutoEncoding(Encoding):
     exact_payload_size = False
     """The payload's size depends on the choice and on how many elements changed."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, use_jit: bool | None = None) -> None:
+        """``use_jit`` as for :class:`CompactSparseEncoding`."""
         self.xor = XorEncoding()
         self.sparse = SparseXorEncoding()
+        self.compact = CompactSparseEncoding(use_jit=use_jit)
 
     def choose(
         self, old: ByteArray, new: ByteArray, *, itemsize: int = 1
     ) -> tuple[int, EncodedDelta]:
-        """(tag, inner delta) of the smaller encoding for this tensor (see the module's notes)."""
-        sparse = self.sparse.encode(old, new, itemsize=itemsize)
-        if len(sparse.payload) * SPARSE_WITHOUT_COMPARING <= old.size:
-            return TAG_SPARSE, sparse
+        """(tag, inner delta) of the smallest encoding for this tensor (see the module's notes)."""
+        compact = self.compact.encode(old, new, itemsize=itemsize)
+        if len(compact.payload) * SPARSE_WITHOUT_COMPARING <= old.size:
+            return TAG_COMPACT, compact
         dense = self.xor.encode(old, new)
-        if len(sparse.payload) < len(compress(dense.payload)):
-            return TAG_SPARSE, sparse
-        return TAG_XOR, dense
+        sparse = self.sparse.encode(old, new, itemsize=itemsize)
+        sizes = {
+            TAG_COMPACT: len(compact.payload),
+            TAG_SPARSE: len(sparse.payload),
+            TAG_XOR: len(compress(dense.payload)),
+        }
+        tag = min(sizes, key=sizes.__getitem__)  # the first listed on a tie
+        return tag, {TAG_COMPACT: compact, TAG_SPARSE: sparse, TAG_XOR: dense}[tag]
 
     def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
         """Tagged payload of the smaller encoding; ``itemsize`` as for ``sparse-v1``."""
@@ -78,19 +90,26 @@ class AutoEncoding(Encoding):
         return EncodedDelta(_tagged(tag, inner.payload), inner.changed_bytes, inner.xor_changes)
 
     def max_payload_size(self, nbytes: int) -> int:
-        return 1 + max(self.xor.max_payload_size(nbytes), self.sparse.max_payload_size(nbytes))
+        return 1 + max(
+            self.xor.max_payload_size(nbytes),
+            self.sparse.max_payload_size(nbytes),
+            self.compact.max_payload_size(nbytes),
+        )
 
     def apply(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
         raw = memoryview(payload).cast("B")
         if not len(raw):
             raise FormatError(f"auto payload of tensor {tensor!r} is empty; it is corrupt")
         tag, inner = raw[0], raw[1:]
-        if tag == TAG_SPARSE:
+        if tag == TAG_COMPACT:
+            self.compact.apply(target, inner, tensor=tensor)
+        elif tag == TAG_SPARSE:
             self.sparse.apply(target, inner, tensor=tensor)
         elif tag == TAG_XOR:
             self.xor.apply(target, inner, tensor=tensor)
         else:
             raise FormatError(
                 f"auto payload of tensor {tensor!r} names encoding tag {tag}, which this "
-                "deltastore does not know (0 = xor, 1 = sparse-v1); upgrade deltastore"
+                "deltastore does not know (0 = xor, 1 = sparse-v1, 2 = sparse-v2); upgrade "
+                "deltastore"
             )

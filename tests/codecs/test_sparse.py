@@ -26,8 +26,9 @@ from deltastore.codecs.kernels import (
     rice_parameter,
     to_planes,
 )
-from deltastore.codecs.smallest import TAG_SPARSE, TAG_XOR, AutoEncoding
+from deltastore.codecs.smallest import TAG_COMPACT, TAG_SPARSE, TAG_XOR, AutoEncoding
 from deltastore.codecs.sparse import HEADER, SparseXorEncoding
+from deltastore.codecs.sparse2 import CompactSparseEncoding
 from deltastore.publish.snapshot import tensor_bytes
 
 NEW_ENCODINGS = ["sparse-v1", "auto"]
@@ -235,15 +236,17 @@ def test_auto_keeps_a_dense_tensor_as_xor_and_a_sparse_one_as_sparse():
     assert auto.choose(old, dense, itemsize=2)[0] == TAG_XOR
     assert bytes(auto.encode(old, dense, itemsize=2).payload)[0] == TAG_XOR
     sparse = changed_copy(old, 2, 0.004, 12)
-    assert auto.choose(old, sparse, itemsize=2)[0] == TAG_SPARSE
-    # In between, it keeps whichever compresses smaller.
-    middle = changed_copy(old, 2, 0.3, 13)
-    tag, _ = auto.choose(old, middle, itemsize=2)
-    sizes = {
-        TAG_XOR: len(compress(np.bitwise_xor(old, middle))),
-        TAG_SPARSE: len(compress(SparseXorEncoding().encode(old, middle, itemsize=2).payload)),
-    }
-    assert tag == min(sizes, key=sizes.__getitem__)
+    assert auto.choose(old, sparse, itemsize=2)[0] == TAG_COMPACT
+    # In between, it keeps whichever is smallest (sparse-v1 and sparse-v2 as their payloads).
+    for density in (0.2, 0.3, 0.5):
+        middle = changed_copy(old, 2, density, 13)
+        tag, _ = auto.choose(old, middle, itemsize=2)
+        sizes = {
+            TAG_COMPACT: len(CompactSparseEncoding().encode(old, middle, itemsize=2).payload),
+            TAG_SPARSE: len(SparseXorEncoding().encode(old, middle, itemsize=2).payload),
+            TAG_XOR: len(compress(np.bitwise_xor(old, middle))),
+        }
+        assert tag == min(sizes, key=sizes.__getitem__)
 
 
 def test_itemsize_of_safetensors_dtypes():

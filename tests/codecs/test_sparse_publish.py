@@ -1,4 +1,4 @@
-"""sparse-v1 and auto through the real publisher and puller, and refused by a reference reader.
+"""sparse-v1, sparse-v2, auto through the real publisher and puller; reference readers refuse them.
 
 The publisher names the encoding in the index; deltastore's pull applies it byte-exactly
 (also catching up over several versions); the reference reader (written from the reference
@@ -18,7 +18,7 @@ from tests.conftest import checkpoint_bytes, perturb, raw_bytes
 from tests.format import reference_reader
 
 
-@pytest.mark.parametrize("encoding", ["sparse-v1", "auto"])
+@pytest.mark.parametrize("encoding", ["sparse-v1", "sparse-v2", "auto"])
 def test_publish_pull_and_reference_refusal(
     tmp_path: Path, base_dir: Path, small_model: dict[str, torch.Tensor], encoding: str
 ):

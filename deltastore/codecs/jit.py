@@ -1,0 +1,53 @@
+"""The optional compiled path of ``sparse-v2`` (numba, the ``fast`` extra).
+
+``pip install 'deltastore[fast]'`` installs numba; then :class:`CompactSparseEncoding` encodes
+and decodes with one compiled pass per tensor instead of a few dozen numpy calls (the numpy
+path writes the same bytes and accepts and refuses the same payloads). Setting
+``DELTASTORE_NO_JIT=1`` keeps the numpy path even where numba is installed.
+
+The kernels compile on first use in a process: about 2-4 s per element size the first time on a
+machine, then they load from numba's on-disk cache (``cache=True``, next to the module or in
+``NUMBA_CACHE_DIR``) in well under a second. Numba itself takes about half a second to import;
+both happen at the first encode, never at ``import deltastore``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import ModuleType
+
+from deltastore.errors import ConfigError
+
+NO_JIT_VARIABLE = "DELTASTORE_NO_JIT"
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def _load() -> ModuleType | None:
+    """The compiled kernels' module, imported once per process; None without numba."""
+    with _lock:
+        if "kernels" not in _loaded:
+            try:
+                from deltastore.codecs import jit_kernels
+            except ImportError:
+                _loaded["kernels"] = None
+            else:
+                _loaded["kernels"] = jit_kernels
+        return _loaded["kernels"]
+
+
+def kernels(use_jit: bool | None) -> ModuleType | None:
+    """The compiled kernels to use (``encode``, ``decode``, ``apply_steps``), or None for
+    numpy: ``use_jit`` False is numpy, True needs numba (:class:`ConfigError` without it), None
+    takes numba when it is importable and ``DELTASTORE_NO_JIT`` is unset or ``0``."""
+    if use_jit is False:
+        return None
+    if use_jit is None and os.environ.get(NO_JIT_VARIABLE, "0") not in ("", "0"):
+        return None
+    module = _load()
+    if module is None and use_jit:
+        raise ConfigError(
+            "the compiled sparse-v2 codec needs numba: pip install 'deltastore[fast]'"
+        )
+    return module
