@@ -28,11 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deltastore.codecs import get_checksum, get_encoding
-from deltastore.errors import (
-    ConfigError,
-    PublishError,
-    SnapshotError,
-)
+from deltastore.errors import ConfigError, PublishError, SnapshotError
 from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.coordination import Coordinator, make_coordinator
@@ -44,6 +40,7 @@ from deltastore.publish.diff import (
     diff_tensors,
     report_of,
 )
+from deltastore.publish.gc_pause import gc_paused
 from deltastore.publish.messages import (
     DiffReport,
     Failure,
@@ -62,9 +59,7 @@ from deltastore.publish.metrics import (
     result_of,
     warn_if_dense,
 )
-from deltastore.publish.planning import (
-    plan_layout,
-)
+from deltastore.publish.planning import plan_layout
 from deltastore.publish.post_write import run_post_write
 from deltastore.publish.rank_state import RankSnapshot
 from deltastore.publish.seeding import seed_rank
@@ -185,6 +180,8 @@ class DeltaPublisher:
             preload=self.preload,
             continue_latest=continue_latest,
         )
+        if self.stream.base_version == 0 and self.config.record_base_digests and self.rank == 0:
+            self._base_digests()  # once per stream: with the seed's reads, not in a publish
 
     # ------------------------------------------------------------------- publish
     def publish(self, named_tensors: NamedTensors, *, full: bool = False) -> PublishResult:
@@ -201,7 +198,7 @@ class DeltaPublisher:
         held, stream = self._seeded()
         started = time.perf_counter()
         metrics = dict.fromkeys(METRIC_KEYS, 0.0)
-        with PayloadSpool(self.config.spool_memory_bytes) as spool:
+        with gc_paused(), PayloadSpool(self.config.spool_memory_bytes) as spool:
             diff, local_error = self._diff_phase(named_tensors, held, stream, spool, metrics)
             plan, slot = self._plan_phase(
                 report_of(self.rank, diff, local_error, full=full), stream, metrics
