@@ -178,3 +178,23 @@ def test_a_snapshot_advanced_by_many_threads_matches_every_version(tmp_path: Pat
         ds.pull_weights(host, publisher.store, 3, base_dir=base)
         assert checkpoint_bytes(host) == {n: raw_bytes(t) for n, t in current.items()}
     del store
+
+
+def test_spooled_frames_are_written_back_to_back_in_order_whatever_their_home(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    import io
+
+    import deltastore.publish.spool as spool_module
+
+    monkeypatch.setattr(spool_module, "JOIN_BYTES", 64)
+    rng = np.random.default_rng(5)
+    frames = [rng.bytes(int(n)) for n in rng.integers(0, 150, 60)]
+    with spool_module.PayloadSpool(memory_bytes=1500) as spool:
+        spans = [spool.append(frame) for frame in frames]
+        assert spool._on_disk and spool._memory, "the test needs frames in memory and on disk"
+        order = spans[::2] + spans[1::2]
+        out = io.BytesIO()
+        spool.copy_many_to(out, order)
+    by_offset = dict(zip((offset for offset, _ in spans), frames))
+    assert out.getvalue() == b"".join(by_offset[offset] for offset, _ in order)
