@@ -17,6 +17,10 @@ from deltastore.publish.spool import PayloadSpool
 from deltastore.publish.stream import StreamState
 from deltastore.storage import VersionStore
 
+PARALLEL_BYTES = 64 * 1024**2
+"""Below this many bytes of changed tensors the snapshot advances on the calling thread: there
+a pool's start and hand-offs cost more than the second thread saves."""
+
 
 @dataclass(frozen=True)
 class Encoded:
@@ -139,7 +143,8 @@ class RankSnapshot:
                 else:
                     apply_payload(encoding, entry.name, target, entry, spool)
 
-        if self.workers < 2 or len(entries) < 2:
+        sources = self.snapshot.sources
+        if self.workers < 2 or sum(sources[e.name].nbytes for e in entries) < PARALLEL_BYTES:
             apply(entries)
             return
         # Several batches per thread, so one large tensor does not leave the others idle.
