@@ -203,3 +203,33 @@ def test_spooled_frames_are_written_back_to_back_in_order_whatever_their_home(
         spool.copy_many_to(out, order)
     by_offset = dict(zip((offset for offset, _ in spans), frames))
     assert out.getvalue() == b"".join(by_offset[offset] for offset, _ in order)
+
+
+def test_a_sparse_xor_change_advances_the_snapshot_without_decoding_its_payload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    generator = torch.Generator().manual_seed(8)
+    model = {f"w{i}": torch.randn(4096, generator=generator).to(torch.bfloat16) for i in range(6)}
+    model["odd"] = torch.arange(7, dtype=torch.uint8)  # not whole 8-byte words
+    base = make_checkpoint(tmp_path / "base", model, shards=1)
+    publisher = ds.DeltaPublisher(ds.VersionStore(tmp_path / "store"), base, encoding="xor")
+    publisher.seed()
+    decoded: list[str] = []
+    real = rank_state.apply_payload
+
+    def counted(encoding: Any, name: str, *args: Any) -> None:
+        decoded.append(name)
+        real(encoding, name, *args)
+
+    monkeypatch.setattr(rank_state, "apply_payload", counted)
+    step = {n: t.clone() for n, t in model.items()}
+    for i, tensor in enumerate(step.values()):
+        tensor.view(torch.uint8)[(5 * i) % tensor.numel()] ^= 1  # one byte per tensor
+    step["w5"] = -step["w5"]  # every element: dense, so its payload is applied instead
+    publisher.publish(step)
+    assert sorted(decoded) == ["odd", "w5"]
+    snapshot = publisher.snapshot
+    assert snapshot is not None
+    assert {n: snapshot.load(n).tobytes() for n in step} == {
+        n: raw_bytes(t) for n, t in step.items()
+    }
