@@ -19,7 +19,9 @@ machine without a GPU.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -198,7 +200,9 @@ class HostStager:
     def charge_for(self, tensor: Any, nbytes: int) -> int:
         """Budget bytes :meth:`stage` will hold for ``tensor`` of ``nbytes`` bytes: the bytes
         of a host view, or the pooled buffer's size for a copy."""
-        if isinstance(tensor, np.ndarray):
+        if isinstance(tensor, np.ndarray) or (
+            not self.stage_host_tensors and getattr(tensor, "is_cpu", False)
+        ):
             return nbytes
         device = getattr(tensor, "device", None)
         on_host = device is None or getattr(device, "type", "cpu") == "cpu"
@@ -215,6 +219,10 @@ class HostStager:
         arrays.
         """
         self.stats.staged += 1
+        view = None if self.stage_host_tensors else plain_host_view(tensor)
+        if view is not None:
+            self._acquire(view.size)
+            return Staged(self, view, view.size)
         if isinstance(tensor, np.ndarray):
             view = host_bytes(name, tensor)
             self._acquire(view.size)
@@ -269,6 +277,38 @@ class HostStager:
             self._allocated = 0
 
 
+def plain_host_view(tensor: Any) -> ByteArray | None:
+    """The bytes of a plain, contiguous, non-empty CPU torch tensor as a 1-D ``uint8`` view
+    built from its data pointer; None for anything else (the general path handles it).
+
+    No torch operator is dispatched: each one releases and retakes the GIL, and while the
+    encode pool runs, retaking it costs the producer far more than the operator (measured on
+    8,000 tensors of 64 KB: 75 us per ``reshape`` under load against 2.5 us alone). The view
+    keeps the tensor alive. Complex tensors (maybe conjugate views), negative views, quantized
+    and sparse tensors and subclasses (their bytes may not be their values) are left to the
+    general path.
+    """
+    torch = sys.modules.get("torch")
+    kind = type(tensor)
+    if torch is None or (kind is not torch.Tensor and kind is not torch.nn.Parameter):
+        return None
+    if not (
+        tensor.is_cpu
+        and tensor.layout is torch.strided
+        and tensor.is_contiguous()
+        and not tensor.is_quantized
+        and not tensor.dtype.is_complex  # a conjugate view; is_conj() is a dispatched operator
+        and not tensor.is_neg()
+    ):
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return None
+    memory = (ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr())
+    memory._tensor = tensor  # type: ignore[attr-defined]  # the view's base holds the tensor
+    return np.frombuffer(memory, dtype=np.uint8)
+
+
 def host_bytes(name: str, tensor: Any) -> ByteArray:
     """The raw little-endian bytes of a host tensor/array as 1-D uint8 (contiguous first).
 
@@ -286,6 +326,9 @@ def host_bytes(name: str, tensor: Any) -> ByteArray:
         t = tensor.detach() if tensor.requires_grad else tensor
         if t.device.type != "cpu":
             t = t.to("cpu")
+        if t.is_conj() or t.is_neg():
+            # A lazily conjugated or negated view: its memory is not its value.
+            t = t.resolve_conj().resolve_neg()
         t = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
         # torch calls a 0- or 1-element view with stride != 1 contiguous and keeps its stride,
         # which .view(uint8) then rejects: copy it into a fresh stride-1 tensor.

@@ -12,11 +12,9 @@ is the identity. One publish is five phases (docs/publishing.md has the full acc
 5. **finish** (all-gather): the snapshot advances (:mod:`.rank_state`), the stream state is
    replaced (:mod:`.stream`), the post-write hook runs, metrics are the global totals.
 
-Errors: before the commit every rank raises :class:`PublishError` (nothing committed) or
-:class:`VersionConflictError` (another writer holds the version), whatever the world size,
-with the failing rank's error named and chained. At or after the commit: :class:`HookError`
-(committed, the hook failed) or :class:`SnapshotError` (committed or maybe committed; restart
-with ``resume=True``).
+Errors (every rank, any world size): before the commit :class:`PublishError` or
+:class:`VersionConflictError`; at or after it :class:`HookError` or :class:`SnapshotError`
+(docs/publishing.md says what each leaves behind).
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from deltastore.publish.config import PublisherConfig
 from deltastore.publish.coordination import Coordinator, make_coordinator
 from deltastore.publish.device import StagerStats
 from deltastore.publish.diff import DiffResult, DiffSettings, NamedTensors, diff_tensors, report_of
+from deltastore.publish.gc_pause import gc_paused
 from deltastore.publish.messages import (
     DiffReport,
     Failure,
@@ -179,6 +178,8 @@ class DeltaPublisher:
             continue_latest=continue_latest,
             progress=progress,
         )
+        if self.stream.base_version == 0 and self.config.record_base_digests and self.rank == 0:
+            self._base_digests()  # once per stream: with the seed's reads, not in a publish
 
     # ------------------------------------------------------------------- publish
     def publish(
@@ -202,7 +203,7 @@ class DeltaPublisher:
         held, stream = self._seeded()
         started = time.perf_counter()
         metrics = dict.fromkeys(METRIC_KEYS, 0.0)
-        with PayloadSpool(self.config.spool_memory_bytes) as spool:
+        with gc_paused(), PayloadSpool(self.config.spool_memory_bytes) as spool:
             diff, local_error = self._diff_phase(
                 named_tensors, held, stream, spool, metrics, progress
             )

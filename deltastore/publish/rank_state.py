@@ -4,6 +4,7 @@ has moved on since (their bytes are re-read from the store's chain before use).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from dataclasses import dataclass, replace
 
 from deltastore.codecs import ByteArray, Encoding, decompress
@@ -15,6 +16,10 @@ from deltastore.publish.snapshot import Snapshot, TensorSource
 from deltastore.publish.spool import PayloadSpool
 from deltastore.publish.stream import StreamState
 from deltastore.storage import VersionStore
+
+PARALLEL_BYTES = 64 * 1024**2
+"""Below this many bytes of changed tensors the snapshot advances on the calling thread: there
+a pool's start and hand-offs cost more than the second thread saves."""
 
 
 @dataclass(frozen=True)
@@ -51,11 +56,18 @@ class RankSnapshot:
     """
 
     def __init__(
-        self, snapshot: Snapshot, base_sources: dict[str, TensorSource], store: VersionStore
+        self,
+        snapshot: Snapshot,
+        base_sources: dict[str, TensorSource],
+        store: VersionStore,
+        *,
+        workers: int = 1,
     ) -> None:
         self.snapshot = snapshot
         self.base_sources = base_sources
         self.store = store
+        self.workers = workers
+        """Threads that apply a publish's changes to the snapshot when it advances."""
         self.moved: set[str] = set()
         """Tensors changed by another rank since this rank's snapshot of them."""
 
@@ -98,11 +110,7 @@ class RankSnapshot:
         one. Tensors another rank changed are forgotten; after a full version every tensor is
         read back from it.
         """
-        for name, entry in encoded.items():
-            if entry.changes is not None:
-                entry.changes.apply(self.snapshot.load(name))
-            else:
-                apply_payload(encoding, name, self.snapshot.load(name), entry, spool)
+        self._apply_all(list(encoded.values()), encoding, spool)
         for name in layout.changed:
             if name not in encoded:
                 self.snapshot.evict(name)
@@ -122,3 +130,25 @@ class RankSnapshot:
             )
             self.snapshot.set_source(name, source, keep_loaded=True)
         self.moved.clear()
+
+    def _apply_all(self, entries: list[Encoded], encoding: Encoding, spool: PayloadSpool) -> None:
+        """Apply every change to the snapshot, split over ``workers`` threads (decompression
+        and the XOR of large tensors release the GIL, so the threads share the work)."""
+
+        def apply(batch: list[Encoded]) -> None:
+            for entry in batch:
+                target = self.snapshot.load(entry.name)
+                if entry.changes is not None:
+                    entry.changes.apply(target)
+                else:
+                    apply_payload(encoding, entry.name, target, entry, spool)
+
+        sources = self.snapshot.sources
+        if self.workers < 2 or sum(sources[e.name].nbytes for e in entries) < PARALLEL_BYTES:
+            apply(entries)
+            return
+        # Several batches per thread, so one large tensor does not leave the others idle.
+        count = min(len(entries), 4 * self.workers)
+        batches = [entries[i::count] for i in range(count)]
+        with cf.ThreadPoolExecutor(self.workers, thread_name_prefix="deltastore-advance") as pool:
+            list(pool.map(apply, batches))

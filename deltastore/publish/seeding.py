@@ -153,4 +153,4 @@ def seed_rank(
         decision.stream.stream_id,
         f" (resumed at v{lineage.version:06d})" if lineage else "",
     )
-    return RankSnapshot(snapshot, sources, store), decision.stream
+    return RankSnapshot(snapshot, sources, store, workers=config.threads), decision.stream

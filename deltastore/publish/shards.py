@@ -81,13 +81,14 @@ class ShardWriter:
         with self.open_write(job.shard) as sink:
             out = _HashingWriter(sink)
             out.write(header)
-            for n in job.names:
-                self.spool.copy_to(out.as_binary(), encoded[n].offset, encoded[n].length)
-                if self.meter is not None:
-                    self.meter.advance(encoded[n].length)
-                end = offset + encoded[n].length
-                entries[n] = Placement(job.shard, offset, end, encoded[n].digest)
-                offset = end
+            spans = [(encoded[n].offset, encoded[n].length) for n in job.names]
+            self.spool.copy_many_to(out.as_binary(), spans)
+        if self.meter is not None:
+            self.meter.advance(sum(length for _, length in spans))
+        for n in job.names:
+            end = offset + encoded[n].length
+            entries[n] = Placement(job.shard, offset, end, encoded[n].digest)
+            offset = end
         return entries, offset, out.hasher.fact()
 
     def write_full(

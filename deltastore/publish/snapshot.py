@@ -261,6 +261,11 @@ _NUMPY_DTYPES: dict[str, str] = {
 }  # fmt: skip
 
 
+_DTYPE_NAMES: dict[Any, str | None] = {}
+"""Safetensors dtype string by torch dtype object, filled on first sight (a dict lookup per
+tensor instead of formatting the dtype's name)."""
+
+
 def safetensors_dtype_of(tensor: Any) -> str | None:
     """The safetensors dtype string of a torch tensor or numpy array, if it has one."""
     dtype = getattr(tensor, "dtype", None)
@@ -268,7 +273,13 @@ def safetensors_dtype_of(tensor: Any) -> str | None:
         return None
     if isinstance(tensor, np.ndarray):
         return _NUMPY_DTYPES.get(tensor.dtype.name)
-    return _TORCH_DTYPES.get(str(dtype).removeprefix("torch."))
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        name = _DTYPE_NAMES[dtype] = _TORCH_DTYPES.get(str(dtype).removeprefix("torch."))
+        return name
+    except TypeError:  # an unhashable dtype-like attribute: no safetensors dtype
+        return None
 
 
 def nbytes_of(name: str, tensor: Any) -> int:
@@ -303,7 +314,8 @@ def check_layout(name: str, tensor: Any, nbytes: int, base: TensorSource) -> Non
         raise PublishError(
             f"tensor {name!r} is {dtype}, the base stores it as {base.dtype}; cast it first"
         )
-    shape = tuple(getattr(tensor, "shape", ()))
+    # torch.Size is a tuple: compared as it is, converted only for the message.
+    shape = getattr(tensor, "shape", ())
     if dtype is not None and dtype != "U8" and shape != base.shape:
         raise PublishError(
             f"tensor {name!r} has shape {list(shape)}, the base has {list(base.shape)}"

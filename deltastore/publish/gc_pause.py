@@ -1,0 +1,39 @@
+"""The cyclic garbage collector paused for the length of a publish.
+
+A publish of many tensors makes a few long-lived objects per tensor (results, placements,
+index entries); every few thousand of them the collector runs a full collection, which walks
+every tracked object of the process (a trainer holds millions). Measured on 8,000 tensors of
+64 KB: about 170 collections in one publish, 0.2-1.2 s of its 2-4 s, nearly all of it full
+collections. The publish makes no garbage cycles worth collecting meanwhile, so the collector
+is paused while it runs and resumed after (reference counting still frees everything else).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Iterator
+
+_lock = threading.Lock()
+_depth = 0
+_resume = False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause automatic garbage collection inside the block (nested and concurrent blocks
+    share one pause; the collector is resumed by the last to leave, and only if it was on)."""
+    global _depth, _resume
+    with _lock:
+        if _depth == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _resume:
+                gc.enable()

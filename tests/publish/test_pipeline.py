@@ -1,0 +1,235 @@
+"""The publish pipeline's per-tensor work: host views without torch operators, the collector
+paused during a publish, the base record hashed at seed, the snapshot advanced by many threads.
+
+Speed itself is measured in benchmarks (docs/benchmarks.md); these tests pin the behaviour the
+speed depends on, each of which fails without it.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import deltastore as ds
+import deltastore.publish.publisher as publisher_module
+import deltastore.publish.rank_state as rank_state
+from deltastore.publish.device import HostStager, host_bytes, plain_host_view
+from deltastore.publish.gc_pause import gc_paused
+from tests.conftest import checkpoint_bytes, make_checkpoint, perturb, raw_bytes
+
+Model = dict[str, torch.Tensor]
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the torch operators dispatched inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _plain_tensors() -> dict[str, torch.Tensor]:
+    big = torch.arange(4 * 96, dtype=torch.float32).reshape(4, 96).to(torch.bfloat16)
+    return {
+        "bf16 matrix": big,
+        "row view with a storage offset": big[2],
+        "parameter that requires grad": torch.nn.Parameter(torch.linspace(-1, 1, 33)),
+        "int64 one element": torch.tensor([7], dtype=torch.int64),
+        "bool": torch.tensor([True, False, True]),
+    }
+
+
+def test_a_plain_cpu_tensor_is_viewed_as_its_bytes_without_any_torch_operator():
+    stager = HostStager(1 << 30)
+    for name, tensor in _plain_tensors().items():
+        with _CountOps() as counted:
+            staged = stager.stage(name, tensor)
+            view = staged.wait()
+        assert counted.ops == [], f"{name}: staging dispatched {counted.ops}"
+        assert view.dtype == np.uint8 and view.ndim == 1
+        assert view.tobytes() == raw_bytes(tensor.detach()), name
+        staged.release()
+    assert stager.in_flight_bytes == 0
+
+
+def test_tensors_whose_bytes_are_not_plain_memory_take_the_general_path():
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    conjugate = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
+    odd = {
+        "transposed": base.t(),
+        "strided slice": base[:, ::2],
+        "conjugate view": conjugate,
+        "negative view": conjugate.imag,
+        "complex": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64),
+        "empty": torch.empty(0, dtype=torch.bfloat16),
+        "numpy": np.arange(5, dtype=np.int16),
+    }
+    assert [n for n, t in odd.items() if plain_host_view(t) is not None] == []
+    stager = HostStager(1 << 30)
+    for name, tensor in {**odd, "0-d scalar": torch.tensor(3.5)}.items():
+        staged = stager.stage(name, tensor)
+        expected = (
+            tensor.tobytes() if isinstance(tensor, np.ndarray) else raw_bytes(tensor.resolve_conj())
+        )
+        assert staged.wait().tobytes() == expected, name
+        staged.release()
+
+
+def test_the_view_keeps_its_tensor_alive():
+    tensor = torch.arange(1 << 16, dtype=torch.int32)
+    expected = raw_bytes(tensor)
+    view = plain_host_view(tensor)
+    del tensor
+    gc.collect()
+    junk = [torch.full((1 << 16,), -1, dtype=torch.int32) for _ in range(8)]
+    assert view is not None and view.tobytes() == expected
+    rebuilt = torch.frombuffer(bytearray(expected), dtype=torch.int32)
+    assert host_bytes("same", rebuilt).tobytes() == expected
+    del junk
+
+
+def test_the_collector_is_paused_while_a_publish_runs_and_resumed_after(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    publisher = ds.DeltaPublisher(ds.VersionStore(tmp_path / "store"), base_dir)
+    publisher.seed()
+    seen: list[bool] = []
+
+    def pairs(model: Model) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in model.items():
+            seen.append(gc.isenabled())
+            yield name, tensor
+
+    assert gc.isenabled()
+    publisher.publish(pairs(perturb(small_model, 1)))
+    assert seen and not any(seen)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        publisher.publish(pairs(perturb(small_model, 2)))
+        assert not gc.isenabled(), "a collector the caller turned off stays off"
+    finally:
+        gc.enable()
+
+
+def test_nested_pauses_resume_the_collector_once_the_last_ends():
+    with gc_paused():
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_the_base_record_is_hashed_by_seed_not_by_the_first_publish(
+    tmp_path: Path, base_dir: Path, small_model: Model, monkeypatch: pytest.MonkeyPatch
+):
+    calls: list[str] = []
+    real = publisher_module.base_digests_record
+
+    def counted(base: str, checksum: str, **kwargs: Any) -> dict[str, Any]:
+        calls.append(base)
+        return real(base, checksum, **kwargs)
+
+    monkeypatch.setattr(publisher_module, "base_digests_record", counted)
+    store = ds.VersionStore(tmp_path / "store")
+    publisher = ds.DeltaPublisher(store, base_dir)
+    publisher.seed()
+    assert len(calls) == 1
+    publisher.publish(perturb(small_model, 1))
+    assert len(calls) == 1
+    assert store.index(1).extra["base_digests"]["tensors"].keys() == small_model.keys()
+
+
+def test_a_snapshot_advanced_by_many_threads_matches_every_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(rank_state, "PARALLEL_BYTES", 0)  # the pool even for a small model
+    generator = torch.Generator().manual_seed(3)
+    model = {
+        f"t{i:03d}": torch.randn(64 + 37 * i, generator=generator).to(torch.bfloat16)
+        for i in range(120)
+    }
+    base = make_checkpoint(tmp_path / "base", model, shards=1)
+    store = ds.VersionStore(tmp_path / "store")
+    for encoding in ("xor", "auto"):
+        publisher = ds.DeltaPublisher(
+            ds.VersionStore(tmp_path / f"store-{encoding}"), base, encoding=encoding, workers=3
+        )
+        publisher.seed()
+        current = model
+        for step in range(1, 4):
+            current = {n: t.clone() for n, t in current.items()}
+            for i, tensor in enumerate(current.values()):
+                if (i + step) % 3:
+                    tensor.view(torch.int16)[(7 * i + step) % tensor.numel()] += 1
+            publisher.publish(current)
+            snapshot = publisher.snapshot
+            assert snapshot is not None
+            assert {n: snapshot.load(n).tobytes() for n in current} == {
+                n: raw_bytes(t) for n, t in current.items()
+            }
+        host = tmp_path / f"host-{encoding}"
+        ds.pull_weights(host, publisher.store, 3, base_dir=base)
+        assert checkpoint_bytes(host) == {n: raw_bytes(t) for n, t in current.items()}
+    del store
+
+
+def test_spooled_frames_are_written_back_to_back_in_order_whatever_their_home(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    import io
+
+    import deltastore.publish.spool as spool_module
+
+    monkeypatch.setattr(spool_module, "JOIN_BYTES", 64)
+    rng = np.random.default_rng(5)
+    frames = [rng.bytes(int(n)) for n in rng.integers(0, 150, 60)]
+    with spool_module.PayloadSpool(memory_bytes=1500) as spool:
+        spans = [spool.append(frame) for frame in frames]
+        assert spool._on_disk and spool._memory, "the test needs frames in memory and on disk"
+        order = spans[::2] + spans[1::2]
+        out = io.BytesIO()
+        spool.copy_many_to(out, order)
+    by_offset = dict(zip((offset for offset, _ in spans), frames))
+    assert out.getvalue() == b"".join(by_offset[offset] for offset, _ in order)
+
+
+def test_a_sparse_xor_change_advances_the_snapshot_without_decoding_its_payload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    generator = torch.Generator().manual_seed(8)
+    model = {f"w{i}": torch.randn(4096, generator=generator).to(torch.bfloat16) for i in range(6)}
+    model["odd"] = torch.arange(7, dtype=torch.uint8)  # not whole 8-byte words
+    base = make_checkpoint(tmp_path / "base", model, shards=1)
+    publisher = ds.DeltaPublisher(ds.VersionStore(tmp_path / "store"), base, encoding="xor")
+    publisher.seed()
+    decoded: list[str] = []
+    real = rank_state.apply_payload
+
+    def counted(encoding: Any, name: str, *args: Any) -> None:
+        decoded.append(name)
+        real(encoding, name, *args)
+
+    monkeypatch.setattr(rank_state, "apply_payload", counted)
+    step = {n: t.clone() for n, t in model.items()}
+    for i, tensor in enumerate(step.values()):
+        tensor.view(torch.uint8)[(5 * i) % tensor.numel()] ^= 1  # one byte per tensor
+    step["w5"] = -step["w5"]  # every element: dense, so its payload is applied instead
+    publisher.publish(step)
+    assert sorted(decoded) == ["odd", "w5"]
+    snapshot = publisher.snapshot
+    assert snapshot is not None
+    assert {n: snapshot.load(n).tobytes() for n in step} == {
+        n: raw_bytes(t) for n, t in step.items()
+    }
