@@ -68,11 +68,13 @@ class _DuplicateKey(Exception):
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     """``json`` object hook: refuse an object that names a key twice (json keeps the last)."""
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):  # rare: find the key named twice (a dict build is C-fast)
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return out
 
 

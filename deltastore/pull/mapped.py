@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import stat
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -25,6 +26,27 @@ from deltastore.pull.local import copy_verified
 from deltastore.storage.durable import fsync_path
 
 log = logging.getLogger("deltastore.pull")
+
+
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform == "linux" else None
+"""madvise option that maps a range's pages writable in one call (Linux ≥ 5.14)."""
+_populate = {"works": _POPULATE_WRITE is not None}
+
+
+def prefault(mm: mmap.mmap, start: int, end: int) -> None:
+    """Map bytes ``[start, end)`` of ``mm`` writable in one call, where the OS allows it.
+
+    A write into a shared map otherwise takes two page faults per 4 KiB page (read, then
+    write), about half the time of an in-place XOR. Only pages about to be written are
+    populated: a page made writable is dirty and is written back by the next msync.
+    """
+    if _POPULATE_WRITE is None or not _populate["works"] or end <= start:
+        return
+    begin = start - start % mmap.PAGESIZE
+    try:
+        mm.madvise(_POPULATE_WRITE, begin, end - begin)
+    except (OSError, ValueError):
+        _populate["works"] = False  # an older kernel: plain faults from now on
 
 
 def msync(mm: mmap.mmap, path: str) -> None:
@@ -59,8 +81,9 @@ class MappedFiles:
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}
         self._lock = threading.Lock()
 
-    def view(self, tensor: CheckpointTensor) -> ByteArray:
-        """A writable view of ``tensor``'s bytes in its file (the file is made private first)."""
+    def view(self, tensor: CheckpointTensor, *, writing: bool = False) -> ByteArray:
+        """A writable view of ``tensor``'s bytes in its file (the file is made private first);
+        ``writing``: every byte will be written now, so its pages are mapped writable first."""
         with self._lock:
             if tensor.file not in self._maps:
                 own_regular_file(tensor.file)
@@ -68,6 +91,8 @@ class MappedFiles:
                 fd = os.open(tensor.file, os.O_RDWR | os.O_NOFOLLOW)
                 self._maps[tensor.file] = (fd, mmap.mmap(fd, 0))
             mm = self._maps[tensor.file][1]
+        if writing:
+            prefault(mm, tensor.entry.start, tensor.entry.end)
         return np.frombuffer(
             mm, dtype=np.uint8, count=tensor.entry.nbytes, offset=tensor.entry.start
         )

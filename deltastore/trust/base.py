@@ -12,7 +12,9 @@ full hash of the base on the publisher per new stream, and on a host per seed fr
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import mmap
+from collections.abc import Sequence
 from typing import Any
 
 from deltastore.codecs import Checksum, get_checksum
@@ -21,18 +23,60 @@ from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.trust.manifest import BASE_DIGESTS_KEY
 
+_HASH_TASK_BYTES = 64 * 1024**2
+"""Tensor bytes one hashing task covers at most (a larger tensor is a task of its own)."""
+
 
 def hash_tensor(tensor: CheckpointTensor, checksum: Checksum) -> str:
     """Digest of a tensor's bytes in a checkpoint file, read through a read-only mmap (no
     copy of the tensor is held)."""
-    if tensor.entry.nbytes == 0:
-        return checksum.hexdigest(b"")
-    with open(tensor.file, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        view = memoryview(mm)[tensor.entry.start : tensor.entry.end]
-        try:
-            return checksum.hexdigest(view)
-        finally:
-            view.release()
+    return hash_tensors([tensor], checksum, workers=1)[0]
+
+
+def hash_tensors(
+    tensors: Sequence[CheckpointTensor], checksum: Checksum, *, workers: int = 4
+) -> list[str]:
+    """Digest of each tensor's bytes, in order, on ``workers`` threads.
+
+    Each file is mapped once (read-only; no copy of a tensor is held) and the tensors are
+    hashed in tasks of about 64 MB, so a model of thousands of small tensors costs a few maps
+    and a few dozen tasks, not one of each per tensor.
+    """
+    digests = [""] * len(tensors)
+    order = sorted(range(len(tensors)), key=lambda i: (tensors[i].file, tensors[i].entry.start))
+    tasks: list[list[int]] = [[]]
+    size = 0
+    for i in order:
+        if size >= _HASH_TASK_BYTES:
+            tasks.append([])
+            size = 0
+        tasks[-1].append(i)
+        size += tensors[i].entry.nbytes
+    with contextlib.ExitStack() as stack:
+        maps: dict[str, mmap.mmap] = {}
+        for tensor in tensors:
+            if tensor.file not in maps and tensor.entry.nbytes:
+                fh = stack.enter_context(open(tensor.file, "rb"))
+                maps[tensor.file] = stack.enter_context(
+                    mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                )
+
+        def run(task: list[int]) -> None:
+            for i in task:
+                entry = tensors[i].entry
+                if entry.nbytes == 0:
+                    digests[i] = checksum.hexdigest(b"")
+                    continue
+                with memoryview(maps[tensors[i].file])[entry.start : entry.end] as view:
+                    digests[i] = checksum.hexdigest(view)
+
+        if workers <= 1 or len(tasks) <= 1:
+            for task in tasks:
+                run(task)
+        else:
+            with cf.ThreadPoolExecutor(workers, thread_name_prefix="deltastore-hash") as pool:
+                list(pool.map(run, tasks))
+    return digests
 
 
 def base_digests_record(base_dir: str, checksum: str, *, workers: int = 4) -> dict[str, Any]:
@@ -40,8 +84,7 @@ def base_digests_record(base_dir: str, checksum: str, *, workers: int = 4) -> di
     algorithm = get_checksum(checksum)
     tensors = scan_checkpoint(base_dir)
     names = sorted(tensors)
-    with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-base") as pool:
-        digests = list(pool.map(lambda n: hash_tensor(tensors[n], algorithm), names))
+    digests = hash_tensors([tensors[n] for n in names], algorithm, workers=workers)
     return {"checksum": algorithm.name, "tensors": dict(zip(names, digests))}
 
 
@@ -82,8 +125,7 @@ def check_base(base_dir: str, first_delta: VersionIndex, *, workers: int = 4) ->
             "the model the trainer was seeded from as --base"
         )
     names = sorted(expected)
-    with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-base") as pool:
-        digests = list(pool.map(lambda n: hash_tensor(local[n], algorithm), names))
+    digests = hash_tensors([local[n] for n in names], algorithm, workers=workers)
     wrong = [n for n, d in zip(names, digests) if d != expected[n]]
     if wrong:
         raise IntegrityError(
@@ -94,4 +136,4 @@ def check_base(base_dir: str, first_delta: VersionIndex, *, workers: int = 4) ->
     return True
 
 
-__all__ = ["base_digests_record", "check_base", "hash_tensor"]
+__all__ = ["base_digests_record", "check_base", "hash_tensor", "hash_tensors"]
