@@ -243,7 +243,7 @@ class _PullRun:
         try:
             apply_chain(
                 self.checked.delta_store or self.store, plan.deltas, self.local, current,
-                workers=self.workers, stats=self.stats,
+                workers=self.workers, tensors=self.checked.local_tensors, stats=self.stats,
             )  # fmt: skip
         except PutBackError:
             raise  # the pending record stays: the next pull repairs

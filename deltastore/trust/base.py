@@ -103,12 +103,19 @@ def _parse(index: VersionIndex) -> tuple[str, dict[str, str]] | None:
     return checksum, tensors
 
 
-def check_base(base_dir: str, first_delta: VersionIndex, *, workers: int = 4) -> bool:
+def check_base(
+    base_dir: str,
+    first_delta: VersionIndex,
+    *,
+    workers: int = 4,
+    tensors: dict[str, CheckpointTensor] | None = None,
+) -> bool:
     """Refuse a base that is not the one the stream was published from.
 
     ``first_delta`` is the delta built on version 0 that a seed from the base applies first.
-    Returns False (nothing checked) when it carries no record (older publishers, reference
-    trainers). Raises :class:`IntegrityError` naming the first differing tensors, and
+    ``tensors`` is ``scan_checkpoint(base_dir)`` when the caller has it already. Returns False
+    (nothing checked) when it carries no record (older publishers, reference trainers).
+    Raises :class:`IntegrityError` naming the first differing tensors, and
     :class:`NameMismatchError` when the base lacks or adds tensors.
     """
     parsed = _parse(first_delta)
@@ -117,7 +124,7 @@ def check_base(base_dir: str, first_delta: VersionIndex, *, workers: int = 4) ->
     checksum, expected = parsed
     algorithm = get_checksum(checksum)
     where = f"base {base_dir} (checked against weight_v{first_delta.version:06d})"
-    local = scan_checkpoint(base_dir)
+    local = tensors if tensors is not None else scan_checkpoint(base_dir)
     if set(local) != set(expected):
         raise NameMismatchError(
             f"{where}: the base lacks {sorted(set(expected) - set(local))[:5]} and has "
