@@ -20,7 +20,7 @@ from deltastore.format.state import AppliedState, PendingTransition
 from deltastore.pull.apply import apply_chain
 from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain, resolve_onto
 from deltastore.pull.fanout import pull_in_group, resolve_group
-from deltastore.pull.full import check_full_complete, discard_staging, stage_full, swap_in
+from deltastore.pull.full import discard_staging, stage_full, swap_in
 from deltastore.pull.local import LocalCheckpoint, same_dir
 from deltastore.pull.recover import recover, trusted_state
 from deltastore.pull.repair import RepairSummary
@@ -206,11 +206,10 @@ class _PullRun:
             self.local.seed_from_base(self.base)
         else:
             log.info("%s: seeding from full version %d", self.local.dir, chain.start)
-            check_full_complete(self.store, chain.start_index, self._model())
             try:
                 staging = stage_full(
-                    self.store, chain.start_index, self.local, workers=self.workers,
-                    stats=self.stats,
+                    self.store, chain.start_index, self.local, model=self._model(),
+                    workers=self.workers, stats=self.stats,
                 )  # fmt: skip
                 self.checked.check_staged(staging, chain.start_index)
             except BaseException:
