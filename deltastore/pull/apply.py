@@ -87,6 +87,9 @@ class _ChainApplier:
         """
         written: list[_Written] = []
         nbytes = 0
+        # Every tensor of the run is written whole (unless one fails): its pages are made
+        # writable in a few calls instead of two page faults per page.
+        self.files.prepare_writes([self.local_tensors[tensors[i].name] for i in run])
         try:
             for i in run:
                 tensor = tensors[i]
@@ -109,7 +112,7 @@ class _ChainApplier:
     ) -> None:
         """Fold, apply, verify one tensor and record it in ``written`` before its bytes change;
         a tensor that does not verify is left (or put back) as it was, and raises."""
-        view = self.files.view(target, writing=True)
+        view = self.files.view(target)
         if applies_in_place(tensor.payloads):
             # XOR-like payloads go straight into the map (one pass instead of copy, apply,
             # copy back); a result that does not verify is put back by applying them again.

@@ -16,7 +16,7 @@ import os
 import stat
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -81,21 +81,34 @@ class MappedFiles:
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}
         self._lock = threading.Lock()
 
-    def view(self, tensor: CheckpointTensor, *, writing: bool = False) -> ByteArray:
-        """A writable view of ``tensor``'s bytes in its file (the file is made private first);
-        ``writing``: every byte will be written now, so its pages are mapped writable first."""
+    def _map(self, path: str) -> mmap.mmap:
         with self._lock:
-            if tensor.file not in self._maps:
-                own_regular_file(tensor.file)
+            if path not in self._maps:
+                own_regular_file(path)
                 # O_NOFOLLOW: never write through a link, even one that appeared since.
-                fd = os.open(tensor.file, os.O_RDWR | os.O_NOFOLLOW)
-                self._maps[tensor.file] = (fd, mmap.mmap(fd, 0))
-            mm = self._maps[tensor.file][1]
-        if writing:
-            prefault(mm, tensor.entry.start, tensor.entry.end)
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+                self._maps[path] = (fd, mmap.mmap(fd, 0))
+            return self._maps[path][1]
+
+    def view(self, tensor: CheckpointTensor) -> ByteArray:
+        """A writable view of ``tensor``'s bytes in its file (the file is made private first)."""
         return np.frombuffer(
-            mm, dtype=np.uint8, count=tensor.entry.nbytes, offset=tensor.entry.start
-        )
+            self._map(tensor.file), dtype=np.uint8, count=tensor.entry.nbytes,
+            offset=tensor.entry.start,
+        )  # fmt: skip
+
+    def prepare_writes(self, tensors: Sequence[CheckpointTensor]) -> None:
+        """Map the pages of ``tensors`` (about to be written whole) writable, one call per run
+        of adjacent tensors in a file (see :func:`prefault`)."""
+        runs: list[tuple[str, int, int]] = []
+        for tensor in sorted(tensors, key=lambda t: (t.file, t.entry.start)):
+            start, end = tensor.entry.start, tensor.entry.end
+            if runs and runs[-1][0] == tensor.file and start - runs[-1][2] < mmap.PAGESIZE:
+                runs[-1] = (tensor.file, runs[-1][1], max(end, runs[-1][2]))
+            else:
+                runs.append((tensor.file, start, end))
+        for path, start, end in runs:
+            prefault(self._map(path), start, end)
 
     def flush(self) -> None:
         """msync, then fsync, every mapped file: the data is durable before any state names it."""
