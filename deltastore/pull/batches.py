@@ -88,40 +88,33 @@ def plan_windows(
 def _window(tensors: list[TensorHistory], max_gap: int, window_bytes: int) -> Window:
     """The spans covering ``tensors``' payloads: one per run of payloads of a shard that lie
     within ``max_gap`` of each other (and span at most twice ``window_bytes``)."""
-    refs: list[tuple[int, str, int, int, int, int]] = []  # version, shard, start, end, i, j
-    for i, tensor in enumerate(tensors):
-        for j, p in enumerate(tensor.payloads):
-            refs.append((p.version, p.shard, p.start, p.end, i, j))
-    refs.sort()
-    spans: list[Span] = []
-    placed: dict[tuple[int, int], tuple[int, int, int]] = {}
-    members: list[tuple[int, int, int, int]] = []  # start, end, i, j of the open span
-
-    def close() -> None:
-        if not members:
-            return
-        begin, end = members[0][0], max(m[1] for m in members)
-        spans.append(Span(refs_version, refs_shard, begin, end))
-        for start, stop, i, j in members:
-            placed[i, j] = (len(spans) - 1, start - begin, stop - begin)
-        members.clear()
-
-    refs_version, refs_shard = -1, ""
-    span_end = 0
-    for version, shard, start, end, i, j in refs:
-        same_file = (version, shard) == (refs_version, refs_shard)
-        too_far = start - span_end > max_gap
-        too_long = members and end - members[0][0] > 2 * window_bytes
-        if not same_file or too_far or too_long:
-            close()
-            refs_version, refs_shard, span_end = version, shard, end
-        members.append((start, end, i, j))
-        span_end = max(span_end, end)
-    close()
-    where = tuple(
-        tuple(placed[i, j] for j in range(len(t.payloads))) for i, t in enumerate(tensors)
+    refs = sorted(
+        (p.version, p.shard, p.start, p.end, i, j)
+        for i, tensor in enumerate(tensors)
+        for j, p in enumerate(tensor.payloads)
     )
-    return Window(tuple(tensors), tuple(spans), where)
+    where: list[list[tuple[int, int, int]]] = [[(0, 0, 0)] * len(t.payloads) for t in tensors]
+    spans: list[Span] = []
+    first = 0  # index in refs of the open span's first payload
+    while first < len(refs):
+        version, shard, begin, end = refs[first][:4]
+        last = first + 1
+        while last < len(refs):
+            v, s, start, stop = refs[last][:4]
+            if (
+                v != version
+                or s != shard
+                or start - end > max_gap
+                or stop - begin > 2 * window_bytes
+            ):
+                break
+            end = max(end, stop)
+            last += 1
+        for _, _, start, stop, i, j in refs[first:last]:
+            where[i][j] = (len(spans), start - begin, stop - begin)
+        spans.append(Span(version, shard, begin, end))
+        first = last
+    return Window(tuple(tensors), tuple(spans), tuple(tuple(w) for w in where))
 
 
 def read_window(window: Window, read: Callable[[Span], bytes]) -> list[bytes]:
