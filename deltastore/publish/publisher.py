@@ -195,9 +195,8 @@ class DeltaPublisher:
         ``(name, tensor)`` pairs. Tensors not passed are taken as unchanged. A step where
         nothing changed is still a version. ``full=True`` (on any rank) publishes a complete
         HF checkpoint that resets the chain. Collective when ranks are: each rank passes its
-        own tensors. Raises (see the module docstring) :class:`PublishError` or
-        :class:`VersionConflictError` when nothing was committed, :class:`HookError` or
-        :class:`SnapshotError` when the version was (or may have been) committed.
+        own tensors. Raises :class:`PublishError` / :class:`VersionConflictError` (nothing
+        committed) or :class:`HookError` / :class:`SnapshotError` (committed, or may be).
         ``progress``: phases ``diff``, ``write`` (:mod:`.reporting`); raising commits nothing.
         """
         held, stream = self._seeded()

@@ -12,17 +12,19 @@ run starts from, at the version it ends at, or (a write torn by a crash) neither
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from deltastore.codecs import ByteArray
 from deltastore.errors import IntegrityError, PutBackError
 from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
-from deltastore.pull.fold import UndoRecord, applies_in_place, fold_apply, read_payloads
+from deltastore.pull.batches import Span, Window, plan_windows, read_window, tasks_of
+from deltastore.pull.fold import UndoRecord, applies_in_place, fold_apply
 from deltastore.pull.history import (
     TensorHistory,
     check_contiguous,
@@ -31,7 +33,7 @@ from deltastore.pull.history import (
 )
 from deltastore.pull.local import LocalCheckpoint
 from deltastore.pull.mapped import MappedFiles, mapped_files
-from deltastore.pull.stats import ApplyStats, run_pool
+from deltastore.pull.stats import ApplyStats
 from deltastore.storage import VersionStore
 
 log = logging.getLogger("deltastore.pull")
@@ -65,39 +67,70 @@ class _ChainApplier:
         self.written: list[_Written] = []
         self._lock = threading.Lock()
 
-    def apply_one(self, tensor: TensorHistory) -> None:
-        """Fold, apply, verify one tensor: a tensor that does not verify is left (or put back)
-        as it was."""
-        target = self.local_tensors[tensor.name]
-        frames = read_payloads(self.store, tensor.payloads, self.stats)
+    def nbytes(self, tensor: TensorHistory) -> int:
+        """Bytes of ``tensor`` in the local checkpoint."""
+        return self.local_tensors[tensor.name].entry.nbytes
+
+    def read_span(self, span: Span) -> bytes:
+        """One ranged read of a window (several payloads at once)."""
+        data = self.store.read_range(span.version, span.shard, span.start, span.end)
+        if self.stats is not None:
+            self.stats.add(bytes_read=len(data))
+        return data
+
+    def apply_run(
+        self, tensors: Sequence[TensorHistory], frames: Sequence[list[memoryview]], run: range
+    ) -> None:
+        """Apply the tensors ``run`` indexes (one pool task); each is verified before the next.
+
+        Every tensor written is recorded (for a put-back) even when a later one fails.
+        """
+        written: list[_Written] = []
+        nbytes = 0
+        # Every tensor of the run is written whole (unless one fails): its pages are made
+        # writable in a few calls instead of two page faults per page.
+        self.files.prepare_writes([self.local_tensors[tensors[i].name] for i in run])
+        try:
+            for i in run:
+                tensor = tensors[i]
+                target = self.local_tensors[tensor.name]
+                self._apply_one(tensor, target, frames[i], written)
+                nbytes += target.entry.nbytes
+        finally:
+            with self._lock:
+                self.written.extend(written)
+            if self.stats is not None:
+                payloads = sum(len(tensors[i].payloads) for i in run)
+                self.stats.add(tensors=len(written), payloads=payloads, bytes_written=nbytes)
+
+    def _apply_one(
+        self,
+        tensor: TensorHistory,
+        target: CheckpointTensor,
+        frames: list[memoryview],
+        written: list[_Written],
+    ) -> None:
+        """Fold, apply, verify one tensor and record it in ``written`` before its bytes change;
+        a tensor that does not verify is left (or put back) as it was, and raises."""
         view = self.files.view(target)
         if applies_in_place(tensor.payloads):
-            self._apply_in_place(tensor, target, view, frames)
+            # XOR-like payloads go straight into the map (one pass instead of copy, apply,
+            # copy back); a result that does not verify is put back by applying them again.
+            fold_apply(view, tensor.payloads, frames, tensor.name, in_place=True)
+            if not tensor.final.matches(view):
+                fold_apply(view, tensor.payloads[::-1], frames[::-1], tensor.name, in_place=True)
+                raise self._mismatch(tensor, "The tensor was put back as it was")
+            written.append(
+                _Written(target, tensor.name, UndoRecord(tuple(tensor.payloads), tuple(frames)))
+            )
             return
         result = fold_apply(view, tensor.payloads, frames, tensor.name)
         if not tensor.final.matches(result):
             raise self._mismatch(tensor, "Nothing of this tensor was written")
-        undo = UndoRecord.of(view, result, tensor.payloads, frames)
-        with self._lock:
-            self.written.append(_Written(target, tensor.name, undo))
+        written.append(
+            _Written(target, tensor.name, UndoRecord.of(view, result, tensor.payloads, frames))
+        )
         view[:] = result
-        if self.stats is not None:
-            self.stats.add(tensors=1, bytes_written=target.entry.nbytes)
-
-    def _apply_in_place(
-        self, tensor: TensorHistory, target: CheckpointTensor, view: ByteArray, frames: list[bytes]
-    ) -> None:
-        """XOR-like payloads go straight into the map (one pass instead of copy, apply, copy
-        back); a result that does not verify is put back by applying them again."""
-        fold_apply(view, tensor.payloads, frames, tensor.name, in_place=True)
-        if not tensor.final.matches(view):
-            fold_apply(view, tensor.payloads[::-1], frames[::-1], tensor.name, in_place=True)
-            raise self._mismatch(tensor, "The tensor was put back as it was")
-        with self._lock:
-            undo = UndoRecord(tuple(tensor.payloads), frames=tuple(frames))
-            self.written.append(_Written(target, tensor.name, undo))
-        if self.stats is not None:
-            self.stats.add(tensors=1, bytes_written=target.entry.nbytes)
 
     def _mismatch(self, tensor: TensorHistory, what_was_done: str) -> IntegrityError:
         first, final = tensor.payloads[0].version, tensor.payloads[-1].version
@@ -122,6 +155,44 @@ class _ChainApplier:
             ) from cause
         if self.written:
             log.warning("%s: put back %d tensors already written", self.last, len(self.written))
+
+
+def _run_windows(applier: _ChainApplier, windows: Sequence[Window], workers: int) -> None:
+    """Read each window (one request per span) and apply it in tasks on a thread pool.
+
+    The next window is read while the pool applies the current one; at most two windows are
+    in flight. After the first error no new task or read starts; it is re-raised once every
+    started task has finished (so the put-back sees every tensor written).
+    """
+    failed = threading.Event()
+    errors: list[BaseException] = []
+
+    def guarded(window: Window, frames: list[list[memoryview]], run: range) -> None:
+        if failed.is_set():
+            return
+        try:
+            applier.apply_run(window.tensors, frames, run)
+        except BaseException as exc:
+            failed.set()
+            errors.append(exc)
+
+    with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-apply") as pool:
+        in_flight: deque[list[cf.Future[None]]] = deque()
+        for window in windows:
+            if failed.is_set():
+                break
+            try:
+                frames = window.frames(read_window(window, applier.read_span))
+            except BaseException as exc:
+                failed.set()
+                errors.append(exc)
+                break
+            runs = tasks_of([applier.nbytes(t) for t in window.tensors])
+            in_flight.append([pool.submit(guarded, window, frames, run) for run in runs])
+            while len(in_flight) > 1:
+                cf.wait(in_flight.popleft())
+    if errors:
+        raise errors[0]
 
 
 def apply_chain(
@@ -156,7 +227,7 @@ def apply_chain(
     with mapped_files() as files:
         applier = _ChainApplier(store, files, local_tensors, applied_version, last, stats)
         try:
-            run_pool(sorted(history.values(), key=lambda t: t.name), applier.apply_one, workers)
+            _run_windows(applier, plan_windows(list(history.values())), workers)
         except BaseException as exc:
             applier.put_back(exc, local.dir)
             raise

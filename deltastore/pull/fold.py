@@ -31,7 +31,7 @@ def read_payloads(
 
 
 def decompress_payload(
-    payload: PayloadRef, encoding: Encoding, frame: bytes, nbytes: int, name: str
+    payload: PayloadRef, encoding: Encoding, frame: bytes | memoryview, nbytes: int, name: str
 ) -> bytes:
     """One payload's frame decompressed, its declared size checked before allocating."""
     return decompress(
@@ -45,7 +45,7 @@ def decompress_payload(
 def fold_apply(
     current: ByteArray,
     payloads: Sequence[PayloadRef],
-    frames: Sequence[bytes],
+    frames: Sequence[bytes | memoryview],
     name: str,
     *,
     in_place: bool = False,
@@ -127,7 +127,7 @@ class UndoRecord:
     """
 
     payloads: tuple[PayloadRef, ...]
-    frames: tuple[bytes, ...] | None = None
+    frames: tuple[bytes | memoryview, ...] | None = None
     positions: npt.NDArray[np.intp] | None = None
     values: ByteArray | None = None
 
@@ -137,7 +137,7 @@ class UndoRecord:
         before: ByteArray,
         after: ByteArray,
         payloads: Sequence[PayloadRef],
-        frames: Sequence[bytes],
+        frames: Sequence[bytes | memoryview],
     ) -> UndoRecord:
         """The cheapest record that restores ``before`` from ``after``."""
         if all(get_encoding(p.encoding).self_inverse for p in payloads):

@@ -28,22 +28,30 @@ _COPY_CHUNK = 16 * 1024**2
 
 
 def check_full_complete(
-    store: VersionStore, index: VersionIndex, model: dict[str, CheckpointTensor] | None
+    store: VersionStore,
+    index: VersionIndex,
+    model: dict[str, CheckpointTensor] | None,
+    staged: dict[str, CheckpointTensor] | None = None,
 ) -> None:
     """Refuse a full version whose tensor names or sizes differ from the model's.
 
     ``model`` is the base's (or, without a base, the local checkpoint's) tensors; None skips
-    the check. Reads shard headers only. Raises :class:`NameMismatchError` naming what differs.
+    the check. ``staged`` is the version's tensors as downloaded (their local headers);
+    without it the shard headers are read from the store (ranged reads, no data). Raises
+    :class:`NameMismatchError` naming what differs.
     """
     if model is None:
         return
     sizes: dict[str, int] = {}
+    if staged is not None:
+        sizes = {name: tensor.entry.nbytes for name, tensor in staged.items()}
+    else:
 
-    def read(shard: str) -> None:  # shard headers are read concurrently: a round trip each
-        header = store.read_shard_header(index.version, shard)
-        sizes.update({name: entry.nbytes for name, entry in header.tensors.items()})
+        def read(shard: str) -> None:  # shard headers are read concurrently: a round trip each
+            header = store.read_shard_header(index.version, shard)
+            sizes.update({name: entry.nbytes for name, entry in header.tensors.items()})
 
-    run_pool(list(index.shards()), read, 8, name="deltastore-headers")
+        run_pool(list(index.shards()), read, 8, name="deltastore-headers")
     missing = sorted(set(model) - set(sizes))
     extra = sorted(set(sizes) - set(model))
     resized = sorted(n for n in set(model) & set(sizes) if model[n].entry.nbytes != sizes[n])
@@ -89,10 +97,16 @@ def stage_full(
     index: VersionIndex,
     local: LocalCheckpoint,
     *,
+    model: dict[str, CheckpointTensor] | None = None,
     workers: int = 4,
     stats: ApplyStats | None = None,
 ) -> str:
     """Download a full version into the staging dir and verify every tensor; returns the dir.
+
+    With ``model``, the staged shards' headers are checked against it
+    (:func:`check_full_complete`) before their tensors are: no request is spent on remote
+    headers, and a mismatch still raises before anything local changes (only the staging dir
+    was written).
 
     Tensors are checked against the digests in the shard metadata when the publisher recorded
     them (deltastore always does); a foreign full version without digests is checked by
@@ -117,6 +131,7 @@ def stage_full(
     # An ordinary HF index so the engine's loader finds the shards.
     atomic_replace(os.path.join(staging, INDEX_NAME), index.to_json())
     staged = scan_checkpoint(staging)
+    check_full_complete(store, index, model, staged)
     for shard in shards:
         names = {n for n, t in staged.items() if os.path.basename(t.file) == shard}
         check_shard_names(index, shard, names, source=f"{store.url}/{where}/{shard}")

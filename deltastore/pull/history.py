@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +20,8 @@ from deltastore.format.names import version_dir_name
 from deltastore.format.payload import PayloadRef
 from deltastore.format.safetensors_io import SafetensorsHeader
 from deltastore.storage import VersionStore
+
+_LOWER_HEX = re.compile("[0-9a-f]*")
 
 
 @dataclass
@@ -64,7 +67,7 @@ def check_digest(checksum: Checksum, digest: object, *, name: str, where: str) -
     if (
         not isinstance(digest, str)
         or len(digest) != checksum.hex_length
-        or not all(c in "0123456789abcdef" for c in digest)
+        or _LOWER_HEX.fullmatch(digest) is None
     ):
         raise FormatError(
             f"{where}: tensor {name!r} has no valid {checksum.name} digest in its shard metadata"

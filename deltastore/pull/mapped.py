@@ -14,8 +14,9 @@ import logging
 import mmap
 import os
 import stat
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -25,6 +26,27 @@ from deltastore.pull.local import copy_verified
 from deltastore.storage.durable import fsync_path
 
 log = logging.getLogger("deltastore.pull")
+
+
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform == "linux" else None
+"""madvise option that maps a range's pages writable in one call (Linux ≥ 5.14)."""
+_populate = {"works": _POPULATE_WRITE is not None}
+
+
+def prefault(mm: mmap.mmap, start: int, end: int) -> None:
+    """Map bytes ``[start, end)`` of ``mm`` writable in one call, where the OS allows it.
+
+    A write into a shared map otherwise takes two page faults per 4 KiB page (read, then
+    write), about half the time of an in-place XOR. Only pages about to be written are
+    populated: a page made writable is dirty and is written back by the next msync.
+    """
+    if _POPULATE_WRITE is None or not _populate["works"] or end <= start:
+        return
+    begin = start - start % mmap.PAGESIZE
+    try:
+        mm.madvise(_POPULATE_WRITE, begin, end - begin)
+    except (OSError, ValueError):
+        _populate["works"] = False  # an older kernel: plain faults from now on
 
 
 def msync(mm: mmap.mmap, path: str) -> None:
@@ -59,18 +81,34 @@ class MappedFiles:
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}
         self._lock = threading.Lock()
 
+    def _map(self, path: str) -> mmap.mmap:
+        with self._lock:
+            if path not in self._maps:
+                own_regular_file(path)
+                # O_NOFOLLOW: never write through a link, even one that appeared since.
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+                self._maps[path] = (fd, mmap.mmap(fd, 0))
+            return self._maps[path][1]
+
     def view(self, tensor: CheckpointTensor) -> ByteArray:
         """A writable view of ``tensor``'s bytes in its file (the file is made private first)."""
-        with self._lock:
-            if tensor.file not in self._maps:
-                own_regular_file(tensor.file)
-                # O_NOFOLLOW: never write through a link, even one that appeared since.
-                fd = os.open(tensor.file, os.O_RDWR | os.O_NOFOLLOW)
-                self._maps[tensor.file] = (fd, mmap.mmap(fd, 0))
-            mm = self._maps[tensor.file][1]
         return np.frombuffer(
-            mm, dtype=np.uint8, count=tensor.entry.nbytes, offset=tensor.entry.start
-        )
+            self._map(tensor.file), dtype=np.uint8, count=tensor.entry.nbytes,
+            offset=tensor.entry.start,
+        )  # fmt: skip
+
+    def prepare_writes(self, tensors: Sequence[CheckpointTensor]) -> None:
+        """Map the pages of ``tensors`` (about to be written whole) writable, one call per run
+        of adjacent tensors in a file (see :func:`prefault`)."""
+        runs: list[tuple[str, int, int]] = []
+        for tensor in sorted(tensors, key=lambda t: (t.file, t.entry.start)):
+            start, end = tensor.entry.start, tensor.entry.end
+            if runs and runs[-1][0] == tensor.file and start - runs[-1][2] < mmap.PAGESIZE:
+                runs[-1] = (tensor.file, runs[-1][1], max(end, runs[-1][2]))
+            else:
+                runs.append((tensor.file, start, end))
+        for path, start, end in runs:
+            prefault(self._map(path), start, end)
 
     def flush(self) -> None:
         """msync, then fsync, every mapped file: the data is durable before any state names it."""

@@ -21,7 +21,7 @@ from deltastore.progress import ProgressCallback
 from deltastore.pull.apply import apply_chain
 from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain, resolve_onto
 from deltastore.pull.fanout import pull_in_group, resolve_group
-from deltastore.pull.full import check_full_complete, discard_staging, stage_full, swap_in
+from deltastore.pull.full import discard_staging, stage_full, swap_in
 from deltastore.pull.local import LocalCheckpoint, same_dir
 from deltastore.pull.recover import recover, trusted_state
 from deltastore.pull.repair import RepairSummary
@@ -215,12 +215,11 @@ class _PullRun:
             self.local.seed_from_base(self.base, self.stats.progress)
         else:
             log.info("%s: seeding from full version %d", self.local.dir, chain.start)
-            check_full_complete(self.store, chain.start_index, self._model())
             self.stats.report("download", chain.start_index.totals.get("wire_bytes"))
             try:
                 staging = stage_full(
-                    self.store, chain.start_index, self.local, workers=self.workers,
-                    stats=self.stats,
+                    self.store, chain.start_index, self.local, model=self._model(),
+                    workers=self.workers, stats=self.stats,
                 )  # fmt: skip
                 self.checked.check_staged(staging, chain.start_index)
                 self.stats.end_report()
@@ -254,7 +253,7 @@ class _PullRun:
         try:
             apply_chain(
                 self.checked.delta_store or self.store, plan.deltas, self.local, current,
-                workers=self.workers, stats=self.stats,
+                workers=self.workers, tensors=self.checked.local_tensors, stats=self.stats,
             )  # fmt: skip
         except PutBackError:
             raise  # the pending record stays: the next pull repairs

@@ -19,6 +19,7 @@ import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
 from deltastore.pull.chain import Chain, Plan
@@ -43,6 +44,9 @@ class CheckedPlan:
     records: dict[int, SignatureRecord] = field(default_factory=dict)
     delta_store: VersionStore | None = None
     """Read the deltas from here instead of the remote store (None: read the store)."""
+    local_tensors: dict[str, CheckpointTensor] | None = None
+    """The local checkpoint's tensors as scanned for the base check of a catch-up (None: not
+    scanned); the apply reuses them instead of parsing the headers again."""
 
     def check_staged(self, staging: str, index: VersionIndex) -> None:
         """Refuse a staged full version whose files are not the signed bytes (no-op unsigned)."""
@@ -117,9 +121,12 @@ def preflight(
                 checked.delta_store = stage_deltas(store, plan.deltas, checked.records, staging)
         first = plan.deltas[0] if plan.deltas else None
         if first is not None and first.base_version == 0:
-            seed_dir = base if plan.action == "reseed" else local.dir
-            if seed_dir is not None:
-                check_base(seed_dir, first, workers=workers)
+            if plan.action == "reseed":
+                if base is not None:
+                    check_base(base, first, workers=workers)
+            else:
+                checked.local_tensors = scan_checkpoint(local.dir)
+                check_base(local.dir, first, workers=workers, tensors=checked.local_tensors)
         yield checked
     finally:
         shutil.rmtree(staging, ignore_errors=True)

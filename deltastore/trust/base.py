@@ -12,7 +12,10 @@ full hash of the base on the publisher per new stream, and on a host per seed fr
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import mmap
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from deltastore.codecs import Checksum, get_checksum
@@ -21,18 +24,74 @@ from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.trust.manifest import BASE_DIGESTS_KEY
 
+_HASH_TASK_BYTES = 64 * 1024**2
+"""Tensor bytes one hashing task covers at most (a larger tensor is a task of its own)."""
+
+
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22) if sys.platform == "linux" else None
+"""madvise option that maps a range's pages readable in one call (Linux ≥ 5.14)."""
+
+
+def _populate_read(mm: mmap.mmap) -> None:
+    """Map every page of ``mm`` in one call where the OS allows it: hashing a whole file
+    through a map otherwise takes a page fault per 4 KiB page."""
+    if _POPULATE_READ is None:
+        return
+    with contextlib.suppress(OSError, ValueError):  # an older kernel: plain faults
+        mm.madvise(_POPULATE_READ)
+
 
 def hash_tensor(tensor: CheckpointTensor, checksum: Checksum) -> str:
     """Digest of a tensor's bytes in a checkpoint file, read through a read-only mmap (no
     copy of the tensor is held)."""
-    if tensor.entry.nbytes == 0:
-        return checksum.hexdigest(b"")
-    with open(tensor.file, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        view = memoryview(mm)[tensor.entry.start : tensor.entry.end]
-        try:
-            return checksum.hexdigest(view)
-        finally:
-            view.release()
+    return hash_tensors([tensor], checksum, workers=1)[0]
+
+
+def hash_tensors(
+    tensors: Sequence[CheckpointTensor], checksum: Checksum, *, workers: int = 4
+) -> list[str]:
+    """Digest of each tensor's bytes, in order, on ``workers`` threads.
+
+    Each file is mapped once (read-only; no copy of a tensor is held) and the tensors are
+    hashed in tasks of about 64 MB, so a model of thousands of small tensors costs a few maps
+    and a few dozen tasks, not one of each per tensor.
+    """
+    digests = [""] * len(tensors)
+    order = sorted(range(len(tensors)), key=lambda i: (tensors[i].file, tensors[i].entry.start))
+    tasks: list[list[int]] = [[]]
+    size = 0
+    for i in order:
+        if size >= _HASH_TASK_BYTES:
+            tasks.append([])
+            size = 0
+        tasks[-1].append(i)
+        size += tensors[i].entry.nbytes
+    with contextlib.ExitStack() as stack:
+        maps: dict[str, mmap.mmap] = {}
+        for tensor in tensors:
+            if tensor.file not in maps and tensor.entry.nbytes:
+                fh = stack.enter_context(open(tensor.file, "rb"))
+                maps[tensor.file] = stack.enter_context(
+                    mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                )
+                _populate_read(maps[tensor.file])
+
+        def run(task: list[int]) -> None:
+            for i in task:
+                entry = tensors[i].entry
+                if entry.nbytes == 0:
+                    digests[i] = checksum.hexdigest(b"")
+                    continue
+                with memoryview(maps[tensors[i].file])[entry.start : entry.end] as view:
+                    digests[i] = checksum.hexdigest(view)
+
+        if workers <= 1 or len(tasks) <= 1:
+            for task in tasks:
+                run(task)
+        else:
+            with cf.ThreadPoolExecutor(workers, thread_name_prefix="deltastore-hash") as pool:
+                list(pool.map(run, tasks))
+    return digests
 
 
 def base_digests_record(base_dir: str, checksum: str, *, workers: int = 4) -> dict[str, Any]:
@@ -40,8 +99,7 @@ def base_digests_record(base_dir: str, checksum: str, *, workers: int = 4) -> di
     algorithm = get_checksum(checksum)
     tensors = scan_checkpoint(base_dir)
     names = sorted(tensors)
-    with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-base") as pool:
-        digests = list(pool.map(lambda n: hash_tensor(tensors[n], algorithm), names))
+    digests = hash_tensors([tensors[n] for n in names], algorithm, workers=workers)
     return {"checksum": algorithm.name, "tensors": dict(zip(names, digests))}
 
 
@@ -60,12 +118,19 @@ def _parse(index: VersionIndex) -> tuple[str, dict[str, str]] | None:
     return checksum, tensors
 
 
-def check_base(base_dir: str, first_delta: VersionIndex, *, workers: int = 4) -> bool:
+def check_base(
+    base_dir: str,
+    first_delta: VersionIndex,
+    *,
+    workers: int = 4,
+    tensors: dict[str, CheckpointTensor] | None = None,
+) -> bool:
     """Refuse a base that is not the one the stream was published from.
 
     ``first_delta`` is the delta built on version 0 that a seed from the base applies first.
-    Returns False (nothing checked) when it carries no record (older publishers, reference
-    trainers). Raises :class:`IntegrityError` naming the first differing tensors, and
+    ``tensors`` is ``scan_checkpoint(base_dir)`` when the caller has it already. Returns False
+    (nothing checked) when it carries no record (older publishers, reference trainers).
+    Raises :class:`IntegrityError` naming the first differing tensors, and
     :class:`NameMismatchError` when the base lacks or adds tensors.
     """
     parsed = _parse(first_delta)
@@ -74,7 +139,7 @@ def check_base(base_dir: str, first_delta: VersionIndex, *, workers: int = 4) ->
     checksum, expected = parsed
     algorithm = get_checksum(checksum)
     where = f"base {base_dir} (checked against weight_v{first_delta.version:06d})"
-    local = scan_checkpoint(base_dir)
+    local = tensors if tensors is not None else scan_checkpoint(base_dir)
     if set(local) != set(expected):
         raise NameMismatchError(
             f"{where}: the base lacks {sorted(set(expected) - set(local))[:5]} and has "
@@ -82,8 +147,7 @@ def check_base(base_dir: str, first_delta: VersionIndex, *, workers: int = 4) ->
             "the model the trainer was seeded from as --base"
         )
     names = sorted(expected)
-    with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-base") as pool:
-        digests = list(pool.map(lambda n: hash_tensor(local[n], algorithm), names))
+    digests = hash_tensors([local[n] for n in names], algorithm, workers=workers)
     wrong = [n for n, d in zip(names, digests) if d != expected[n]]
     if wrong:
         raise IntegrityError(
@@ -94,4 +158,4 @@ def check_base(base_dir: str, first_delta: VersionIndex, *, workers: int = 4) ->
     return True
 
 
-__all__ = ["base_digests_record", "check_base", "hash_tensor"]
+__all__ = ["base_digests_record", "check_base", "hash_tensor", "hash_tensors"]

@@ -11,6 +11,7 @@ import pytest
 from deltastore import DeltaPublisher, DeltastoreError, VersionStore, pull_weights, verify_local
 from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.pull import LocalCheckpoint
+from deltastore.pull.history import collect_history
 from tests.engine.helpers import (
     evolve,
     local_bytes,
@@ -108,6 +109,55 @@ def test_failed_catch_up_puts_every_tensor_back(
     assert state is not None and state.version == 2
     assert checkpoint.read_pending() is None
     assert local_bytes(host) == state_bytes(published.states[2])
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+def test_a_failure_in_one_task_puts_back_the_tensors_of_every_window_and_task(
+    encoding: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # Windows of a few payloads and tasks of a few tensors, on 4 threads: the tensors written
+    # before the failure, by its own task, other tasks and other windows, are put back.
+    import deltastore.pull.apply as apply_module
+    from deltastore.pull import batches
+
+    def three_windows(tensors: list) -> list:
+        wire = sum(p.size for tensor in tensors for p in tensor.payloads)
+        return batches.plan_windows(tensors, window_bytes=wire // 3 + 1)
+
+    monkeypatch.setattr(apply_module, "plan_windows", three_windows)
+    monkeypatch.setattr(
+        apply_module,
+        "tasks_of",
+        lambda sizes: [range(i, min(i + 3, len(sizes))) for i in range(0, len(sizes), 3)],
+    )
+    base = many_tensors(60, seed=43, elements=512)
+    write_checkpoint(tmp_path / "base", base)
+    published = publish_versions(
+        tmp_path / "store", tmp_path / "base", base, 3, encoding=encoding, seed=44, fraction=0.9
+    )
+    host = tmp_path / "host"
+    pull_weights(host, published.store_dir, 1, published.base_dir)
+    store = VersionStore(str(published.store_dir))
+    index = store.index(3)
+    # The victim is applied in its task after another tensor of that task (written by then).
+    windows = three_windows(list(collect_history(store, [store.index(2), index]).values()))
+    victim = next(
+        tensor.name
+        for tensor in windows[1].tensors[1::3]
+        if tensor.payloads[-1].version == 3 and tensor.name in index.weight_map
+    )
+    shard = Path(store.file_path(3, index.weight_map[victim]))
+    entry = store.read_shard_header(3, index.weight_map[victim]).tensors[victim]
+    data = bytearray(shard.read_bytes())
+    for at in range(entry.start + 8, entry.end):
+        data[at] ^= 0x5A
+    shard.write_bytes(bytes(data))
+
+    with pytest.raises(DeltastoreError, match=victim.replace(".", r"\.")):
+        pull_weights(host, published.store_dir, 3, published.base_dir, workers=4)
+
+    assert LocalCheckpoint(host).read_state().version == 1
+    assert local_bytes(host) == state_bytes(published.states[1])
 
 
 def test_reseeds_from_full_version_when_off_the_chain(tmp_path: Path):

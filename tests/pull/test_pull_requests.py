@@ -15,7 +15,7 @@ import torch
 
 import deltastore as ds
 from deltastore.testing.faults import FaultProxy
-from tests.conftest import checkpoint_bytes, perturb, raw_bytes
+from tests.conftest import checkpoint_bytes, make_checkpoint, perturb, raw_bytes
 
 LAST = 40
 
@@ -70,3 +70,33 @@ def test_catch_up_costs_the_versions_applied_not_the_chain(
         counts[at] = _counted_pull(host, base_dir, s3_server, s3_url, at + 3)
         assert checkpoint_bytes(host) == long_chain[at + 3]
     assert counts[2] == counts[LAST - 3], counts
+
+
+def _many_tensor_step(tmp_path: Path, s3_server, s3_url: str, count: int) -> tuple[Path, dict]:
+    """A model of ``count`` tensors published to S3 (seed, then one step changing every
+    tensor); returns the base and the bytes at v1."""
+    generator = torch.Generator().manual_seed(count)
+    model = {f"experts.{i:04d}.weight": torch.randn(256, generator=generator) for i in range(count)}
+    base = make_checkpoint(tmp_path / f"base{count}", model)
+    url = f"{s3_url}/many{count}"
+    publisher = ds.DeltaPublisher(url, base, storage_options=s3_server.storage_options)
+    publisher.seed()
+    step = {n: t + 1.0 for n, t in model.items()}
+    publisher.publish(step.items())
+    return base, {n: raw_bytes(t) for n, t in step.items()}
+
+
+def test_one_step_pull_requests_do_not_grow_with_the_tensor_count(
+    tmp_path: Path, s3_server, s3_url
+) -> None:
+    # Payloads are read a window at a time (one ranged read per run of nearby payloads), not
+    # one request per changed tensor: 16 and 400 changed tensors cost the same requests.
+    counts = {}
+    for count in (16, 400):
+        base, expected = _many_tensor_step(tmp_path, s3_server, s3_url, count)
+        host = tmp_path / f"host{count}"
+        url = f"{s3_url}/many{count}"
+        ds.pull_weights(host, url, 0, base, storage_options=s3_server.storage_options)
+        counts[count] = _counted_pull(host, base, s3_server, url, 1)
+        assert checkpoint_bytes(host) == expected
+    assert counts[16] == counts[400], counts
