@@ -62,8 +62,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--encodings",
-        default="xor,sparse-v1,auto",
-        help="comma-separated encodings to measure (default xor,sparse-v1,auto)",
+        default="xor,sparse-v2,auto",
+        help="comma-separated encodings to measure (default xor,sparse-v2,auto)",
     )
     p.add_argument(
         "--encoding",

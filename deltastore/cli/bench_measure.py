@@ -74,6 +74,7 @@ class Bench:
                     snapshot[name] = host_bytes(name, fh.get_tensor(name)).copy()
         shard = os.path.join(self.workdir, "reference-delta.safetensors")
         news = [(n, host_bytes(n, t)) for n, t in self.after.items()]
+        settle()
         begun = time.perf_counter()
         wire, phases = reference_publish(snapshot, news, shard, self.workers)
         publish_s = time.perf_counter() - begun
@@ -81,6 +82,7 @@ class Bench:
         (base_file,) = self.base_files()[:1]
         host_file = os.path.join(self.workdir, "reference-host.safetensors")
         shutil.copyfile(base_file, host_file)
+        settle()
         begun = time.perf_counter()
         pulled = reference_pull(shard, host_file, self.workers)
         pull_s = time.perf_counter() - begun
@@ -103,10 +105,12 @@ class Bench:
         shutil.rmtree(host, ignore_errors=True)
         pull_weights(host, store, 0, base_dir=self.base_dir)
         publisher.pop_metrics()
+        settle()
         begun = time.perf_counter()
         result = publisher.publish(self.after.items())
         publish_s = time.perf_counter() - begun
         metrics = publisher.pop_metrics()
+        settle()
         begun = time.perf_counter()
         pull_weights(host, store, result.version, base_dir=self.base_dir)
         pull_s = time.perf_counter() - begun
@@ -118,6 +122,7 @@ class Bench:
 
     def measure_full_copy(self) -> None:
         """Copy every base file (what shipping the whole checkpoint costs), fsynced."""
+        settle()
         begun = time.perf_counter()
         total = 0
         for source in self.base_files():
@@ -130,6 +135,12 @@ class Bench:
         path = self.paths.setdefault("full", Path())
         path.wire_bytes = total
         path.keep(seconds, seconds, {})
+
+
+def settle() -> None:
+    """Flush dirty pages before a timed section, so no path pays for the previous one's writes."""
+    if hasattr(os, "sync"):
+        os.sync()
 
 
 def run_all(bench: Bench, encodings: list[str], repeat: int, advance: Callable[[], None]) -> None:

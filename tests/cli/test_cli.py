@@ -222,7 +222,7 @@ def _bench_json(*args: str) -> dict:  # type: ignore[type-arg]
 
 def test_bench_json_has_paths_phases_and_targets() -> None:
     result = _bench_json("--density", "0.01")
-    assert set(result["paths"]) == {"reference", "xor", "sparse-v1", "auto"}
+    assert set(result["paths"]) == {"reference", "xor", "sparse-v2", "auto"}
     for row in result["paths"].values():
         assert row["wire_bytes"] > 0 and row["publish_s"] > 0 and row["pull_s"] > 0
         assert {"wire_pct_of_full", "publish_vs_reference", "pull_vs_full_copy"} <= set(row)
