@@ -103,7 +103,7 @@ class Bench:
         publisher.seed()
         host = os.path.join(self.workdir, f"host-{encoding}")
         shutil.rmtree(host, ignore_errors=True)
-        pull_weights(host, store, 0, base_dir=self.base_dir)
+        pull_weights(host, store, 0, base_dir=self.base_dir, workers=self.workers)
         publisher.pop_metrics()
         settle()
         begun = time.perf_counter()
@@ -112,7 +112,7 @@ class Bench:
         metrics = publisher.pop_metrics()
         settle()
         begun = time.perf_counter()
-        pull_weights(host, store, result.version, base_dir=self.base_dir)
+        pull_weights(host, store, result.version, base_dir=self.base_dir, workers=self.workers)
         pull_s = time.perf_counter() - begun
         path = self.paths.setdefault(encoding, Path())
         path.wire_bytes = result.wire_bytes
