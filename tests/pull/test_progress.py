@@ -4,6 +4,7 @@ verifiably at the version it held."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 import deltastore as ds
+import deltastore.pull.apply as apply_module
+from deltastore.pull import batches
 from tests.conftest import checkpoint_bytes, make_checkpoint, perturb, raw_bytes, small_tensors
 from tests.progress_check import Recorder, report_every_step
 
@@ -64,7 +67,9 @@ def test_first_pull_reports_the_base_copy_then_the_deltas(chain, tmp_path: Path)
     assert progress.phases() == ["seed", "apply"]
     assert totals["seed"] == _file_bytes(base)
     assert totals["apply"] == result.bytes_read > 0
-    assert len(progress.of("apply")) > 3  # tensor by tensor
+    # Payloads are read in windows of up to ~32 MB (one here): a start at 0, then a report
+    # per window read, then the end.
+    assert len(progress.of("apply")) >= 3
     _at(host, store, base, states[2], 2)
 
 
@@ -111,15 +116,21 @@ def test_verify_reports_the_bytes_hashed(chain, tmp_path: Path) -> None:
     assert progress.phases() == ["verify"]
 
 
-def test_a_callback_raising_mid_apply_leaves_the_host_at_its_version(chain, tmp_path: Path) -> None:
+def test_a_callback_raising_mid_apply_leaves_the_host_at_its_version(
+    chain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store, base, states = chain
     host = tmp_path / "host"
     ds.pull_weights(host, store, 1, base_dir=base)
+    # One payload per read window, so the apply reports after each tensor's read and the raise
+    # lands while earlier windows are applied.
+    one_each = functools.partial(batches.plan_windows, window_bytes=1, max_gap=0)
+    monkeypatch.setattr(apply_module, "plan_windows", one_each)
     seen = []
 
     def second_tensor(call) -> bool:
         seen.append(call)
-        return call[0] == "apply" and len(seen) >= 3  # after the first tensor was written
+        return call[0] == "apply" and len(seen) >= 3  # after the first window was read
 
     with pytest.raises(RuntimeError, match="progress callback gave up"):
         ds.pull_weights(host, store, 2, base_dir=base, workers=1, progress=Recorder(second_tensor))
