@@ -64,8 +64,9 @@ class NameMismatchError(ApplyError):
 
 
 class PutBackError(ApplyError):
-    """A failed apply could not put back the tensors it had written: the checkpoint is dirty
-    (its pending record stays, and the next pull repairs it)."""
+    """A failed apply could not put back the tensors it had written, or a finished apply could
+    not be flushed: the checkpoint is dirty (its pending record stays, and the next pull
+    repairs it)."""
 
 
 class GroupPullError(ApplyError):

@@ -212,8 +212,8 @@ def apply_chain(
     changed tensor's result is checked against the digest of the last delta that changes it;
     on any failure the tensors already written are put back (and flushed), so the checkpoint
     still holds ``applied_version`` when the error is raised (:class:`PutBackError` when the
-    put-back itself fails). The data is flushed (msync + fsync) before returning; the caller
-    records the state.
+    put-back itself fails). The data is flushed (msync + fsync) before returning, and a flush
+    that fails raises :class:`PutBackError` too; the caller records the state.
     """
     if not deltas:
         return
@@ -231,7 +231,14 @@ def apply_chain(
         except BaseException as exc:
             applier.put_back(exc, local.dir)
             raise
-        files.flush()
+        try:
+            files.flush()
+        except BaseException as exc:
+            # Every tensor is written but maybe not durable: neither version can be named.
+            raise PutBackError(
+                f"the tensors of {last} were applied in {local.dir} but could not be flushed "
+                f"({exc}); its pending record stays and the next pull repairs it"
+            ) from exc
     if stats is not None:
         stats.versions.extend(d.version for d in deltas)
 

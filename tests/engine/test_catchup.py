@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from deltastore import DeltaPublisher, DeltastoreError, VersionStore, pull_weights, verify_local
+from deltastore.errors import PutBackError
 from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.pull import LocalCheckpoint
 from deltastore.pull.history import collect_history
+from deltastore.pull.mapped import MappedFiles
 from tests.engine.helpers import (
     evolve,
     local_bytes,
@@ -178,3 +180,28 @@ def test_reseeds_from_full_version_when_off_the_chain(tmp_path: Path):
     assert local_bytes(host) == state_bytes(published.states[9])
     # The engine loads the local dir as an ordinary HF checkpoint.
     assert set(scan_checkpoint(str(host))) == set(base)
+
+
+def test_a_flush_that_fails_after_the_apply_names_no_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every tensor is written when the flush fails, so the state must not name the old
+    version (nor the new one): the pending record stays and the next pull repairs."""
+    base = many_tensors(12, seed=51, elements=1024)
+    write_checkpoint(tmp_path / "base", base)
+    published = publish_versions(tmp_path / "store", tmp_path / "base", base, 3, seed=52)
+    host = tmp_path / "host"
+    pull_weights(host, published.store_dir, 1, published.base_dir)
+
+    def failing_flush(self: MappedFiles) -> None:
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MappedFiles, "flush", failing_flush)
+        with pytest.raises(PutBackError, match="could not be flushed"):
+            pull_weights(host, published.store_dir, 3, published.base_dir)
+    checkpoint = LocalCheckpoint(host)
+    assert checkpoint.read_pending() is not None
+    pull_weights(host, published.store_dir, 3, published.base_dir)
+    assert checkpoint.read_state().version == 3
+    assert local_bytes(host) == state_bytes(published.states[3])
