@@ -65,6 +65,8 @@ class Encoding(ABC):
       payload of this encoding, applied once.
     * ``exact_payload_size``: a decompressed payload always has exactly the tensor's byte
       size (so a frame declaring any other size is refused before it is decompressed).
+    * ``reference_format``: reference readers know the encoding, so its delta shards keep
+      their layout (one entry per tensor); shards of any other encoding are packed.
     """
 
     name: ClassVar[str]
@@ -76,6 +78,8 @@ class Encoding(ABC):
     """True when :meth:`fold` can combine consecutive payloads into one."""
     exact_payload_size: ClassVar[bool] = False
     """True when every decompressed payload is exactly the tensor's byte size."""
+    reference_format: ClassVar[bool] = False
+    """True for the reference's own encodings, whose shards reference readers must read."""
 
     def check_size(self, nbytes: int, *, tensor: str) -> None:  # noqa: B027 - optional hook
         """Raise :class:`ConfigError` if this encoding cannot represent a tensor of this size."""

@@ -24,6 +24,7 @@ class XorEncoding(Encoding):
     self_inverse = True
     foldable = True
     exact_payload_size = True
+    reference_format = True
 
     def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
         delta = np.bitwise_xor(old, new)
@@ -57,6 +58,7 @@ class OverwriteEncoding(Encoding):
 
     name = "overwrite"
     idempotent = True
+    reference_format = True
 
     def check_size(self, nbytes: int, *, tensor: str) -> None:
         # u32 positions address bytes 0..2**32-1, and the u32 count must hold the number of

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 from deltastore.codecs import ByteArray, Checksum, Encoding
+from deltastore.format.packed import build_packed_header
 from deltastore.format.safetensors_io import TensorLayout, build_header
 from deltastore.progress import ProgressMeter
 from deltastore.publish.messages import Placement, ShardJob
@@ -72,10 +73,17 @@ class ShardWriter:
         return entries, wire, facts
 
     def write_delta(self, job: ShardJob) -> tuple[dict[str, Placement], int, ShardFact]:
-        """One delta shard: every tensor's compressed payload as a ``U8`` entry."""
+        """One delta shard: every tensor's compressed payload as a ``U8`` entry, or, for an
+        encoding reference readers do not know, all of them under one packed entry."""
         encoded = self.encoded
-        layouts = [TensorLayout(n, "U8", (encoded[n].length,)) for n in job.names]
-        header = build_header(layouts, {n: encoded[n].digest for n in job.names})
+        if self.encoding.reference_format:
+            layouts = [TensorLayout(n, "U8", (encoded[n].length,)) for n in job.names]
+            header = build_header(layouts, {n: encoded[n].digest for n in job.names})
+        else:
+            header = build_packed_header(
+                job.names, [encoded[n].length for n in job.names],
+                [encoded[n].digest for n in job.names],
+            )  # fmt: skip
         entries = {}
         offset = len(header)
         with self.open_write(job.shard) as sink:

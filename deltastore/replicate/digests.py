@@ -16,6 +16,7 @@ import blake3
 import xxhash
 
 from deltastore.errors import FormatError, IntegrityError
+from deltastore.format.packed import unpack_header
 from deltastore.format.safetensors_io import (
     SafetensorsHeader,
     TensorEntry,
@@ -119,8 +120,11 @@ class ShardChecker:
         length = header_length(bytes(self._head[:8]), source=self.source)
         if len(self._head) < 8 + length:
             return
-        self.header = parse_header(
-            bytes(self._head[8 : 8 + length]), file_size=self.size, source=self.source
+        self.header = unpack_header(
+            parse_header(
+                bytes(self._head[8 : 8 + length]), file_size=self.size, source=self.source
+            ),
+            source=self.source,
         )
         self._head = bytearray()
         if not self.check_digests or self.algorithm is None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 from deltastore.errors import FormatError, VersionNotFoundError
 from deltastore.format.names import version_dir_name
+from deltastore.format.packed import unpack_header
 from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
 
 if TYPE_CHECKING:
@@ -90,7 +91,8 @@ class FileReads:
         return bytes(data)
 
     def read_shard_header(self, version: int, name: str) -> SafetensorsHeader:
-        """Parse a shard's safetensors header with ranged reads (no data is read)."""
+        """Parse a shard's safetensors header with ranged reads (no data is read); a packed delta
+        shard's comes back with one entry and digest per tensor, as a plain one's."""
         source = f"{self.url}/{version_dir_name(version)}/{name}"
         size = self.file_size(version, name)
         # One read covers the length prefix and a header of up to 64 KiB (most shards'); a
@@ -101,7 +103,8 @@ class FileReads:
             raise FormatError(f"{source} is truncated inside its {length}-byte header")
         if 8 + length > len(head):
             head += self.read_range(version, name, len(head), 8 + length)
-        return parse_header(head[8 : 8 + length], file_size=size, source=source)
+        header = parse_header(head[8 : 8 + length], file_size=size, source=source)
+        return unpack_header(header, source=source)
 
     def download(self, version: int, name: str, dst: str) -> int:
         """Copy a file of a version to the local path ``dst`` (one streamed GET on an object
