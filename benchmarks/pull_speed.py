@@ -20,7 +20,8 @@ Both end byte-exact (checked). Prints both times and the ratio deltastore / refe
 ``--s3`` also measures a reseed through S3 (a moto server in this process): a full version is
 published to it, then, best of ``--repeat``, ``s3fs.get`` of that version's files into a
 fresh dir against ``pull_weights`` reseeding a fresh host from it (download, verify every
-tensor, durable). Prints the ratio deltastore / s3fs.
+tensor, durable), and ``s3fs.put`` of those files to a new prefix against publishing the model
+again as a full version (digests, shards, commit). Prints the ratios deltastore / s3fs.
 """
 
 from __future__ import annotations
@@ -145,8 +146,22 @@ def s3_reseed(work: str, base: str, model: dict[str, torch.Tensor], args: argpar
         publisher.publish(model.items(), full=True)
         fs, root = fsspec.core.url_to_fs(url, **options)
         files = [f for f in fs.find(root + "/weight_v000001") if f.endswith(".safetensors")]
-        times: dict[str, list[float]] = {"s3fs.get": [], "deltastore": []}
+        times: dict[str, list[float]] = {
+            "s3fs.get": [], "deltastore": [], "s3fs.put": [], "deltastore publish": []
+        }  # fmt: skip
+        local_copy = os.path.join(work, "s3copy")
+        os.makedirs(local_copy)
+        fs.get(files, local_copy + "/")
+        local_files = sorted(os.path.join(local_copy, os.path.basename(f)) for f in files)
         for attempt in range(args.repeat):
+            # A full version published again (diff, digests, shards, commit) against an upload
+            # of the same files with s3fs alone.
+            started = time.perf_counter()
+            fs.put(local_files, f"{root}/put{attempt}/")
+            times["s3fs.put"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            publisher.publish(model.items(), full=True)
+            times["deltastore publish"].append(time.perf_counter() - started)
             target = os.path.join(work, f"s3get{attempt}")
             os.makedirs(target)
             started = time.perf_counter()
@@ -210,6 +225,12 @@ def main() -> None:
                 f"deltastore {best['deltastore']:.3f} s ({mb_s['deltastore']:.0f} MB/s)"
             )
             print(f"ratio deltastore / s3fs.get: {best['deltastore'] / best['s3fs.get']:.2f}x")
+            put, ours = best["s3fs.put"], best["deltastore publish"]
+            print(
+                f"s3 full publish: s3fs.put {put:.3f} s ({size_mb / put:.0f} MB/s), "
+                f"deltastore {ours:.3f} s ({size_mb / ours:.0f} MB/s)"
+            )
+            print(f"ratio deltastore publish / s3fs.put: {ours / put:.2f}x")
         if args.profile:
             host = os.path.join(work, "profiled")
             shutil.rmtree(host, ignore_errors=True)
