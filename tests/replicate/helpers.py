@@ -14,9 +14,11 @@ from deltastore.storage import VersionStore
 from tests.storage.models import assert_model, local_tensors, model_at
 
 
-def publish_run(store: VersionStore, base: Path, kinds: dict[int, str]) -> None:
+def publish_run(
+    store: VersionStore, base: Path, kinds: dict[int, str], *, encoding: str = "xor"
+) -> None:
     """Publish ``model_at(step)`` for each step of ``kinds`` (``full`` or ``delta``)."""
-    publisher = ds.DeltaPublisher(store, base, resume=bool(store.versions()))
+    publisher = ds.DeltaPublisher(store, base, resume=bool(store.versions()), encoding=encoding)
     publisher.seed()
     for step, kind in kinds.items():
         assert publisher.publish(model_at(step).items(), full=kind == "full").version == step

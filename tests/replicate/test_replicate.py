@@ -44,6 +44,17 @@ def test_local_to_local_copies_every_version_in_order(
     assert again.copied == () and again.latest == 5
 
 
+def test_packed_shards_replicate_with_their_digests_checked(base: Path, tmp_path: Path) -> None:
+    src = VersionStore(tmp_path / "packed-src")
+    publish_run(src, base, KINDS, encoding="auto")
+    dst = VersionStore(tmp_path / "dst")
+    report = ds.replicate(src, dst, verify=True, policy=ReplicationPolicy(chunk_bytes=1000))
+    assert report.copied == (1, 2, 3, 4, 5)
+    assert_replica(src, dst, [1, 2, 3, 4, 5])
+    assert dst.read_shard_header(1, "model-00000-of-00001.safetensors").tensors  # unpacked
+    assert_pulls(dst, base, tmp_path / "host", [2, 5])
+
+
 def test_from_starts_at_the_newest_full_version(src: VersionStore, tmp_path: Path) -> None:
     dst = VersionStore(tmp_path / "dst")
     report = ds.replicate(src, dst, from_version=4)
