@@ -16,6 +16,8 @@ size, raw blocks of at most 128 KiB, no checksum). Any zstd reader decompresses 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 from numba import types
@@ -37,8 +39,7 @@ HEADER = 4 + 1 + 8
 """Most bytes of a frame before its first block: magic, descriptor, content size."""
 
 
-@intrinsic
-def _pointer(typingctx, address):  # type: ignore[no-untyped-def]
+def _pointer_of(typingctx, address):  # type: ignore[no-untyped-def]
     """The integer ``address`` as a ``void*`` (what :func:`numba.carray` takes)."""
     signature = types.voidptr(types.int64)
 
@@ -46,6 +47,10 @@ def _pointer(typingctx, address):  # type: ignore[no-untyped-def]
         return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
 
     return signature, codegen
+
+
+_pointer: Any = intrinsic(_pointer_of)
+"""Called in kernels as ``_pointer(address)`` (numba passes the typing context itself)."""
 
 
 @numba.njit(cache=True, nogil=True)
