@@ -9,11 +9,14 @@ handled the same way.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
+
+from deltastore.codecs.compression import compress
 
 ByteArray = npt.NDArray[np.uint8]
 
@@ -50,6 +53,18 @@ class XorChanges:
         if self.positions.size:
             elements = target.view(self.values.dtype)
             elements[self.positions] ^= self.values
+
+
+@dataclass(frozen=True)
+class FramedDelta:
+    """One tensor's delta as the store keeps it: the payload already in its zstd frame."""
+
+    frame: bytes
+    """The zstd frame of the payload (empty where nothing changed)."""
+    changed_bytes: int
+    """How many bytes of the tensor differ between old and new."""
+    xor_changes: XorChanges | None = None
+    """As :attr:`EncodedDelta.xor_changes`."""
 
 
 class Encoding(ABC):
@@ -92,6 +107,23 @@ class Encoding(ABC):
         dtype); byte-level encodings ignore it, element-aware ones fall back to bytes for a size
         they do not handle.
         """
+
+    def encode_framed(
+        self, olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsizes: Sequence[int]
+    ) -> list[FramedDelta]:
+        """Each tensor's delta of a batch, its payload in a zstd frame (level 1, content size;
+        what the store writes); an unchanged tensor gets an empty frame.
+
+        The same frames as :meth:`encode` and :func:`~deltastore.codecs.compress` give one by
+        one, or frames that decompress to the same payloads: encodings with a compiled batch
+        kernel override this to encode a batch of small tensors in one call.
+        """
+        framed = []
+        for old, new, itemsize in zip(olds, news, itemsizes, strict=True):
+            delta = self.encode(old, new, itemsize=itemsize)
+            frame = compress(delta.payload) if delta.changed_bytes else b""
+            framed.append(FramedDelta(frame, delta.changed_bytes, delta.xor_changes))
+        return framed
 
     @abstractmethod
     def max_payload_size(self, nbytes: int) -> int:

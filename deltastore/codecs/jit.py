@@ -51,3 +51,16 @@ def kernels(use_jit: bool | None) -> ModuleType | None:
             "the compiled sparse-v2 codec needs numba: pip install 'deltastore[fast]'"
         )
     return module
+
+
+def batch_kernels(use_jit: bool | None) -> ModuleType | None:
+    """The compiled batch encoder's module (``encode_batch``, :mod:`.jit_batch`) on the terms of
+    :func:`kernels`; None for numpy."""
+    if kernels(use_jit) is None:
+        return None
+    with _lock:
+        if "batch" not in _loaded:
+            from deltastore.codecs import jit_batch
+
+            _loaded["batch"] = jit_batch
+        return _loaded["batch"]

@@ -26,9 +26,12 @@ tensor is encoded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding
+from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, FramedDelta
+from deltastore.codecs.batch import encode_framed_batch
 from deltastore.codecs.compression import compress
 from deltastore.codecs.encodings import XorEncoding
 from deltastore.codecs.sparse import SparseXorEncoding
@@ -88,6 +91,22 @@ class AutoEncoding(Encoding):
         """Tagged payload of the smaller encoding; ``itemsize`` as for ``sparse-v1``."""
         tag, inner = self.choose(old, new, itemsize=itemsize)
         return EncodedDelta(_tagged(tag, inner.payload), inner.changed_bytes, inner.xor_changes)
+
+    def encode_framed(
+        self, olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsizes: Sequence[int]
+    ) -> list[FramedDelta]:
+        """As :meth:`Encoding.encode_framed`: where numba is available, a batch's sparse-v2
+        payloads in one compiled call (:mod:`deltastore.codecs.batch`), and only a tensor whose
+        payload is over 1/16 of it encoded again alone to compare the others."""
+        return encode_framed_batch(
+            self,
+            olds,
+            news,
+            itemsizes,
+            use_jit=self.compact.use_jit,
+            tag=TAG_COMPACT,
+            dense_ratio=SPARSE_WITHOUT_COMPARING,
+        )
 
     def max_payload_size(self, nbytes: int) -> int:
         return 1 + max(

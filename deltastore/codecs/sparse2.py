@@ -35,10 +35,13 @@ otherwise; both write the same bytes, and decoding is numpy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from deltastore.codecs import jit
-from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, XorChanges
+from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, FramedDelta, XorChanges
+from deltastore.codecs.batch import encode_framed_batch
 from deltastore.codecs.kernels import (
     ELEMENT_DTYPES,
     _bits_to_fields,
@@ -151,6 +154,15 @@ class CompactSparseEncoding(Encoding):
             payload, changes = encode_numpy(old, new, size)
         changed = int(np.count_nonzero(changes.values.view(np.uint8))) if len(changes.values) else 0
         return EncodedDelta(payload, changed, changes)
+
+    def encode_framed(
+        self, olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsizes: Sequence[int]
+    ) -> list[FramedDelta]:
+        """As :meth:`Encoding.encode_framed`, a batch in one compiled call where numba is
+        available (:mod:`deltastore.codecs.batch`)."""
+        return encode_framed_batch(
+            self, olds, news, itemsizes, use_jit=self.use_jit, tag=-1, dense_ratio=0
+        )
 
     def max_payload_size(self, nbytes: int) -> int:
         # At most one change per byte: 23 header and varint bytes; per change a remainder ≤ 64

@@ -298,7 +298,7 @@ def plain_host_view(tensor: Any) -> ByteArray | None:
         and tensor.is_contiguous()
         and not tensor.is_quantized
         and not tensor.dtype.is_complex  # a conjugate view; is_conj() is a dispatched operator
-        and not tensor.is_neg()
+        and not _is_negative_view(torch, tensor)
     ):
         return None
     nbytes = tensor.numel() * tensor.element_size()
@@ -307,6 +307,17 @@ def plain_host_view(tensor: Any) -> ByteArray | None:
     memory = (ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr())
     memory._tensor = tensor  # type: ignore[attr-defined]  # the view's base holds the tensor
     return np.frombuffer(memory, dtype=np.uint8)
+
+
+def _is_negative_view(torch: Any, tensor: Any) -> bool:
+    """True for a lazily negated view (its memory is minus its value), read from the tensor's
+    dispatch keys: ``is_neg()`` is a dispatched operator that releases the GIL, and under a
+    busy encode pool it took 100 us a call to get it back (profiled on 8,000 tensors of 64 KB:
+    0.86 s of a 2.4 s diff)."""
+    keys = getattr(torch._C, "_dispatch_keys", None)
+    if keys is None:  # pragma: no cover - a torch without it
+        return bool(tensor.is_neg())
+    return bool(keys(tensor).has(torch._C.DispatchKey.Negative))
 
 
 def host_bytes(name: str, tensor: Any) -> ByteArray:

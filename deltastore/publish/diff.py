@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from deltastore.codecs import ByteArray, Checksum, Encoding, compress
+from deltastore.codecs import ByteArray, Checksum, Encoding
 from deltastore.codecs.base import XorChanges
 from deltastore.codecs.kernels import itemsize_of_dtype
 from deltastore.errors import PublishError
@@ -118,18 +118,27 @@ WORD_CHANGE_BYTES = 16
 """Memory per changed 8-byte word kept by :func:`word_changes` (position and value)."""
 
 
-def _encode_one(settings: DiffSettings, spool: PayloadSpool, item: _Item) -> Encoded | None:
-    """Encode one staged tensor; a changed one's frame goes straight into the spool."""
-    new = item.staged.wait()
-    delta = settings.encoding.encode(item.old, new, itemsize=item.itemsize)
-    if not delta.changed_bytes:
-        return None
-    digest = settings.checksum.hexdigest(new)
-    offset, length = spool.append(compress(delta.payload))
-    changes = delta.xor_changes
-    if changes is None:
-        changes = word_changes(item.old, new, delta.changed_bytes)
-    return Encoded(item.name, delta.changed_bytes, digest, offset, length, changes)
+def _encode_batch(
+    settings: DiffSettings, spool: PayloadSpool, batch: list[_Item]
+) -> list[Encoded | None]:
+    """Encode a batch of staged tensors (one encoding call for all of them: see
+    :meth:`Encoding.encode_framed`); each changed one's frame goes straight into the spool."""
+    news = [item.staged.wait() for item in batch]
+    framed = settings.encoding.encode_framed(
+        [item.old for item in batch], news, [item.itemsize for item in batch]
+    )
+    results: list[Encoded | None] = []
+    for item, new, delta in zip(batch, news, framed, strict=True):
+        if not delta.changed_bytes:
+            results.append(None)
+            continue
+        digest = settings.checksum.hexdigest(new)
+        offset, length = spool.append(delta.frame)
+        changes = delta.xor_changes
+        if changes is None:
+            changes = word_changes(item.old, new, delta.changed_bytes)
+        results.append(Encoded(item.name, delta.changed_bytes, digest, offset, length, changes))
+    return results
 
 
 def word_changes(old: ByteArray, new: ByteArray, changed_bytes: int) -> XorChanges | None:
@@ -158,19 +167,14 @@ def _encode(
 ) -> list[tuple[str, Encoded | None]]:
     """Worker: encode a batch of tensors (one large one, or several small ones)."""
     begun = time.perf_counter()
-    results: list[tuple[str, Encoded | None]] = []
     try:
-        for item in batch:
-            try:
-                results.append((item.name, _encode_one(settings, spool, item)))
-            finally:
-                item.staged.release()
+        encoded = _encode_batch(settings, spool, batch)
     finally:
-        for item in batch[len(results) :]:
+        for item in batch:
             item.staged.release()
         with lock:
             metrics["encode_s"] += time.perf_counter() - begun
-    return results
+    return [(item.name, e) for item, e in zip(batch, encoded, strict=True)]
 
 
 def diff_tensors(
