@@ -37,6 +37,27 @@ def _load() -> ModuleType | None:
         return _loaded["kernels"]
 
 
+def _load_batch() -> ModuleType | None:
+    """The batch kernels' module (:mod:`deltastore.codecs.jit_batch`), imported once."""
+    with _lock:
+        if "batch" not in _loaded:
+            try:
+                from deltastore.codecs import jit_batch
+            except ImportError:
+                _loaded["batch"] = None
+            else:
+                _loaded["batch"] = jit_batch
+        return _loaded["batch"]
+
+
+def batch_kernels(use_jit: bool | None) -> ModuleType | None:
+    """The compiled batch apply (:mod:`deltastore.codecs.jit_batch`), or None where
+    :func:`kernels` would give None (same ``use_jit`` and ``DELTASTORE_NO_JIT`` rules)."""
+    if kernels(use_jit) is None:
+        return None
+    return _load_batch()
+
+
 def kernels(use_jit: bool | None) -> ModuleType | None:
     """The compiled kernels to use (``encode``, ``decode``, ``apply_steps``), or None for
     numpy: ``use_jit`` False is numpy, True needs numba (:class:`ConfigError` without it), None

@@ -26,9 +26,14 @@ tensor is encoded.
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Sequence
 
-from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding
+import numpy as np
+import numpy.typing as npt
+
+from deltastore.codecs import jit
+from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, PayloadBatch
+from deltastore.codecs.batch import apply_compiled
 from deltastore.codecs.compression import compress
 from deltastore.codecs.encodings import XorEncoding
 from deltastore.codecs.sparse import SparseXorEncoding
@@ -54,6 +59,8 @@ class AutoEncoding(Encoding):
 
     name = "auto"
     idempotent = False
+    checks_before_writing = True
+    """Every bound of a payload is checked before the target is written."""
     self_inverse = True
     """Values are XORed in: applying a payload to its own result restores the bytes."""
     foldable = False
@@ -113,3 +120,18 @@ class AutoEncoding(Encoding):
                 "deltastore does not know (0 = xor, 1 = sparse-v1, 2 = sparse-v2); upgrade "
                 "deltastore"
             )
+
+    def apply_batch(
+        self,
+        target: ByteArray,
+        starts: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        payloads: PayloadBatch,
+        names: Sequence[str],
+    ) -> tuple[int, FormatError | None]:
+        """One compiled call for the whole batch where numba is installed (``sparse-v2`` and
+        ``xor`` payloads in the kernel, ``sparse-v1`` ones one by one); else one by one."""
+        compiled = jit.batch_kernels(self.compact.use_jit)
+        if compiled is None:
+            return super().apply_batch(target, starts, sizes, payloads, names)
+        return apply_compiled(self, compiled, target, starts, sizes, payloads, names, tagged=True)
