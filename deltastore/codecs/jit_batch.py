@@ -106,16 +106,16 @@ def _streams(raw, at, count, k, width, itemsize, nelements):  # type: ignore[no-
     end = raw.size * 8
     bit = unary_at * 8
     low_bit = at * 8
-    previous = -1
+    position = -1
     for _ in range(count):
         low, low_bit = _get(raw, low_bit, k)
         quotient, bit, ok = _quotient(raw, bit, end)
         if not ok or quotient >> (63 - k) or quotient << k >= nelements:
             return False, 0, 0, 0
         gap = (quotient << k) | np.int64(low)
-        if gap >= nelements - previous - 1:
+        if gap >= nelements - position - 1:
             return False, 0, 0, 0
-        previous += gap + 1
+        position += gap + 1
     if end - bit >= 8:
         return False, 0, 0, 0
     while bit < end:
@@ -136,7 +136,9 @@ def _step(current, field, mask):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _apply_checked(target, start, raw, at, count, k, width, itemsize, patch_at, patches, unary_at):  # type: ignore[no-untyped-def]  # noqa: E501
+def _apply_checked(  # type: ignore[no-untyped-def]
+    target, start, raw, at, count, k, width, itemsize, patch_at, patches, unary_at
+):
     """Apply the steps of a payload :func:`_streams` accepted to the tensor at ``start``."""
     bits = itemsize * 8
     mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - bits)
