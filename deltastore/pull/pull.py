@@ -22,6 +22,7 @@ from deltastore.pull.apply import apply_chain
 from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain, resolve_onto
 from deltastore.pull.fanout import pull_in_group, resolve_group
 from deltastore.pull.full import discard_staging, stage_full, swap_in
+from deltastore.pull.gc_pause import gc_paused
 from deltastore.pull.local import LocalCheckpoint, same_dir
 from deltastore.pull.recover import recover, trusted_state
 from deltastore.pull.repair import RepairSummary
@@ -286,7 +287,7 @@ def _pull_here(
     os.makedirs(local.dir, exist_ok=True)
     stats = ApplyStats(progress=progress)
     run = _PullRun(source, local, base, workers, stats, time.perf_counter())
-    with local.lock(lock_timeout_s):
+    with local.lock(lock_timeout_s), gc_paused():
         state = local.read_state()
         pending = local.read_pending()
         source.refresh(target_version if target_version > 0 else None)
