@@ -33,6 +33,9 @@ def apply_compiled(
 ) -> tuple[int, FormatError | None]:
     """As :meth:`Encoding.apply_batch`, with ``kernels`` (:mod:`deltastore.codecs.jit_batch`);
     ``tagged``: the payloads are ``auto``'s."""
+    if len(starts) and (int(starts.min()) < 0 or int((starts + sizes).max()) > target.size):
+        # The kernel does not check indexes: a tensor outside the target is the caller's bug.
+        raise ValueError(f"a tensor of {list(names)[:3]}... lies outside the target's bytes")
     first = 0
     while True:
         index, status = kernels.apply_batch(

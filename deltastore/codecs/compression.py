@@ -109,8 +109,9 @@ def decompress_many(
     joined: bytes | None = None
     if many is not None and frames and min(declared) > 0:
         try:
-            out = many(list(frames), decompressed_sizes=offsets[1:].astype(np.uint64).tobytes())
-            joined = b"".join([memoryview(out[i]) for i in range(len(frames))])
+            sizes = np.array(declared, np.uint64).tobytes()
+            out = many(list(frames), decompressed_sizes=sizes)
+            joined = b"".join(out)  # each segment is bytes-like
         except zstandard.ZstdError:
             joined = None  # found and worded frame by frame below
     if joined is None:

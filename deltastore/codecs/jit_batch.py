@@ -3,14 +3,16 @@
 Imported only by :mod:`deltastore.codecs.jit`. A pull applies thousands of small tensors; one
 compiled call per tensor still leaves a handful of Python calls around each, and every call
 that releases the GIL has to take it back from the other apply threads. Here one call (that
-releases the GIL once) applies a whole batch: per payload, every field of the header and of
-each stream is checked first (the same checks, in the same order, as
-:meth:`~deltastore.codecs.sparse2.CompactSparseEncoding.decode`), and only a payload that
-passes is applied, its steps read again from the streams and written straight into the
-target (no arrays of positions or steps). The first payload that does not fit stops the batch
-with its index; the caller words the error (by running the numpy path on a copy) so both paths
-refuse with the same message. Elements are read and written byte by byte, little-endian, so a
-target at any offset of a file works.
+releases the GIL once) applies a whole batch: per payload, the header and every stream are
+read and checked first (the checks of :meth:`~deltastore.codecs.sparse2.CompactSparseEncoding.
+decode`), into two buffers of positions and steps allocated once per batch, and only a payload
+that passes is applied straight into the target. (Reading the streams a second time while
+writing the target, with no buffers, measured twice as slow: the compiler cannot keep the
+payload's bytes in registers across stores into another uint8 array.) The first payload that
+does not fit stops the batch with its index; the caller words the error (by running the numpy
+path on a copy) so both paths refuse with the same message. Elements are read and written byte
+by byte, little-endian, so a target at any offset of a file works. Fields are read through a
+64-bit window per field, not bit by bit.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from deltastore.codecs.jit_kernels import _bit_length, _get, _leading_ones, _read_varint
+from deltastore.codecs.jit_kernels import _bit_length, _read_varint
 
 U64 = np.uint64
 MARK = 0x20
@@ -65,64 +67,52 @@ def _header(raw, nbytes):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _window(raw, bit):  # type: ignore[no-untyped-def]
+    """The bits from bit offset ``bit`` on, MSB first, in a u64 whose first 57 are valid (zeros
+    past the buffer's end): one load per byte instead of a loop per field."""
+    at = bit >> 3
+    window = U64(0)
+    if at + 8 <= raw.size:
+        for i in range(8):
+            window = (window << U64(8)) | U64(raw[at + i])
+    else:
+        for i in range(8):
+            window <<= U64(8)
+            if at + i < raw.size:
+                window |= U64(raw[at + i])
+    return window << U64(bit & 7)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _get(raw, bit, width):  # type: ignore[no-untyped-def]
+    """(the ``width``-bit field (≤ 64) at bit offset ``bit``, MSB first; the offset after it),
+    as ``jit_kernels._get`` (the caller has checked the field lies inside ``raw``)."""
+    if width == 0:
+        return U64(0), bit
+    if width <= 56:
+        return _window(raw, bit) >> U64(64 - width), bit + width
+    high = _window(raw, bit) >> U64(96 - width)  # the first width - 32 bits
+    low = _window(raw, bit + width - 32) >> U64(32)
+    return (high << U64(32)) | low, bit + width
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _quotient(raw, bit, end):  # type: ignore[no-untyped-def]
-    """(one bits from ``bit`` up to the next zero, the offset after that zero, ok)."""
+    """(one bits from ``bit`` up to the next zero, the offset after that zero, ok): not ok when
+    the stream (``end`` bits) ends first."""
     quotient = 0
     while True:
-        if bit >= end:
+        valid = min(57, end - bit)
+        if valid <= 0:
             return quotient, bit, False
-        ones = _leading_ones(raw[bit >> 3], bit & 7)
+        window = _window(raw, bit)
+        ones = 0
+        while ones < valid and (window >> U64(63 - ones)) & U64(1):
+            ones += 1
+        if ones < valid:
+            return quotient + ones, bit + ones + 1, True
         quotient += ones
         bit += ones
-        if bit & 7 or ones == 0:  # stopped at a zero bit inside the byte
-            if bit >= end:
-                return quotient, bit, False
-            return quotient, bit + 1, True
-
-
-@numba.njit(cache=True, nogil=True)
-def _streams(raw, at, count, k, width, itemsize, nelements):  # type: ignore[no-untyped-def]
-    """(ok, offset of the patch stream, patches, offset of the unary stream): the patches are
-    ascending below ``count``, and the gaps give ascending positions inside ``nelements`` with
-    fewer than 8 padding bits, all ones (``jit_kernels._decode`` and ``_unary``'s checks)."""
-    fields_at = at + (count * k + 7) // 8
-    declared, patch_at, ok = _read_varint(raw, fields_at + (count * width + 7) // 8)
-    bits = itemsize * 8
-    if not ok or declared > U64(count) or (width == bits and declared):
-        return False, 0, 0, 0
-    patches = np.int64(declared)
-    index_width = _bit_length(U64(count - 1))
-    if patch_at + (patches * (index_width + bits - width) + 7) // 8 > raw.size:
-        return False, 0, 0, 0
-    bit = patch_at * 8
-    previous = np.int64(-1)
-    for _ in range(patches):
-        index, bit = _get(raw, bit, index_width)
-        _, bit = _get(raw, bit, bits - width)
-        if np.int64(index) <= previous or index >= U64(count):
-            return False, 0, 0, 0
-        previous = np.int64(index)
-    unary_at = (bit + 7) // 8
-    end = raw.size * 8
-    bit = unary_at * 8
-    low_bit = at * 8
-    position = -1
-    for _ in range(count):
-        low, low_bit = _get(raw, low_bit, k)
-        quotient, bit, ok = _quotient(raw, bit, end)
-        if not ok or quotient >> (63 - k) or quotient << k >= nelements:
-            return False, 0, 0, 0
-        gap = (quotient << k) | np.int64(low)
-        if gap >= nelements - position - 1:
-            return False, 0, 0, 0
-        position += gap + 1
-    if end - bit >= 8:
-        return False, 0, 0, 0
-    while bit < end:
-        if not (raw[bit >> 3] >> (7 - (bit & 7))) & 1:
-            return False, 0, 0, 0
-        bit += 1
-    return True, patch_at, patches, unary_at
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -136,67 +126,74 @@ def _step(current, field, mask):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _apply_checked(  # type: ignore[no-untyped-def]
-    target, start, raw, at, count, k, width, itemsize, patch_at, patches, unary_at
+def _decode_into(  # type: ignore[no-untyped-def]
+    raw, at, count, k, width, itemsize, nelements, positions, fields
 ):
-    """Apply the steps of a payload :func:`_streams` accepted to the tensor at ``start``."""
-    bits = itemsize * 8
-    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - bits)
-    index_width = _bit_length(U64(count - 1))
-    low_bit = at * 8
+    """Read the streams into ``positions[:count]`` and ``fields[:count]``; False when the
+    patches are not ascending below ``count`` or the gaps do not give ascending positions
+    inside ``nelements`` with fewer than 8 padding bits, all ones (``jit_kernels._decode``)."""
     field_bit = (at + (count * k + 7) // 8) * 8
-    patch_bit = patch_at * 8
-    next_patch = np.int64(count)  # the index of the next patched field (count: none left)
-    high = U64(0)
-    if patches:
-        index, patch_bit = _get(raw, patch_bit, index_width)
-        high, patch_bit = _get(raw, patch_bit, bits - width)
-        next_patch = np.int64(index)
-    left = patches
-    bit = unary_at * 8
+    for j in range(count):
+        fields[j], field_bit = _get(raw, field_bit, width)
+    declared, patch_at, ok = _read_varint(raw, (field_bit + 7) // 8)
+    bits = itemsize * 8
+    if not ok or declared > U64(count) or (width == bits and declared):
+        return False
+    patches = np.int64(declared)
+    index_width = _bit_length(U64(count - 1))
+    if patch_at + (patches * (index_width + bits - width) + 7) // 8 > raw.size:
+        return False
+    bit = patch_at * 8
+    previous = np.int64(-1)
+    for _ in range(patches):
+        index, bit = _get(raw, bit, index_width)
+        high, bit = _get(raw, bit, bits - width)
+        if np.int64(index) <= previous or index >= U64(count):
+            return False
+        previous = np.int64(index)
+        fields[previous] |= high << U64(width)
     end = raw.size * 8
+    bit = (bit + 7) // 8 * 8
+    low_bit = at * 8
     position = -1
     for j in range(count):
         low, low_bit = _get(raw, low_bit, k)
-        field, field_bit = _get(raw, field_bit, width)
-        if j == next_patch:
-            field |= high << U64(width)
-            left -= 1
-            next_patch = np.int64(count)
-            if left:
-                index, patch_bit = _get(raw, patch_bit, index_width)
-                high, patch_bit = _get(raw, patch_bit, bits - width)
-                next_patch = np.int64(index)
-        quotient, bit, _ = _quotient(raw, bit, end)
-        position += ((quotient << k) | np.int64(low)) + 1
-        byte = start + position * itemsize
+        quotient, bit, ok = _quotient(raw, bit, end)
+        if not ok or quotient >> (63 - k) or quotient << k >= nelements:
+            return False
+        gap = (quotient << k) | np.int64(low)
+        if gap >= nelements - position - 1:
+            return False
+        position += gap + 1
+        positions[j] = position
+    if end - bit >= 8:
+        return False
+    while bit < end:
+        if not (raw[bit >> 3] >> (7 - (bit & 7))) & 1:
+            return False
+        bit += 1
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _apply_steps(target, start, itemsize, positions, fields, count):  # type: ignore[no-untyped-def]
+    """Move each element ``positions[j]`` of the tensor at byte ``start`` by its step."""
+    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - itemsize * 8)
+    for j in range(count):
+        byte = start + positions[j] * itemsize
         current = U64(0)
         for b in range(itemsize):
             current |= U64(target[byte + b]) << U64(8 * b)
-        moved = _step(current, field, mask)
+        moved = _step(current, fields[j], mask)
         for b in range(itemsize):
             target[byte + b] = np.uint8((moved >> U64(8 * b)) & U64(0xFF))
 
 
 @numba.njit(cache=True, nogil=True)
-def _apply_compact(target, start, nbytes, raw):  # type: ignore[no-untyped-def]
-    """Check one sparse-v2 payload whole, then apply it; False (target untouched) if refused."""
-    ok, itemsize, count, k, width, at = _header(raw, nbytes)
-    if not ok:
-        return False
-    if count == 0:
-        return True
-    nelements = nbytes // itemsize
-    ok, patch_at, patches, unary_at = _streams(raw, at, count, k, width, itemsize, nelements)
-    if not ok:
-        return False
-    _apply_checked(target, start, raw, at, count, k, width, itemsize, patch_at, patches, unary_at)
-    return True
-
-
-@numba.njit(cache=True, nogil=True)
 def _apply_batch(target, starts, sizes, data, offsets, first, tagged):  # type: ignore[no-untyped-def]
     """(index, status) after applying payloads ``first``.. in order (see the module's notes)."""
+    positions = np.empty(0, np.int64)
+    fields = np.empty(0, np.uint64)
     for i in range(first, starts.size):
         raw = data[offsets[i] : offsets[i + 1]]
         if tagged:
@@ -215,8 +212,18 @@ def _apply_batch(target, starts, sizes, data, offsets, first, tagged):  # type: 
                 return i, ELSEWHERE
             if tag != TAG_COMPACT:
                 return i, REFUSED
-        if not _apply_compact(target, starts[i], sizes[i], raw):
+        ok, itemsize, count, k, width, at = _header(raw, sizes[i])
+        if not ok:
             return i, REFUSED
+        if count == 0:  # (the header check refused any bytes after it)
+            continue
+        if positions.size < count:  # buffers reused across the batch, grown as needed
+            positions = np.empty(max(count, 2 * positions.size), np.int64)
+            fields = np.empty(positions.size, np.uint64)
+        nelements = sizes[i] // itemsize
+        if not _decode_into(raw, at, count, k, width, itemsize, nelements, positions, fields):
+            return i, REFUSED
+        _apply_steps(target, starts[i], itemsize, positions, fields, count)
     return starts.size, APPLIED
 
 
