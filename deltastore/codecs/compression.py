@@ -7,6 +7,7 @@ output is allocated, so a hostile frame cannot make a reader allocate unbounded 
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 
@@ -103,8 +104,7 @@ def decompress_many(
             decompress(frame, max_size=max_sizes[i], exact_size=max_sizes[i] if exact else None,
                        what=what(i))  # fmt: skip
         declared.append(size)
-    offsets = np.zeros(len(frames) + 1, np.int64)
-    np.cumsum(declared, out=offsets[1:])
+    offsets = np.array([0, *itertools.accumulate(declared)], np.int64)
     many = getattr(_decompressor(), "multi_decompress_to_buffer", None)
     joined: bytes | None = None
     if many is not None and frames and min(declared) > 0:
