@@ -107,7 +107,9 @@ def decompress_many(
     offsets = np.array([0, *itertools.accumulate(declared)], np.int64)
     many = getattr(_decompressor(), "multi_decompress_to_buffer", None)
     joined: bytes | None = None
-    if many is not None and frames and min(declared) > 0:
+    # One frame (a large tensor is a batch of its own) is decompressed alone: joining would
+    # copy it.
+    if many is not None and len(frames) > 1 and min(declared) > 0:
         try:
             sizes = np.array(declared, np.uint64).tobytes()
             out = many(list(frames), decompressed_sizes=sizes)

@@ -4,10 +4,17 @@ A run of deltas is applied in **one pass per tensor** (catch-up): each changed t
 is read once per version, payloads of a foldable encoding are folded and applied once, the
 others in order. Payloads of one foldable, self-inverse encoding (``xor``) are applied straight
 into the mapped file and the result verified there; one that does not verify is put back at
-once by applying the same payloads again. Any other run is applied on a copy, verified
-*before* it is written. So whatever happens, each tensor on disk is either at the version the
-run starts from, at the version it ends at, or (a write torn by a crash) neither;
-:mod:`deltastore.pull.repair` relies on exactly that.
+once by applying the same payloads again. A tensor with one payload of a self-inverse
+encoding that checks a payload whole before writing (``auto``, ``sparse-v2``, ``xor``) goes
+into a batch: the task's batch is decompressed in one call and applied straight into the map
+in one codec call (:meth:`~deltastore.codecs.Encoding.apply_batch`), then each tensor is
+verified there and one that does not verify is put back by applying its payload again; a
+payload the codec refuses leaves its tensor untouched. (Per tensor, the Python calls around a
+compiled decode and the GIL hand-offs of each call that releases it cost more than the decode
+on 64 KB tensors.) Any other run is applied on a copy, verified *before* it is written. So
+whatever happens, each tensor on disk is either at the version the run starts from, at the
+version it ends at, or (a write torn by a crash) neither; :mod:`deltastore.pull.repair` relies
+on exactly that.
 """
 
 from __future__ import annotations
@@ -153,8 +160,8 @@ class _ChainApplier:
         for j in range(applied):
             tensor, view = tensors[batch[j]], array[starts[j] : starts[j] + sizes[j]]
             if not tensor.final.matches(view):
-                del written[first + j]
                 fold_apply(view, tensor.payloads, frames[batch[j]], tensor.name, in_place=True)
+                del written[first + j]  # put back (if that raised, the caller's put-back does)
                 raise self._mismatch(tensor, "The tensor was put back as it was")
 
     def _apply_one(
