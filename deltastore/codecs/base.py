@@ -87,6 +87,8 @@ class Encoding(ABC):
     * ``checks_before_writing``: :meth:`apply` checks a payload whole and refuses one that does
       not fit before it writes a byte of the target (so a self-inverse one may be applied
       straight into the target and put back by applying it again).
+    * ``applies_in_batches``: :meth:`apply_batch` applies many payloads in fewer calls than one
+      each.
     """
 
     name: ClassVar[str]
@@ -100,6 +102,9 @@ class Encoding(ABC):
     """True when every decompressed payload is exactly the tensor's byte size."""
     checks_before_writing: ClassVar[bool] = False
     """True when :meth:`apply` raises for a payload that does not fit before touching the target."""
+    applies_in_batches: ClassVar[bool] = False
+    """True when :meth:`apply_batch` takes fewer calls than one per payload (so a caller should
+    hand many small payloads over together); False when it is :meth:`apply` in a loop."""
 
     def check_size(self, nbytes: int, *, tensor: str) -> None:  # noqa: B027 - optional hook
         """Raise :class:`ConfigError` if this encoding cannot represent a tensor of this size."""

@@ -61,6 +61,8 @@ class AutoEncoding(Encoding):
     idempotent = False
     checks_before_writing = True
     """Every bound of a payload is checked before the target is written."""
+    applies_in_batches = True
+    """With numba, one compiled call per batch (:mod:`deltastore.codecs.jit_batch`)."""
     self_inverse = True
     """Values are XORed in: applying a payload to its own result restores the bytes."""
     foldable = False

@@ -136,6 +136,8 @@ class CompactSparseEncoding(Encoding):
     idempotent = False
     checks_before_writing = True
     """Every bound of a payload is checked before the target is written."""
+    applies_in_batches = True
+    """With numba, one compiled call per batch (:mod:`deltastore.codecs.jit_batch`)."""
     self_inverse = True
     """Either side of a step gives the other: applying a payload to its result reverts it."""
     foldable = False
