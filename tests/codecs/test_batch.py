@@ -170,13 +170,14 @@ def test_auto_batches_mix_xor_sparse_v1_and_sparse_v2_payloads(use_jit: bool):
     sizes = np.full(3, 4096, np.int64)
     assert auto.apply_batch(target, starts, sizes, _batch(payloads), ["a", "b", "c"]) == (3, None)
     assert target.tobytes() == _laid_out(news)[0].tobytes()
-    payloads[2] = payloads[2][:1] + b"\x30" + payloads[2][2:]
+    valid = payloads[2]
+    payloads[2] = valid[:1] + b"\x30" + valid[2:]
     target, _ = _laid_out(olds)
     done, error = auto.apply_batch(target, starts, sizes, _batch(payloads), ["a", "b", "c"])
     assert done == 2 and "'c'" in str(error) and "does not start" in str(error)
     assert target.tobytes() == _laid_out(news[:2] + olds[2:])[0].tobytes()
     for tag in (3, 0xFF):  # a tag a newer deltastore may write: refused, nothing written
-        payloads[2] = bytes([tag]) + payloads[2][1:]
+        payloads[2] = bytes([tag]) + valid[1:]  # a valid sparse-v2 payload behind it
         target, _ = _laid_out(olds)
         done, error = auto.apply_batch(target, starts, sizes, _batch(payloads), ["a", "b", "c"])
         assert done == 2 and "'c'" in str(error) and "upgrade" in str(error)
