@@ -37,25 +37,25 @@ def _load() -> ModuleType | None:
         return _loaded["kernels"]
 
 
-def _load_batch() -> ModuleType | None:
-    """The batch kernels' module (:mod:`deltastore.codecs.jit_batch`), imported once."""
+def _load_apply() -> ModuleType | None:
+    """The batch kernels' module (:mod:`deltastore.codecs.jit_apply`), imported once."""
     with _lock:
-        if "batch" not in _loaded:
+        if "apply" not in _loaded:
             try:
-                from deltastore.codecs import jit_batch
+                from deltastore.codecs import jit_apply
             except ImportError:
-                _loaded["batch"] = None
+                _loaded["apply"] = None
             else:
-                _loaded["batch"] = jit_batch
-        return _loaded["batch"]
+                _loaded["apply"] = jit_apply
+        return _loaded["apply"]
 
 
-def batch_kernels(use_jit: bool | None) -> ModuleType | None:
-    """The compiled batch apply (:mod:`deltastore.codecs.jit_batch`), or None where
+def apply_kernels(use_jit: bool | None) -> ModuleType | None:
+    """The compiled batch apply (:mod:`deltastore.codecs.jit_apply`), or None where
     :func:`kernels` would give None (same ``use_jit`` and ``DELTASTORE_NO_JIT`` rules)."""
     if kernels(use_jit) is None:
         return None
-    return _load_batch()
+    return _load_apply()
 
 
 def kernels(use_jit: bool | None) -> ModuleType | None:

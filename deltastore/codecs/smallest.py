@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from deltastore.codecs import jit
 from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, PayloadBatch
-from deltastore.codecs.batch import apply_compiled
+from deltastore.codecs.batch_apply import apply_compiled
 from deltastore.codecs.compression import compress
 from deltastore.codecs.encodings import XorEncoding
 from deltastore.codecs.sparse import SparseXorEncoding
@@ -62,7 +62,7 @@ class AutoEncoding(Encoding):
     checks_before_writing = True
     """Every bound of a payload is checked before the target is written."""
     applies_in_batches = True
-    """With numba, one compiled call per batch (:mod:`deltastore.codecs.jit_batch`)."""
+    """With numba, one compiled call per batch (:mod:`deltastore.codecs.jit_apply`)."""
     self_inverse = True
     """Values are XORed in: applying a payload to its own result restores the bytes."""
     foldable = False
@@ -133,7 +133,7 @@ class AutoEncoding(Encoding):
     ) -> tuple[int, FormatError | None]:
         """One compiled call for the whole batch where numba is installed (``sparse-v2`` and
         ``xor`` payloads in the kernel, ``sparse-v1`` ones one by one); else one by one."""
-        compiled = jit.batch_kernels(self.compact.use_jit)
+        compiled = jit.apply_kernels(self.compact.use_jit)
         if compiled is None:
             return super().apply_batch(target, starts, sizes, payloads, names)
         return apply_compiled(self, compiled, target, starts, sizes, payloads, names, tagged=True)

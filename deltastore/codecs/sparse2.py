@@ -42,7 +42,7 @@ import numpy.typing as npt
 
 from deltastore.codecs import jit
 from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, PayloadBatch, XorChanges
-from deltastore.codecs.batch import apply_compiled
+from deltastore.codecs.batch_apply import apply_compiled
 from deltastore.codecs.kernels import (
     ELEMENT_DTYPES,
     _bits_to_fields,
@@ -137,7 +137,7 @@ class CompactSparseEncoding(Encoding):
     checks_before_writing = True
     """Every bound of a payload is checked before the target is written."""
     applies_in_batches = True
-    """With numba, one compiled call per batch (:mod:`deltastore.codecs.jit_batch`)."""
+    """With numba, one compiled call per batch (:mod:`deltastore.codecs.jit_apply`)."""
     self_inverse = True
     """Either side of a step gives the other: applying a payload to its result reverts it."""
     foldable = False
@@ -247,8 +247,8 @@ class CompactSparseEncoding(Encoding):
         names: Sequence[str],
     ) -> tuple[int, FormatError | None]:
         """One compiled call for the whole batch where numba is installed (see
-        :mod:`deltastore.codecs.jit_batch`); the base class's loop otherwise."""
-        compiled = jit.batch_kernels(self.use_jit)
+        :mod:`deltastore.codecs.jit_apply`); the base class's loop otherwise."""
+        compiled = jit.apply_kernels(self.use_jit)
         if compiled is None:
             return super().apply_batch(target, starts, sizes, payloads, names)
         return apply_compiled(self, compiled, target, starts, sizes, payloads, names, tagged=False)

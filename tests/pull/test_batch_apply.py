@@ -141,7 +141,7 @@ def test_a_one_step_pull_makes_one_codec_call_per_task(published, monkeypatch):
     ds.pull_weights(host, store, 1, base_dir=base, workers=2)
     assert calls["batch"] == 1
     # numpy: the base class's loop applies one by one inside that one call
-    assert calls["one"] == (0 if jit.batch_kernels(None) is not None else 40)
+    assert calls["one"] == (0 if jit.apply_kernels(None) is not None else 40)
     assert _state(host) == "000001"
     assert ds.verify_local(host, store, version=1, base_dir=base) == 1
     assert checkpoint_bytes(host) == {n: raw_bytes(t) for n, t in _experts(40, 1).items()}

@@ -1,6 +1,6 @@
 """Applying many payloads in one call: ``Encoding.apply_batch`` and ``decompress_many``.
 
-The compiled batch kernel (:mod:`deltastore.codecs.jit_batch`, numba) and the numpy path one
+The compiled batch kernel (:mod:`deltastore.codecs.jit_apply`, numba) and the numpy path one
 tensor at a time must give the same bytes for every valid payload, and refuse the same corrupt
 payloads with the same message, writing nothing of the refused tensor; a batch stops at the
 first refused payload with the ones before it applied and the ones after it untouched.
@@ -197,10 +197,10 @@ def test_a_tensor_outside_the_target_is_refused_before_the_kernel():
         )  # fmt: skip
 
 
-def test_no_jit_batches_apply_one_by_one(monkeypatch: pytest.MonkeyPatch):
+def test_no_jit_applyes_apply_one_by_one(monkeypatch: pytest.MonkeyPatch):
     """DELTASTORE_NO_JIT keeps the batch on numpy (the base class's loop), with the same bytes."""
     monkeypatch.setenv(jit.NO_JIT_VARIABLE, "1")
-    assert jit.batch_kernels(None) is None
+    assert jit.apply_kernels(None) is None
     olds, news = _tensors(11, 5, 2)
     auto = AutoEncoding()
     payloads = [bytes(auto.encode(o, n, itemsize=2).payload) for o, n in zip(olds, news)]

@@ -1,7 +1,7 @@
 """Applying a batch of ``sparse-v2`` or ``auto`` payloads with the compiled kernel.
 
 :meth:`Encoding.apply_batch` applies payloads one by one; ``sparse-v2`` and ``auto`` override it
-with :func:`apply_compiled`, one call of :mod:`deltastore.codecs.jit_batch` for the whole batch
+with :func:`apply_compiled`, one call of :mod:`deltastore.codecs.jit_apply` for the whole batch
 where numba is installed. Whatever that kernel does not apply itself (``auto``'s ``sparse-v1``
 payloads) is applied here one by one, and a payload it refuses is run through the encoding's own
 :meth:`~Encoding.apply` on a copy of its tensor, so the error is worded exactly as on the
@@ -31,7 +31,7 @@ def apply_compiled(
     *,
     tagged: bool,
 ) -> tuple[int, FormatError | None]:
-    """As :meth:`Encoding.apply_batch`, with ``kernels`` (:mod:`deltastore.codecs.jit_batch`);
+    """As :meth:`Encoding.apply_batch`, with ``kernels`` (:mod:`deltastore.codecs.jit_apply`);
     ``tagged``: the payloads are ``auto``'s."""
     if len(starts) and (int(starts.min()) < 0 or int((starts + sizes).max()) > target.size):
         # The kernel does not check indexes: a tensor outside the target is the caller's bug.
