@@ -20,6 +20,7 @@ WHY_MARKER = "long because"
 LAYERS = {
     "errors": 0,
     "progress": 0,
+    "gc_pause": 0,
     "format": 1,
     "codecs": 1,
     "storage": 2,

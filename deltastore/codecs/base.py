@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from deltastore.codecs.compression import compress
+from deltastore.errors import FormatError
 
 ByteArray = npt.NDArray[np.uint8]
 
@@ -67,6 +68,22 @@ class FramedDelta:
     """As :attr:`EncodedDelta.xor_changes`."""
 
 
+@dataclass(frozen=True)
+class PayloadBatch:
+    """Decompressed payloads of several tensors, back to back in one buffer."""
+
+    data: ByteArray
+    """Every payload's bytes, in order."""
+    offsets: npt.NDArray[np.int64]
+    """Payload ``i`` is ``data[offsets[i] : offsets[i + 1]]`` (one more offset than payloads)."""
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> memoryview:
+        return memoryview(self.data[int(self.offsets[i]) : int(self.offsets[i + 1])])
+
+
 class Encoding(ABC):
     """A byte-level, dtype-blind delta encoding.
 
@@ -82,6 +99,11 @@ class Encoding(ABC):
       size (so a frame declaring any other size is refused before it is decompressed).
     * ``reference_format``: reference readers know the encoding, so its delta shards keep
       their layout (one entry per tensor); shards of any other encoding are packed.
+    * ``checks_before_writing``: :meth:`apply` checks a payload whole and refuses one that does
+      not fit before it writes a byte of the target (so a self-inverse one may be applied
+      straight into the target and put back by applying it again).
+    * ``applies_in_batches``: :meth:`apply_batch` applies many payloads in fewer calls than one
+      each.
     """
 
     name: ClassVar[str]
@@ -95,6 +117,11 @@ class Encoding(ABC):
     """True when every decompressed payload is exactly the tensor's byte size."""
     reference_format: ClassVar[bool] = False
     """True for the reference's own encodings, whose shards reference readers must read."""
+    checks_before_writing: ClassVar[bool] = False
+    """True when :meth:`apply` raises for a payload that does not fit before touching the target."""
+    applies_in_batches: ClassVar[bool] = False
+    """True when :meth:`apply_batch` takes fewer calls than one per payload (so a caller should
+    hand many small payloads over together); False when it is :meth:`apply` in a loop."""
 
     def check_size(self, nbytes: int, *, tensor: str) -> None:  # noqa: B027 - optional hook
         """Raise :class:`ConfigError` if this encoding cannot represent a tensor of this size."""
@@ -135,6 +162,30 @@ class Encoding(ABC):
 
         Raises :class:`FormatError` (naming ``tensor``) if the payload does not fit the target.
         """
+
+    def apply_batch(
+        self,
+        target: ByteArray,
+        starts: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        payloads: PayloadBatch,
+        names: Sequence[str],
+    ) -> tuple[int, FormatError | None]:
+        """Apply ``payloads[i]`` to ``target[starts[i] : starts[i] + sizes[i]]`` in order, in
+        place, stopping at the first that does not fit.
+
+        Returns (how many were applied, the :class:`FormatError` naming ``names[i]`` of the one
+        refused, or None): the caller records the applied ones before it raises. An encoding
+        may override this with one call for the whole batch (fewer calls that each take and
+        release the GIL); this one applies them one by one.
+        """
+        for i, name in enumerate(names):
+            view = target[int(starts[i]) : int(starts[i]) + int(sizes[i])]
+            try:
+                self.apply(view, payloads[i], tensor=name)
+            except FormatError as exc:
+                return i, exc
+        return len(names), None
 
     def fold(self, folded: ByteArray, later: bytes | memoryview, *, tensor: str) -> ByteArray:
         """One payload equal to applying ``folded`` and then ``later`` (only if ``foldable``).

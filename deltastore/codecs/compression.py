@@ -7,10 +7,14 @@ output is allocated, so a hostile frame cannot make a reader allocate unbounded 
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import zstandard
 
+from deltastore.codecs.base import PayloadBatch
 from deltastore.errors import FormatError
 
 COMPRESSION_NAME = "zstd"
@@ -73,3 +77,50 @@ def decompress(
     if len(out) != declared:
         raise FormatError(f"{what} decompressed to {len(out)} bytes, it declared {declared}")
     return out
+
+
+def decompress_many(
+    frames: Sequence[bytes | memoryview],
+    max_sizes: Sequence[int],
+    exact: bool,
+    what: Callable[[int], str],
+) -> PayloadBatch:
+    """Decompress many frames into one buffer, each as :func:`decompress` would.
+
+    Frame ``i`` must declare at most ``max_sizes[i]`` bytes (exactly that many when ``exact``);
+    every declared size is checked before anything is allocated. The frames are decompressed
+    in one call that releases the GIL once (python-zstandard's ``multi_decompress_to_buffer``,
+    where the backend has it), not once per frame. A frame that does not pass raises
+    :class:`FormatError` worded by :func:`decompress` with ``what(i)``.
+    """
+    declared = []
+    for i, frame in enumerate(frames):
+        try:
+            size = zstandard.frame_content_size(frame)
+        except zstandard.ZstdError:
+            size = -1
+        if size < 0 or size > max_sizes[i] or (exact and size != max_sizes[i]):
+            # Worded (and raised) the way a single frame is.
+            decompress(frame, max_size=max_sizes[i], exact_size=max_sizes[i] if exact else None,
+                       what=what(i))  # fmt: skip
+        declared.append(size)
+    offsets = np.array([0, *itertools.accumulate(declared)], np.int64)
+    many = getattr(_decompressor(), "multi_decompress_to_buffer", None)
+    joined: bytes | None = None
+    # One frame (a large tensor is a batch of its own) is decompressed alone: joining would
+    # copy it.
+    if many is not None and len(frames) > 1 and min(declared) > 0:
+        try:
+            sizes = np.array(declared, np.uint64).tobytes()
+            out = many(list(frames), decompressed_sizes=sizes)
+            joined = b"".join(out)  # each segment is bytes-like
+        except zstandard.ZstdError:
+            joined = None  # found and worded frame by frame below
+    if joined is None:
+        joined = b"".join(
+            [
+                decompress(frame, max_size=declared[i], exact_size=declared[i], what=what(i))
+                for i, frame in enumerate(frames)
+            ]
+        )
+    return PayloadBatch(np.frombuffer(joined, np.uint8), offsets)

@@ -21,6 +21,8 @@ class XorEncoding(Encoding):
 
     name = "xor"
     idempotent = False
+    checks_before_writing = True
+    """Every bound of a payload is checked before the target is written."""
     self_inverse = True
     foldable = True
     exact_payload_size = True
@@ -59,6 +61,8 @@ class OverwriteEncoding(Encoding):
     name = "overwrite"
     idempotent = True
     reference_format = True
+    checks_before_writing = True
+    """Every bound of a payload is checked before the target is written."""
 
     def check_size(self, nbytes: int, *, tensor: str) -> None:
         # u32 positions address bytes 0..2**32-1, and the u32 count must hold the number of

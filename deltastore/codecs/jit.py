@@ -37,6 +37,27 @@ def _load() -> ModuleType | None:
         return _loaded["kernels"]
 
 
+def _load_apply() -> ModuleType | None:
+    """The batch kernels' module (:mod:`deltastore.codecs.jit_apply`), imported once."""
+    with _lock:
+        if "apply" not in _loaded:
+            try:
+                from deltastore.codecs import jit_apply
+            except ImportError:
+                _loaded["apply"] = None
+            else:
+                _loaded["apply"] = jit_apply
+        return _loaded["apply"]
+
+
+def apply_kernels(use_jit: bool | None) -> ModuleType | None:
+    """The compiled batch apply (:mod:`deltastore.codecs.jit_apply`), or None where
+    :func:`kernels` would give None (same ``use_jit`` and ``DELTASTORE_NO_JIT`` rules)."""
+    if kernels(use_jit) is None:
+        return None
+    return _load_apply()
+
+
 def kernels(use_jit: bool | None) -> ModuleType | None:
     """The compiled kernels to use (``encode``, ``decode``, ``apply_steps``), or None for
     numpy: ``use_jit`` False is numpy, True needs numba (:class:`ConfigError` without it), None

@@ -29,9 +29,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
-from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, FramedDelta
+from deltastore.codecs import jit
+from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, FramedDelta, PayloadBatch
 from deltastore.codecs.batch import encode_framed_batch
+from deltastore.codecs.batch_apply import apply_compiled
 from deltastore.codecs.compression import compress
 from deltastore.codecs.encodings import XorEncoding
 from deltastore.codecs.sparse import SparseXorEncoding
@@ -57,6 +60,10 @@ class AutoEncoding(Encoding):
 
     name = "auto"
     idempotent = False
+    checks_before_writing = True
+    """Every bound of a payload is checked before the target is written."""
+    applies_in_batches = True
+    """With numba, one compiled call per batch (:mod:`deltastore.codecs.jit_apply`)."""
     self_inverse = True
     """Values are XORed in: applying a payload to its own result restores the bytes."""
     foldable = False
@@ -132,3 +139,18 @@ class AutoEncoding(Encoding):
                 "deltastore does not know (0 = xor, 1 = sparse-v1, 2 = sparse-v2); upgrade "
                 "deltastore"
             )
+
+    def apply_batch(
+        self,
+        target: ByteArray,
+        starts: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        payloads: PayloadBatch,
+        names: Sequence[str],
+    ) -> tuple[int, FormatError | None]:
+        """One compiled call for the whole batch where numba is installed (``sparse-v2`` and
+        ``xor`` payloads in the kernel, ``sparse-v1`` ones one by one); else one by one."""
+        compiled = jit.apply_kernels(self.compact.use_jit)
+        if compiled is None:
+            return super().apply_batch(target, starts, sizes, payloads, names)
+        return apply_compiled(self, compiled, target, starts, sizes, payloads, names, tagged=True)

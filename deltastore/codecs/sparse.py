@@ -67,6 +67,8 @@ class SparseXorEncoding(Encoding):
 
     name = "sparse-v1"
     idempotent = False
+    checks_before_writing = True
+    """Every bound of a payload is checked before the target is written."""
     self_inverse = True
     """Values are XORed in: applying a payload to its own result restores the bytes."""
     foldable = False

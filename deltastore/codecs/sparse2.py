@@ -38,10 +38,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from deltastore.codecs import jit
-from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, FramedDelta, XorChanges
+from deltastore.codecs.base import (
+    ByteArray,
+    EncodedDelta,
+    Encoding,
+    FramedDelta,
+    PayloadBatch,
+    XorChanges,
+)
 from deltastore.codecs.batch import encode_framed_batch
+from deltastore.codecs.batch_apply import apply_compiled
 from deltastore.codecs.kernels import (
     ELEMENT_DTYPES,
     _bits_to_fields,
@@ -133,6 +142,10 @@ class CompactSparseEncoding(Encoding):
 
     name = NAME
     idempotent = False
+    checks_before_writing = True
+    """Every bound of a payload is checked before the target is written."""
+    applies_in_batches = True
+    """With numba, one compiled call per batch (:mod:`deltastore.codecs.jit_apply`)."""
     self_inverse = True
     """Either side of a step gives the other: applying a payload to its result reverts it."""
     foldable = False
@@ -241,3 +254,18 @@ class CompactSparseEncoding(Encoding):
             compiled.apply_steps(elements, positions, fields)
         else:
             elements[positions] = apply_steps(elements[positions], fields.astype(elements.dtype))
+
+    def apply_batch(
+        self,
+        target: ByteArray,
+        starts: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        payloads: PayloadBatch,
+        names: Sequence[str],
+    ) -> tuple[int, FormatError | None]:
+        """One compiled call for the whole batch where numba is installed (see
+        :mod:`deltastore.codecs.jit_apply`); the base class's loop otherwise."""
+        compiled = jit.apply_kernels(self.use_jit)
+        if compiled is None:
+            return super().apply_batch(target, starts, sizes, payloads, names)
+        return apply_compiled(self, compiled, target, starts, sizes, payloads, names, tagged=False)

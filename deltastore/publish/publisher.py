@@ -27,13 +27,13 @@ from typing import Any
 
 from deltastore.codecs import get_checksum, get_encoding
 from deltastore.errors import ConfigError, PublishError, SnapshotError
+from deltastore.gc_pause import gc_paused
 from deltastore.progress import ProgressCallback
 from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.coordination import Coordinator, make_coordinator
 from deltastore.publish.device import StagerStats
 from deltastore.publish.diff import DiffResult, DiffSettings, NamedTensors, diff_tensors, report_of
-from deltastore.publish.gc_pause import gc_paused
 from deltastore.publish.messages import (
     DiffReport,
     Failure,

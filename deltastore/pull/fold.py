@@ -109,6 +109,21 @@ def applies_in_place(payloads: Sequence[PayloadRef]) -> bool:
     return encoding.foldable and encoding.self_inverse
 
 
+def batches_in_place(payloads: Sequence[PayloadRef]) -> bool:
+    """True when a tensor's ``payloads`` may go into a batch applied straight into the map.
+
+    That is one payload of a self-inverse encoding that checks a payload whole before it
+    writes (so a refused payload leaves the tensor untouched, and a written one that does not
+    verify is put back by applying it again), foldable or not as nothing is folded, and whose
+    batch takes fewer calls than its payloads. (``xor``'s would not: its payloads are the
+    tensor's size, and joining them into one buffer costs more than the calls it saves.)
+    """
+    if len(payloads) != 1:
+        return False
+    encoding = get_encoding(payloads[0].encoding)
+    return encoding.self_inverse and encoding.checks_before_writing and encoding.applies_in_batches
+
+
 def _apply(
     encoding: Encoding, target: ByteArray, raw: bytes | ByteArray, name: str, version: int
 ) -> None:

@@ -97,6 +97,11 @@ class MappedFiles:
             offset=tensor.entry.start,
         )  # fmt: skip
 
+    def array(self, path: str) -> ByteArray:
+        """A writable view of the whole file at ``path`` (made private first, as for
+        :meth:`view`): codecs that apply many tensors in one call take offsets into it."""
+        return np.frombuffer(self._map(path), dtype=np.uint8)
+
     def prepare_writes(self, tensors: Sequence[CheckpointTensor]) -> None:
         """Map the pages of ``tensors`` (about to be written whole) writable, one call per run
         of adjacent tensors in a file (see :func:`prefault`)."""

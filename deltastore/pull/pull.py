@@ -17,6 +17,7 @@ from deltastore.errors import (
 )
 from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.state import AppliedState, PendingTransition
+from deltastore.gc_pause import gc_paused
 from deltastore.progress import ProgressCallback
 from deltastore.pull.apply import apply_chain
 from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain, resolve_onto
@@ -286,41 +287,52 @@ def _pull_here(
     os.makedirs(local.dir, exist_ok=True)
     stats = ApplyStats(progress=progress)
     run = _PullRun(source, local, base, workers, stats, time.perf_counter())
-    with local.lock(lock_timeout_s):
-        state = local.read_state()
-        pending = local.read_pending()
-        source.refresh(target_version if target_version > 0 else None)
-        # A host holding a version of the target's stream resolves only what is new; the
-        # whole chain is walked only for a repair or a reseed.
-        chain = (
-            resolve_onto(source.store, target_version, state)
-            if pending is None
-            else resolve_chain(source.store, target_version)
-        )
-        repair: RepairSummary | None = None
-        if pending is not None:
-            state, repair = recover(
-                source.store, local, pending, state, chain, base, workers, run.stats
-            )
-        state = trusted_state(
-            source.store, local, state, chain, base, workers, suspect=pending is not None
-        )
-        plan = plan_pull(source.store, chain, state)
-        if plan.action == "reseed" and chain.partial:
-            chain = resolve_chain(source.store, target_version)
-            plan = plan_pull(source.store, chain, state)
-        log.info("%s: plan: %s", local.dir, plan.describe())
-        if plan.action == "noop":
-            assert state is not None
-            return run.result(plan, state.version, "noop" if repair is None else "repaired", repair)
-        with preflight(source.store, chain, plan, local, base, keys, workers=workers) as checked:
-            run.checked = checked
-            if plan.action == "reseed":
-                run.reseed(chain, state, plan.reason or "the target builds on version 0")
-            if plan.deltas:
-                run.catch_up(chain, plan)
-    done = run.result(
-        plan, target_version, "reseeded" if plan.action == "reseed" else "applied", repair
-    )
+    with local.lock(lock_timeout_s), gc_paused():
+        # The collector resumes once the pull's objects (headers, histories, the scanned
+        # checkpoint) are gone with _pull_locked's frame, so its first collection is short.
+        done = _pull_locked(run, target_version, keys)
     log.info("%s: %s", local.dir, done.message)
     return done
+
+
+def _pull_locked(
+    run: _PullRun, target_version: int, keys: tuple[TrustedKey, ...] | None
+) -> PullResult:
+    """The pull itself, under the host's lock: recover, plan, apply or reseed, record."""
+    source, local, base, workers = run.source, run.local, run.base, run.workers
+    state = local.read_state()
+    pending = local.read_pending()
+    source.refresh(target_version if target_version > 0 else None)
+    # A host holding a version of the target's stream resolves only what is new; the
+    # whole chain is walked only for a repair or a reseed.
+    chain = (
+        resolve_onto(source.store, target_version, state)
+        if pending is None
+        else resolve_chain(source.store, target_version)
+    )
+    repair: RepairSummary | None = None
+    if pending is not None:
+        state, repair = recover(
+            source.store, local, pending, state, chain, base, workers, run.stats
+        )
+    state = trusted_state(
+        source.store, local, state, chain, base, workers, suspect=pending is not None
+    )
+    plan = plan_pull(source.store, chain, state)
+    if plan.action == "reseed" and chain.partial:
+        chain = resolve_chain(source.store, target_version)
+        plan = plan_pull(source.store, chain, state)
+    log.info("%s: plan: %s", local.dir, plan.describe())
+    if plan.action == "noop":
+        assert state is not None
+        return run.result(plan, state.version, "noop" if repair is None else "repaired", repair)
+    with preflight(source.store, chain, plan, local, base, keys, workers=workers) as checked:
+        run.checked = checked
+        if plan.action == "reseed":
+            run.reseed(chain, state, plan.reason or "the target builds on version 0")
+        if plan.deltas:
+            run.catch_up(chain, plan)
+    run.checked = CheckedPlan()  # (the scanned checkpoint goes before the collector resumes)
+    return run.result(
+        plan, target_version, "reseeded" if plan.action == "reseed" else "applied", repair
+    )

@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import deltastore as ds
 import deltastore.publish.publisher as publisher_module
 import deltastore.publish.rank_state as rank_state
+from deltastore.gc_pause import gc_paused
 from deltastore.publish.device import HostStager, host_bytes, plain_host_view
-from deltastore.publish.gc_pause import gc_paused
 from tests.conftest import checkpoint_bytes, make_checkpoint, perturb, raw_bytes
 
 Model = dict[str, torch.Tensor]
