@@ -16,7 +16,7 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from deltastore.codecs.compression import compress
+from deltastore.codecs.compression import PayloadBatch, compress
 from deltastore.errors import FormatError
 
 ByteArray = npt.NDArray[np.uint8]
@@ -66,22 +66,6 @@ class FramedDelta:
     """How many bytes of the tensor differ between old and new."""
     xor_changes: XorChanges | None = None
     """As :attr:`EncodedDelta.xor_changes`."""
-
-
-@dataclass(frozen=True)
-class PayloadBatch:
-    """Decompressed payloads of several tensors, back to back in one buffer."""
-
-    data: ByteArray
-    """Every payload's bytes, in order."""
-    offsets: npt.NDArray[np.int64]
-    """Payload ``i`` is ``data[offsets[i] : offsets[i + 1]]`` (one more offset than payloads)."""
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> memoryview:
-        return memoryview(self.data[int(self.offsets[i]) : int(self.offsets[i + 1])])
 
 
 class Encoding(ABC):

@@ -10,12 +10,30 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import zstandard
 
-from deltastore.codecs.base import PayloadBatch
 from deltastore.errors import FormatError
+
+
+@dataclass(frozen=True)
+class PayloadBatch:
+    """Decompressed payloads of several tensors, back to back in one buffer."""
+
+    data: npt.NDArray[np.uint8]
+    """Every payload's bytes, in order."""
+    offsets: npt.NDArray[np.int64]
+    """Payload ``i`` is ``data[offsets[i] : offsets[i + 1]]`` (one more offset than payloads)."""
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> memoryview:
+        return memoryview(self.data[int(self.offsets[i]) : int(self.offsets[i + 1])])
+
 
 COMPRESSION_NAME = "zstd"
 ZSTD_LEVEL = 1
