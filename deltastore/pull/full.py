@@ -7,8 +7,11 @@ touched; a corrupt or incomplete full version leaves the host at its verified ve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
+from collections.abc import Iterator
 
 import xxhash
 
@@ -25,6 +28,43 @@ from deltastore.storage.durable import atomic_replace, fsync_path
 
 STAGING_NAME = "staging"
 _COPY_CHUNK = 16 * 1024**2
+FLUSH_BEHIND_S = 0.2
+"""While a shard downloads, its bytes so far are flushed to disk this often, so the fsync
+that ends the download has only the last moments' bytes left to write."""
+_datasync = getattr(os, "fdatasync", os.fsync)
+
+
+@contextlib.contextmanager
+def flushed_behind(path: str, every_s: float = FLUSH_BEHIND_S) -> Iterator[None]:
+    """Flush ``path`` to disk every ``every_s`` seconds while the block writes it.
+
+    A download writes into the page cache at network speed and the fsync after it used to write
+    everything back at disk speed, one after the other (a 176 MB shard from a local S3 server:
+    a 1.1 s GET, then a 0.26 s fsync). Flushing behind overlaps the two. A file that does not
+    exist yet (or was replaced by a retry) is simply flushed on the next round.
+    """
+    done = threading.Event()
+
+    def flush() -> None:
+        while not done.wait(every_s):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                _datasync(fd)
+            except OSError:
+                pass  # the final fsync reports a real failure
+            finally:
+                os.close(fd)
+
+    flusher = threading.Thread(target=flush, name="deltastore-flush-behind", daemon=True)
+    flusher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        flusher.join()
 
 
 def check_full_complete(
@@ -67,7 +107,8 @@ def _download(store: VersionStore, version: int, shard: str, dst: str, *, check:
     """Copy one shard to ``dst`` (fsynced); with ``check``, hash it as read and again as
     written (for a version whose tensors carry no digests to verify them by)."""
     if not check:
-        size = store.download(version, shard, dst)
+        with flushed_behind(dst):
+            size = store.download(version, shard, dst)
         with open(dst, "rb+") as fh:
             os.fsync(fh.fileno())
         return size
