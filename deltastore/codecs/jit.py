@@ -13,6 +13,7 @@ both happen at the first encode, never at ``import deltastore``.
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from types import ModuleType
@@ -24,30 +25,16 @@ _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
 
-def _load() -> ModuleType | None:
-    """The compiled kernels' module, imported once per process; None without numba."""
+def _load(module: str) -> ModuleType | None:
+    """``deltastore.codecs.<module>`` (a module of kernels), imported once per process; None
+    without numba."""
     with _lock:
-        if "kernels" not in _loaded:
+        if module not in _loaded:
             try:
-                from deltastore.codecs import jit_kernels
+                _loaded[module] = importlib.import_module(f"deltastore.codecs.{module}")
             except ImportError:
-                _loaded["kernels"] = None
-            else:
-                _loaded["kernels"] = jit_kernels
-        return _loaded["kernels"]
-
-
-def _load_apply() -> ModuleType | None:
-    """The batch kernels' module (:mod:`deltastore.codecs.jit_apply`), imported once."""
-    with _lock:
-        if "apply" not in _loaded:
-            try:
-                from deltastore.codecs import jit_apply
-            except ImportError:
-                _loaded["apply"] = None
-            else:
-                _loaded["apply"] = jit_apply
-        return _loaded["apply"]
+                _loaded[module] = None
+        return _loaded[module]
 
 
 def apply_kernels(use_jit: bool | None) -> ModuleType | None:
@@ -55,7 +42,7 @@ def apply_kernels(use_jit: bool | None) -> ModuleType | None:
     :func:`kernels` would give None (same ``use_jit`` and ``DELTASTORE_NO_JIT`` rules)."""
     if kernels(use_jit) is None:
         return None
-    return _load_apply()
+    return _load("jit_apply")
 
 
 def kernels(use_jit: bool | None) -> ModuleType | None:
@@ -66,7 +53,7 @@ def kernels(use_jit: bool | None) -> ModuleType | None:
         return None
     if use_jit is None and os.environ.get(NO_JIT_VARIABLE, "0") not in ("", "0"):
         return None
-    module = _load()
+    module = _load("jit_kernels")
     if module is None and use_jit:
         raise ConfigError(
             "the compiled sparse-v2 codec needs numba: pip install 'deltastore[fast]'"
@@ -79,9 +66,4 @@ def batch_kernels(use_jit: bool | None) -> ModuleType | None:
     :func:`kernels`; None for numpy."""
     if kernels(use_jit) is None:
         return None
-    with _lock:
-        if "batch" not in _loaded:
-            from deltastore.codecs import jit_batch
-
-            _loaded["batch"] = jit_batch
-        return _loaded["batch"]
+    return _load("jit_batch")

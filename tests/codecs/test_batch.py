@@ -20,7 +20,7 @@ from deltastore.codecs.smallest import AutoEncoding
 from deltastore.codecs.sparse2 import CompactSparseEncoding
 from tests.codecs.test_sparse2 import stepped
 
-HAVE_NUMBA = jit._load() is not None
+HAVE_NUMBA = jit._load("jit_kernels") is not None
 needs_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")
 KINDS = {"sparse-v2": CompactSparseEncoding, "auto": AutoEncoding}
 

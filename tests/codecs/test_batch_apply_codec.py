@@ -21,10 +21,11 @@ from deltastore.codecs.encodings import XorEncoding
 from deltastore.codecs.smallest import TAG_SPARSE, AutoEncoding
 from deltastore.codecs.sparse import SparseXorEncoding
 from deltastore.codecs.sparse2 import CompactSparseEncoding
+from deltastore.codecs.steps import varint
 from deltastore.errors import FormatError
 from tests.codecs.test_sparse2 import stepped
 
-HAVE_NUMBA = jit._load() is not None
+HAVE_NUMBA = jit._load("jit_kernels") is not None
 needs_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")
 PAIRS = [
     (CompactSparseEncoding(use_jit=False), CompactSparseEncoding(use_jit=True)),
@@ -301,7 +302,7 @@ def _crafted(
     a test can put any field at the edge of what is valid."""
     bits = itemsize * 8
     log2 = {1: 0, 2: 1, 4: 2, 8: 3}[itemsize]
-    head = bytes([0x20 | log2]) + _varint(nbytes) + _varint(len(gaps) if count is None else count)
+    head = bytes([0x20 | log2]) + varint(nbytes) + varint(len(gaps) if count is None else count)
     if not gaps:
         return head
     index_width = (len(gaps) - 1).bit_length()
@@ -311,19 +312,10 @@ def _crafted(
         + bytes([k, width])
         + _packed("".join(_bits(g & ((1 << k) - 1), k) for g in gaps))
         + _packed("".join(_bits(f & ((1 << width) - 1), width) for f in fields))
-        + _varint(len(patches))
+        + varint(len(patches))
         + _packed(patch_bits)
         + _packed("".join("1" * (g >> k) + "0" for g in gaps) + "1" * padding, pad="1")
     )
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 CRAFTED = {

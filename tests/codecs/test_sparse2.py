@@ -19,7 +19,7 @@ from deltastore.codecs.sparse2 import CompactSparseEncoding
 from deltastore.errors import ConfigError, FormatError
 from deltastore.publish.snapshot import tensor_bytes
 
-HAVE_NUMBA = jit._load() is not None
+HAVE_NUMBA = jit._load("jit_kernels") is not None
 PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not HAVE_NUMBA, reason="no numba"))]
 NUMPY = CompactSparseEncoding(use_jit=False)
 DECODERS = [NUMPY, *([CompactSparseEncoding(use_jit=True)] if HAVE_NUMBA else [])]
@@ -206,7 +206,7 @@ def test_the_fast_extra_is_optional(monkeypatch: pytest.MonkeyPatch):
     assert jit.kernels(None) is None
     monkeypatch.setenv(jit.NO_JIT_VARIABLE, "0")
     assert (jit.kernels(None) is not None) == HAVE_NUMBA
-    monkeypatch.setitem(jit._loaded, "kernels", None)
+    monkeypatch.setitem(jit._loaded, "jit_kernels", None)
     assert jit.kernels(None) is None
     with pytest.raises(ConfigError, match="deltastore\\[fast\\]"):
         jit.kernels(True)

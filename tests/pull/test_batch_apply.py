@@ -26,7 +26,7 @@ from deltastore.pull.batches import Window
 from tests.conftest import checkpoint_bytes, make_checkpoint, raw_bytes
 
 Model = dict[str, torch.Tensor]
-HAVE_NUMBA = jit._load() is not None
+HAVE_NUMBA = jit._load("jit_kernels") is not None
 PATHS = [
     "numpy",
     pytest.param("compiled", marks=pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")),
