@@ -16,6 +16,7 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from deltastore.codecs import jit
 from deltastore.codecs.compression import PayloadBatch, compress
 from deltastore.errors import FormatError
 
@@ -35,6 +36,10 @@ class EncodedDelta:
     decoding the payload again. None where the encoding has none (then the payload is applied)."""
 
 
+COMPILED_XOR_CHANGES = 256
+"""Fewer changes than this are XORed in by numpy (a compiled call's fixed cost is more)."""
+
+
 @dataclass(frozen=True)
 class XorChanges:
     """Changed elements of a tensor: ``elements[positions] ^= values`` turns old into new."""
@@ -50,9 +55,15 @@ class XorChanges:
         return int(self.positions.nbytes + self.values.nbytes)
 
     def apply(self, target: ByteArray) -> None:
-        """XOR the values into the writable 1-D uint8 ``target`` in place."""
-        if self.positions.size:
-            elements = target.view(self.values.dtype)
+        """XOR the values into the writable 1-D uint8 ``target`` in place (compiled where the
+        ``fast`` extra is installed: :func:`deltastore.codecs.jit_kernels.xor_at`)."""
+        if not self.positions.size:
+            return
+        elements = target.view(self.values.dtype)
+        compiled = jit.kernels(None) if self.positions.size >= COMPILED_XOR_CHANGES else None
+        if compiled is not None:
+            compiled.xor_at(elements, self.positions, self.values)
+        else:
             elements[self.positions] ^= self.values
 
 

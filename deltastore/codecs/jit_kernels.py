@@ -1,7 +1,7 @@
 """numba kernels of ``sparse-v2``: imported only by :mod:`deltastore.codecs.jit`.
 
-One compiled call per tensor: it counts the differing 8-byte words (so every buffer is
-allocated once), finds the changed elements, codes their steps, chooses ``k`` and ``w`` exactly as
+One compiled call per tensor: it finds the changed elements (:mod:`deltastore.codecs.
+jit_changes`), codes their steps, chooses ``k`` and ``w`` exactly as
 the numpy path does (:mod:`deltastore.codecs.steps`, :func:`~deltastore.codecs.kernels.
 rice_parameter`) and writes the payload. Both release the GIL, so pool threads encode in
 parallel. Decoding reads every stream into arrays and checks it before the target is touched,
@@ -15,6 +15,7 @@ import numba
 import numpy as np
 
 from deltastore.codecs.base import ByteArray, XorChanges
+from deltastore.codecs.jit_changes import _changes
 from deltastore.codecs.kernels import ELEMENT_DTYPES
 
 U64 = np.uint64
@@ -58,54 +59,6 @@ def _flush(out, at, acc, held, ones):  # type: ignore[no-untyped-def]
         pad = U64((1 << (8 - held)) - 1) if ones else U64(0)
         at, acc, held = _put(out, at, acc, held, pad, 8 - held)
     return at
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _record(positions, xored, fields, j, i, a, b, mask, half):  # type: ignore[no-untyped-def]
-    """Store element ``i`` (old ``a``, new ``b``) as change ``j``."""
-    positions[j] = i
-    xored[j] = a ^ b
-    a64 = U64(a)
-    b64 = U64(b)
-    diff = (b64 - a64) & mask
-    if diff > half:
-        magnitude = (a64 - b64) & mask
-        low = b64
-    else:
-        magnitude = diff
-        low = a64
-    lowest = magnitude & (~magnitude + U64(1))
-    flag = U64(1) if low & lowest else U64(0)
-    fields[j] = ((magnitude - U64(1)) << U64(1)) | flag
-
-
-@numba.njit(cache=True, nogil=True)
-def _changes(old_words, new_words, old, new, bits):  # type: ignore[no-untyped-def]
-    """Positions, XOR values and step fields of the changed elements. 8-byte words are
-    compared first (a branch-free count sizes the buffers), and only a differing word is
-    looked at element by element."""
-    per_word = 64 // bits
-    differing = 0
-    for w in range(old_words.size):
-        differing += old_words[w] != new_words[w]
-    capacity = differing * per_word + old.size - old_words.size * per_word
-    positions = np.empty(capacity, np.int64)
-    xored = np.empty(capacity, old.dtype)
-    fields = np.empty(capacity, np.uint64)
-    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - bits)
-    half = U64(1) << U64(bits - 1)
-    j = 0
-    for w in range(old_words.size):
-        if old_words[w] != new_words[w]:
-            for i in range(w * per_word, (w + 1) * per_word):
-                if old[i] != new[i]:
-                    _record(positions, xored, fields, j, i, old[i], new[i], mask, half)
-                    j += 1
-    for i in range(old_words.size * per_word, old.size):  # the last elements, under a word
-        if old[i] != new[i]:
-            _record(positions, xored, fields, j, i, old[i], new[i], mask, half)
-            j += 1
-    return positions[:j], xored[:j], fields[:j]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -339,6 +292,25 @@ def _apply_steps(elements, positions, steps, bits):  # type: ignore[no-untyped-d
             elements[positions[j]] = (current + magnitude) & mask
         else:
             elements[positions[j]] = (current - magnitude) & mask
+
+
+@numba.njit(cache=True, nogil=True)
+def _xor_at(elements, positions, values):  # type: ignore[no-untyped-def]
+    for j in range(positions.size):
+        if positions[j] < 0 or positions[j] >= elements.size:
+            return False
+    for j in range(positions.size):
+        elements[positions[j]] ^= values[j]
+    return True
+
+
+def xor_at(elements: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+    """``elements[positions] ^= values`` in one pass without the GIL: numpy's fancy-index
+    update gathers, then scatters, with a cache miss each time on a large cold tensor (the
+    publisher's snapshot advance of a 522 MB step, 1.1 million changes: 33-46 ms in numpy,
+    11-23 ms here, two threads). Raises IndexError for a position outside ``elements``."""
+    if not _xor_at(elements, positions, values):
+        raise IndexError(f"a position is outside the {elements.size} elements")
 
 
 def decode(

@@ -110,6 +110,26 @@ def test_extreme_values_and_steps(itemsize: int, value: str):
     roundtrip(old.view(np.uint8), new.view(np.uint8), itemsize)
 
 
+CHUNK = 32 * 1024
+"""Bytes of each tensor the compiled encoder compares before it records their changes."""
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+@pytest.mark.parametrize("size", [CHUNK - 8, CHUNK, CHUNK + 8 + 3, 3 * CHUNK + 256 + 5])
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.6])
+def test_changes_at_block_and_chunk_edges(itemsize: int, size: int, density: float):
+    """The compiled encoder reads a tensor in 256-byte blocks and 32 KB chunks and grows its
+    buffers as changes come: changes on both sides of every edge, in the tail under a block,
+    and dense enough to grow the buffers mid-tensor are found as the numpy path finds them."""
+    rng = np.random.default_rng(size + itemsize)
+    old = rng.integers(0, 256, size=size, dtype=np.uint8)
+    new = stepped(old, itemsize, density, size, 3)
+    for edge in (0, 255, 256, CHUNK - 1, CHUNK, 2 * CHUNK, size - 1):
+        if edge < size:
+            new[edge] ^= 1
+    roundtrip(old, new, itemsize)
+
+
 @pytest.mark.parametrize("use_jit", PATHS)
 @pytest.mark.parametrize(
     "dtype",
@@ -298,3 +318,29 @@ def test_read_only_unaligned_memory_maps(tmp_path, use_jit: bool):
     target = np.memmap(path, dtype=np.uint8, mode="r+")[1:]
     encoding.apply(target, payload, tensor="t")
     assert target.tobytes() == new.tobytes()
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_compiled_xor_changes_match_numpy_and_refuse_outside_positions(itemsize: int):
+    """The snapshot advance (:meth:`XorChanges.apply`, compiled from 256 changes on) gives
+    numpy's bytes, and a position past the tensor raises before any element is changed."""
+    from deltastore.codecs.base import COMPILED_XOR_CHANGES, XorChanges
+
+    rng = np.random.default_rng(itemsize)
+    dtype = np.dtype(f"<u{itemsize}")
+    old = rng.integers(0, 256, size=4096 * itemsize, dtype=np.uint8)
+    positions = np.sort(rng.choice(4096, size=COMPILED_XOR_CHANGES * 2, replace=False))
+    values = rng.integers(1, 2 ** (8 * itemsize) - 1, size=positions.size, dtype=np.uint64)
+    changes = XorChanges(positions.astype(np.int64), values.astype(dtype))
+    compiled, by_numpy = old.copy(), old.copy()
+    changes.apply(compiled)
+    by_numpy.view(dtype)[positions] ^= values.astype(dtype)
+    assert compiled.tobytes() == by_numpy.tobytes() != old.tobytes()
+    outside = XorChanges(
+        np.append(changes.positions, 4096), np.append(changes.values, np.ones(1, dtype))
+    )
+    target = old.copy()
+    with pytest.raises(IndexError, match="outside the 4096 elements"):
+        outside.apply(target)
+    assert target.tobytes() == old.tobytes()
