@@ -3,6 +3,7 @@ tensor as its shard streams in, in whatever pieces the network delivers)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -31,7 +32,7 @@ DATA = os.urandom(70_000)
 def test_pieces_hash_as_the_whole(checksum: Checksum, cuts: list[int]) -> None:
     bounds = [0, *sorted(cuts), len(DATA)]
     hasher = checksum.hasher()
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         hasher.update(memoryview(DATA)[start:end])
     assert hasher.hexdigest() == checksum.hexdigest(DATA)
 

@@ -46,7 +46,7 @@ def published(tmp_path: Path, s3_server, s3_url: str):
     for version in (1, 2):
         model = {n: t.clone() for n, t in model.items()}
         for tensor in model.values():
-            tensor[version :: 997] += 1.0
+            tensor[version::997] += 1.0
         publisher.publish(model.items(), full=version == 2)
         states[version] = {n: raw_bytes(t) for n, t in model.items()}
     host = tmp_path / "host"
@@ -117,3 +117,21 @@ def test_a_stream_cut_midway_is_downloaded_again_and_verified(
     assert len(calls) > 3  # the shard was read again from its start
     assert checkpoint_bytes(host) == states[2]
     assert ds.verify_local(host, s3_url, storage_options=s3_server.storage_options) == 2
+
+
+def test_a_reseed_sends_three_requests(published, s3_server, s3_url: str) -> None:
+    """The target's index, read once (the walk from the host's version found a full version
+    and the full walk reuses it), its tombstone probe (one ranged GET, not a HEAD and a
+    listing), and the shard."""
+    host, base, states = published
+    _, shard = _full_shard(s3_server, s3_url)
+    root = s3_url.removeprefix("s3://")
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        options = proxy.storage_options(s3_server.storage_options)
+        ds.pull_weights(host, s3_url, 2, base, storage_options=options)
+    assert proxy.seen == [
+        ("GET", f"/{root}/weight_v000002/model.safetensors.index.json"),
+        ("GET", f"/{root}/_claims/weight_v000002.abort"),
+        ("GET", f"/{shard}"),
+    ]
+    assert checkpoint_bytes(host) == states[2]

@@ -4,6 +4,8 @@ byte anywhere in the data, a shard cut short, a restart (a retried download)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,7 +33,7 @@ def _shard(tensors: dict[str, bytes], digests: dict[str, str] | None = None) -> 
 
 def _feed(check: ShardDigests, data: bytes, cuts: list[int]) -> None:
     bounds = [0, *sorted(c % (len(data) + 1) for c in cuts), len(data)]
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         check.update(data[start:end])
 
 
@@ -86,5 +88,5 @@ def test_tensors_without_a_digest_are_not_checked_and_bad_digests_refused() -> N
     check = _check()
     check.update(_shard(TENSORS, {"a": XXH3.hexdigest(TENSORS["a"])}))
     assert check.mismatched() == []
-    with pytest.raises(FormatError, match="'a'.*weight_v000003|weight_v000003.*'a'"):
+    with pytest.raises(FormatError, match=r"weight_v000003: tensor 'a'"):
         _check().update(_shard(TENSORS, {"a": "not-hex"}))
