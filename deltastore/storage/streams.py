@@ -33,11 +33,17 @@ def file_blocks(fs: AbstractFileSystem, path: str, block: int) -> Generator[byte
 
 
 def streams_async(fs: AbstractFileSystem) -> bool:
-    """Whether ``fs`` reads a whole file as one stream (``open_async``: s3fs, not gcsfs)."""
+    """Whether ``fs`` reads a whole file as one stream (``open_async``: s3fs, not gcsfs).
+
+    Not for an s3fs with per-request options (``requester_pays``): its streamed read leaves
+    them out, where its ``get_file`` sends them.
+    """
     from fsspec.asyn import AsyncFileSystem
 
-    return isinstance(fs, AsyncFileSystem) and (
-        type(fs).open_async is not AsyncFileSystem.open_async
+    return (
+        isinstance(fs, AsyncFileSystem)
+        and type(fs).open_async is not AsyncFileSystem.open_async
+        and not getattr(fs, "req_kw", None)
     )
 
 
