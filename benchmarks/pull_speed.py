@@ -20,7 +20,8 @@ Both end byte-exact (checked). Prints both times and the ratio deltastore / refe
 ``--s3`` also measures a reseed through S3 (a moto server in this process): a full version is
 published to it, then, best of ``--repeat``, ``s3fs.get`` of that version's files into a
 fresh dir against ``pull_weights`` reseeding a fresh host from it (download, verify every
-tensor, durable), and ``s3fs.put`` of those files to a new prefix against publishing the model
+tensor, durable; also against ``s3fs.get(..., max_concurrency=1)``, one GET per file as the
+reseed sends), and ``s3fs.put`` of those files to a new prefix against publishing the model
 again as a full version (digests, shards, commit). Prints the ratios deltastore / s3fs.
 """
 
@@ -147,7 +148,8 @@ def s3_reseed(work: str, base: str, model: dict[str, torch.Tensor], args: argpar
         fs, root = fsspec.core.url_to_fs(url, **options)
         files = [f for f in fs.find(root + "/weight_v000001") if f.endswith(".safetensors")]
         times: dict[str, list[float]] = {
-            "s3fs.get": [], "deltastore": [], "s3fs.put": [], "deltastore publish": []
+            "s3fs.get": [], "s3fs.get one stream": [], "s3fs.get one stream + fsync": [],
+            "deltastore": [], "s3fs.put": [], "deltastore publish": [],
         }  # fmt: skip
         local_copy = os.path.join(work, "s3copy")
         os.makedirs(local_copy)
@@ -167,6 +169,18 @@ def s3_reseed(work: str, base: str, model: dict[str, torch.Tensor], args: argpar
             started = time.perf_counter()
             fs.get(files, target + "/")
             times["s3fs.get"].append(time.perf_counter() - started)
+            shutil.rmtree(target)
+            os.makedirs(target)
+            # One GET per file, as deltastore's reseed reads a shard (s3fs.get by default
+            # fetches a file over 50 MiB in concurrent ranges after a GET that learns its size).
+            started = time.perf_counter()
+            fs.get(files, target + "/", max_concurrency=1)
+            times["s3fs.get one stream"].append(time.perf_counter() - started)
+            for name in os.listdir(target):  # durable, as the reseed's copy is
+                fd = os.open(os.path.join(target, name), os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+            times["s3fs.get one stream + fsync"].append(time.perf_counter() - started)
             host = os.path.join(work, f"s3host{attempt}")
             started = time.perf_counter()
             pull_weights(host, url, 1, base, storage_options=options, workers=args.workers)
@@ -225,6 +239,11 @@ def main() -> None:
                 f"deltastore {best['deltastore']:.3f} s ({mb_s['deltastore']:.0f} MB/s)"
             )
             print(f"ratio deltastore / s3fs.get: {best['deltastore'] / best['s3fs.get']:.2f}x")
+            for side in ("s3fs.get one stream", "s3fs.get one stream + fsync"):
+                print(
+                    f"{side} (max_concurrency=1) {best[side]:.3f} s ({mb_s[side]:.0f} MB/s); "
+                    f"ratio deltastore / it: {best['deltastore'] / best[side]:.2f}x"
+                )
             put, ours = best["s3fs.put"], best["deltastore publish"]
             print(
                 f"s3 full publish: s3fs.put {put:.3f} s ({size_mb / put:.0f} MB/s), "

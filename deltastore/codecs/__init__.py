@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deltastore.codecs.base import ByteArray, Checksum, Digest, EncodedDelta, Encoding
+from deltastore.codecs.base import ByteArray, Checksum, Digest, EncodedDelta, Encoding, Hasher
 from deltastore.codecs.checksums import Adler32Checksum, Blake3Checksum, Xxh3Checksum
 from deltastore.codecs.compression import COMPRESSION_NAME, compress, decompress
 from deltastore.codecs.encodings import OverwriteEncoding, XorEncoding
@@ -68,6 +68,7 @@ __all__ = [
     "Digest",
     "EncodedDelta",
     "Encoding",
+    "Hasher",
     "check_compression",
     "compress",
     "decompress",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -200,6 +200,32 @@ class Checksum(ABC):
     @abstractmethod
     def hexdigest(self, data: ByteArray | bytes | memoryview) -> str:
         """Lower-case hex digest of ``data``."""
+
+    def hasher(self) -> Hasher:
+        """A digest fed piece by piece: ``update`` with consecutive slices, then ``hexdigest``
+        equals :meth:`hexdigest` of their concatenation. This default keeps the pieces (any
+        checksum works); the built-in checksums override it to hash as they go."""
+        return _KeptPieces(self)
+
+
+class Hasher(Protocol):
+    """An incremental digest (see :meth:`Checksum.hasher`)."""
+
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+class _KeptPieces:
+    def __init__(self, checksum: Checksum) -> None:
+        self._checksum = checksum
+        self._pieces = bytearray()
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        self._pieces += data
+
+    def hexdigest(self) -> str:
+        return self._checksum.hexdigest(bytes(self._pieces))
 
 
 @dataclass(frozen=True)

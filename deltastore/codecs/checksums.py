@@ -7,7 +7,7 @@ import zlib
 import blake3
 import xxhash
 
-from deltastore.codecs.base import ByteArray, Checksum
+from deltastore.codecs.base import ByteArray, Checksum, Hasher
 
 
 class Xxh3Checksum(Checksum):
@@ -19,6 +19,9 @@ class Xxh3Checksum(Checksum):
     def hexdigest(self, data: ByteArray | bytes | memoryview) -> str:
         return xxhash.xxh3_128_hexdigest(memoryview(data).cast("B"))
 
+    def hasher(self) -> Hasher:
+        return xxhash.xxh3_128()
+
 
 class Blake3Checksum(Checksum):
     """blake3 (32-byte) as 64 hex characters: cryptographic, for untrusted storage."""
@@ -28,6 +31,9 @@ class Blake3Checksum(Checksum):
 
     def hexdigest(self, data: ByteArray | bytes | memoryview) -> str:
         return blake3.blake3(memoryview(data).cast("B")).hexdigest()
+
+    def hasher(self) -> Hasher:
+        return blake3.blake3()
 
 
 class Adler32Checksum(Checksum):
@@ -44,3 +50,22 @@ class Adler32Checksum(Checksum):
         for offset in range(0, len(view), step):
             value = zlib.adler32(view[offset : offset + step], value)
         return f"{value:08x}"
+
+    def hasher(self) -> Hasher:
+        return _Adler32()
+
+
+class _Adler32:
+    """adler32 fed piece by piece (zlib carries the running value)."""
+
+    def __init__(self) -> None:
+        self._value = 1
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        view = memoryview(data).cast("B")
+        step = 1 << 30  # see Adler32Checksum.hexdigest
+        for offset in range(0, len(view), step):
+            self._value = zlib.adler32(view[offset : offset + step], self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"

@@ -15,7 +15,7 @@ from deltastore.errors import VersionNotFoundError
 from deltastore.format.index import VersionIndex
 from deltastore.format.state import AppliedState
 from deltastore.storage import VersionStore
-from deltastore.storage.chain import iter_chain, walk_chain
+from deltastore.storage.chain import IndexSource, iter_chain, walk_chain
 
 log = logging.getLogger("deltastore.pull")
 
@@ -67,7 +67,7 @@ class Chain:
         return None
 
 
-def resolve_chain(store: VersionStore, target: int) -> Chain:
+def resolve_chain(store: IndexSource, target: int) -> Chain:
     """Walk ``base_version`` links back from ``target`` to a full version or the base.
 
     Raises :class:`VersionNotFoundError` if the target or a link is not committed (pruned:
@@ -91,14 +91,15 @@ def resolve_onto(store: VersionStore, target: int, state: AppliedState | None) -
     if state is None or state.version <= 0 or state.version >= target:
         return resolve_chain(store, target)
     held = state.version
+    once = _ReadOnce(store)  # the full walk, if it comes to one, reuses what was read
 
     def read(version: int) -> VersionIndex | None:
-        return None if version <= held else store.index(version)
+        return None if version <= held else once.index(version)
 
     try:
         deltas = list(iter_chain(target, read))
     except VersionNotFoundError:
-        return resolve_chain(store, target)  # the full walk names what is missing
+        return resolve_chain(once, target)  # the full walk names what is missing
     deltas.reverse()
     if (
         not deltas
@@ -106,8 +107,22 @@ def resolve_onto(store: VersionStore, target: int, state: AppliedState | None) -
         or deltas[0].base_version != held
         or any(d.stream_id != state.stream_id for d in deltas)
     ):
-        return resolve_chain(store, target)
+        return resolve_chain(once, target)
     return Chain(target, held, None, deltas, state.stream_id, partial=True)
+
+
+class _ReadOnce:
+    """A store's indexes for one resolution, each read (two requests on S3) at most once."""
+
+    def __init__(self, store: IndexSource) -> None:
+        self.store = store
+        self.url = store.url
+        self._read: dict[int, VersionIndex] = {}
+
+    def index(self, version: int) -> VersionIndex:
+        if version not in self._read:
+            self._read[version] = self.store.index(version)
+        return self._read[version]
 
 
 def version_bytes(store: VersionStore, index: VersionIndex) -> int:

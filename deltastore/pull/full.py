@@ -21,8 +21,8 @@ from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex, check_shard_names
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.shard_check import ShardDigests
 from deltastore.pull.stats import ApplyStats, run_pool
-from deltastore.pull.verify import full_digests, verify_tensors
 from deltastore.storage import VersionStore
 from deltastore.storage.durable import atomic_replace, fsync_path
 
@@ -103,29 +103,39 @@ def check_full_complete(
         )
 
 
-def _download(store: VersionStore, version: int, shard: str, dst: str, *, check: bool) -> int:
-    """Copy one shard to ``dst`` (fsynced); with ``check``, hash it as read and again as
-    written (for a version whose tensors carry no digests to verify them by)."""
-    if not check:
-        with flushed_behind(dst):
-            size = store.download(version, shard, dst)
-        with open(dst, "rb+") as fh:
-            os.fsync(fh.fileno())
+class _WholeFile:
+    """A download sink hashing the whole file (a full version without per-tensor digests)."""
+
+    def __init__(self) -> None:
+        self.hasher = xxhash.xxh3_128()
+
+    def restart(self) -> None:
+        self.hasher = xxhash.xxh3_128()
+
+    def update(self, data: bytes) -> None:
+        self.hasher.update(data)
+
+
+def _download(
+    store: VersionStore, version: int, shard: str, dst: str, sink: ShardDigests | None
+) -> int:
+    """Copy one shard to ``dst`` (fsynced), its bytes fed to ``sink`` as they arrive.
+
+    Without a sink (a version whose tensors carry no digests to verify them by) the copy is
+    hashed as read and again as written.
+    """
+    whole = _WholeFile() if sink is None else None
+    with flushed_behind(dst):
+        size = store.download(version, shard, dst, sink or whole)
+    with open(dst, "rb+") as fh:
+        os.fsync(fh.fileno())
+    if whole is None:
         return size
-    source_hash = xxhash.xxh3_128()
-    size = 0
-    with store.open_read(version, shard) as src, open(dst, "wb") as out:
-        while chunk := src.read(_COPY_CHUNK):
-            source_hash.update(chunk)
-            out.write(chunk)
-            size += len(chunk)
-        out.flush()
-        os.fsync(out.fileno())
     copy_hash = xxhash.xxh3_128()
     with open(dst, "rb") as fh:
         while chunk := fh.read(_COPY_CHUNK):
             copy_hash.update(chunk)
-    if copy_hash.digest() != source_hash.digest():
+    if copy_hash.digest() != whole.hasher.digest():
         raise IntegrityError(
             f"{version_dir_name(version)}/{shard}: the local copy {dst} differs from what was "
             "read; check the local disk"
@@ -150,21 +160,26 @@ def stage_full(
     was written).
 
     Tensors are checked against the digests in the shard metadata when the publisher recorded
-    them (deltastore always does); a foreign full version without digests is checked by
-    hashing each file as it is downloaded and again after it is written. Raises
-    :class:`IntegrityError` / :class:`NameMismatchError`; the local weights are untouched.
+    them (deltastore always does), each hashed as its bytes arrive; a foreign full version
+    without digests is checked by hashing each file as it is downloaded and again after it is
+    written. Raises :class:`IntegrityError` / :class:`NameMismatchError`; the local weights
+    are untouched.
     """
     where = version_dir_name(index.version)
     staging = os.path.join(local.state_dir, STAGING_NAME)
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     shards = index.shards()
-    # With digests every staged tensor is verified below, so the copies need no hash of their
-    # own; shards download concurrently (one streamed GET each).
-    check = not index.checksum
+    checksum = get_checksum(index.checksum) if index.checksum else None
+    checks = {
+        shard: ShardDigests(checksum, where, f"{store.url}/{where}/{shard}")
+        for shard in shards
+        if checksum is not None
+    }
 
-    def download(shard: str) -> None:
-        size = _download(store, index.version, shard, os.path.join(staging, shard), check=check)
+    def download(shard: str) -> None:  # shards download concurrently, one streamed GET each
+        dst = os.path.join(staging, shard)
+        size = _download(store, index.version, shard, dst, checks.get(shard))
         if stats is not None:
             stats.add(bytes_read=size, bytes_written=size)
 
@@ -176,9 +191,12 @@ def stage_full(
     for shard in shards:
         names = {n for n, t in staged.items() if os.path.basename(t.file) == shard}
         check_shard_names(index, shard, names, source=f"{store.url}/{where}/{shard}")
-    if index.checksum:
-        digests = full_digests(store, index, get_checksum(index.checksum), staged=staging)
-        verify_tensors(staged, digests, where=f"{store.url}/{where}", workers=workers)
+    bad = sorted(name for check in checks.values() for name in check.mismatched())
+    if bad:
+        raise IntegrityError(
+            f"{store.url}/{where}: {len(bad)} tensor(s) do not match their published digests, "
+            f"e.g. {bad[:5]}; the local weights were not changed"
+        )
     return staging
 
 

@@ -20,7 +20,7 @@ from deltastore.errors import ConfigError, FormatError, StoreError, VersionNotFo
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.format.safetensors_io import SafetensorsHeader
-from deltastore.storage import VersionStore
+from deltastore.storage import DownloadSink, VersionStore
 
 log = logging.getLogger("deltastore.pull")
 
@@ -156,8 +156,8 @@ class NearestStores(VersionStore):
     def list_files(self, version: int) -> list[str]:
         return self._read(version, lambda s: s.list_files(version))
 
-    def download(self, version: int, name: str, dst: str) -> int:
-        return self._read(version, lambda s: s.download(version, name, dst))
+    def download(self, version: int, name: str, dst: str, sink: DownloadSink | None = None) -> int:
+        return self._read(version, lambda s: s.download(version, name, dst, sink))
 
     @contextlib.contextmanager
     def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:

@@ -2,6 +2,7 @@
 retries, prune."""
 
 from deltastore.storage.prune import PruneReport
+from deltastore.storage.reads import DownloadSink
 from deltastore.storage.retry import RetryPolicy, is_transient
 from deltastore.storage.store import (
     PostWriteHook,
@@ -13,6 +14,7 @@ from deltastore.storage.store import (
 from deltastore.storage.writer import VersionWriter
 
 __all__ = [
+    "DownloadSink",
     "PostWriteHook",
     "PreReadHook",
     "PruneReport",

@@ -14,12 +14,13 @@ import socket
 import threading
 import urllib.parse
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from deltastore.errors import ConfigError, StoreError, TransientStoreError
 from deltastore.storage.durable import atomic_writer, create_new_file, fsync_path
 from deltastore.storage.retry import RetryPolicy, is_transient
+from deltastore.storage.streams import file_blocks, streamed_blocks, streams_async
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -75,6 +76,12 @@ class Backend(ABC):
 
     def read_options(self, block_size: int) -> dict[str, Any]:
         return {}
+
+    def read_blocks(self, path: str, block_size: int) -> Generator[bytes, None, None] | None:
+        """The whole file at ``path`` front to back, about ``block_size`` bytes at a time, in
+        one read (one GET); None when this kind of store has no such read (the caller
+        downloads with ``fs.get_file``). Errors surface while iterating."""
+        return file_blocks(self.fs, path, block_size)
 
     def make_durable(self, directory: str) -> None:
         """Make the names in ``directory`` durable (local only)."""
@@ -201,6 +208,10 @@ class ObjectStoreBackend(Backend):
     def read_options(self, block_size: int) -> dict[str, Any]:
         # Plain read-ahead of one block: gcsfs's default prefetcher buffers far more.
         return {"block_size": block_size, "cache_type": "readahead"}
+
+    def read_blocks(self, path: str, block_size: int) -> Generator[bytes, None, None] | None:
+        fs = self.fs
+        return streamed_blocks(fs, path, block_size) if streams_async(fs) else None
 
     def endpoint(self) -> str | None:
         options = self.options

@@ -11,7 +11,7 @@ import contextlib
 import os
 import posixpath
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar
 
 from deltastore.errors import FormatError, VersionNotFoundError
 from deltastore.format.names import version_dir_name
@@ -106,20 +106,39 @@ class FileReads:
         header = parse_header(head[8 : 8 + length], file_size=size, source=source)
         return unpack_header(header, source=source)
 
-    def download(self, version: int, name: str, dst: str) -> int:
-        """Copy a file of a version to the local path ``dst`` (one streamed GET on an object
-        store; not fsynced) and return its size in bytes. A retry rewrites ``dst`` whole.
+    def download(self, version: int, name: str, dst: str, sink: DownloadSink | None = None) -> int:
+        """Copy a file of a version to the local path ``dst`` (not fsynced) and return its size
+        in bytes; ``sink`` sees every byte, in order, as it is written.
 
-        Raises :class:`VersionNotFoundError` if the file is missing (pruned).
+        One streamed GET on S3 (the next block is read while this one is written); gcsfs has
+        no streamed read, so there ``fs.get_file`` downloads and the sink reads the copy back.
+        A retry rewrites ``dst`` whole and restarts the sink. Raises
+        :class:`VersionNotFoundError` if the file is missing (pruned).
         """
         path = self.file_path(version, name)
+
+        def attempt() -> int:
+            if sink is not None:
+                sink.restart()
+            blocks = self.backend.read_blocks(path, self.block_size)
+            if blocks is None:
+                self.fs.get_file(path, dst)
+                return _read_back(dst, sink, self.block_size)
+            size = 0
+            with contextlib.closing(blocks), open(dst, "wb") as out:
+                for data in blocks:
+                    out.write(data)
+                    if sink is not None:
+                        sink.update(data)
+                    size += len(data)
+            return size
+
         try:
-            self._guard(f"downloading {path}", lambda: self.fs.get_file(path, dst))
+            return self._guard(f"downloading {path}", attempt)
         except FileNotFoundError:
             raise VersionNotFoundError(
                 f"{name} of weight_v{version:06d} is missing in {self.url}"
             ) from None
-        return os.path.getsize(dst)
 
     @contextlib.contextmanager
     def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
@@ -145,3 +164,25 @@ class FileReads:
         return sorted(
             posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file"
         )
+
+
+class DownloadSink(Protocol):
+    """What :meth:`FileReads.download` feeds a file's bytes to as they arrive."""
+
+    def restart(self) -> None:
+        """Forget what was fed: the file comes again from its first byte (a retry)."""
+
+    def update(self, data: bytes) -> None:
+        """The file's next bytes."""
+
+
+def _read_back(path: str, sink: DownloadSink | None, block_size: int) -> int:
+    """Feed a downloaded local file to ``sink``; its size."""
+    if sink is None:
+        return os.path.getsize(path)
+    size = 0
+    with open(path, "rb") as fh:
+        while data := fh.read(block_size):
+            sink.update(data)
+            size += len(data)
+    return size

@@ -24,7 +24,10 @@ T = TypeVar("T")
 
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
                     "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
-                    "ConditionalRequestConflict", "OperationAborted"}  # fmt: skip
+                    "ConditionalRequestConflict", "OperationAborted",
+                    # a streamed body cut short (botocore's wrappers, aiohttp's own)
+                    "ResponseStreamingError", "IncompleteReadError",
+                    "ClientPayloadError"}  # fmt: skip
 
 
 def _status_of(exc: BaseException) -> int | None:

@@ -24,6 +24,7 @@ and :class:`VersionWriter`'s ``_step_hook`` to pause a writer between protocol s
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -252,6 +253,30 @@ class StoreConformance(PruneConformance, RaceConformance):
         with store.open_read(1, "big.safetensors") as fh:
             fh.seek(size - 10)
             assert fh.read() == expected(size - 10, size)
+
+    def test_download_feeds_every_byte_in_order(self, store: VersionStore, tmp_path: Path) -> None:
+        size = 2 * store.block_size + 12345  # several streamed blocks, the last one short
+        data = (bytes(range(251)) * (size // 251 + 1))[:size]
+        store.begin(1).write_file("big.safetensors", data)
+
+        class Sink:
+            def __init__(self) -> None:
+                self.restarts, self.data = 0, bytearray()
+
+            def restart(self) -> None:
+                self.restarts, self.data = self.restarts + 1, bytearray()
+
+            def update(self, piece: bytes) -> None:
+                self.data += piece
+
+        sink = Sink()
+        assert store.download(1, "big.safetensors", str(tmp_path / "copy"), sink) == size
+        assert (tmp_path / "copy").read_bytes() == data
+        assert bytes(sink.data) == data and sink.restarts == 1
+        assert store.download(1, "big.safetensors", str(tmp_path / "bare")) == size
+        assert (tmp_path / "bare").read_bytes() == data
+        with pytest.raises(VersionNotFoundError):
+            store.download(1, "missing.safetensors", str(tmp_path / "none"), Sink())
 
     def test_failed_streamed_write_leaves_no_file(self, store: VersionStore) -> None:
         writer = store.begin(1)
