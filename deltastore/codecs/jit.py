@@ -13,6 +13,8 @@ both happen at the first encode, never at ``import deltastore``.
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import importlib
 import os
 import threading
@@ -25,10 +27,52 @@ _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
 
+KERNEL_SOURCES = "jit_*.py"
+"""The kernel modules: numba compiles a kernel together with the kernels it calls from the
+other modules, but keys its on-disk cache on the kernel's own file alone."""
+STAMP_NAME = "deltastore-kernels.stamp"
+
+
+def drop_stale_kernels(directory: str = os.path.dirname(__file__)) -> bool:
+    """Remove the cached compiled kernels next to the kernel modules in ``directory`` when any
+    of those modules changed since they were cached; True when some were removed.
+
+    Numba would reload a kernel whose own file is unchanged even after a kernel it calls in
+    another module changed (``jit_batch`` calls ``jit_kernels``, which calls ``jit_changes``),
+    running the old code. A digest of every kernel module, kept beside the cache, catches that.
+    Only the cache in ``__pycache__`` is checked (not a ``NUMBA_CACHE_DIR``); one that cannot
+    be written is left alone.
+    """
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(directory, KERNEL_SOURCES))):
+        with open(path, "rb") as fh:
+            digest.update(os.path.basename(path).encode() + b"\0" + fh.read())
+    cache = os.path.join(directory, "__pycache__")
+    stamp = os.path.join(cache, STAMP_NAME)
+    try:
+        with open(stamp) as fh:
+            if fh.read() == digest.hexdigest():
+                return False
+    except OSError:
+        pass
+    stale = glob.glob(os.path.join(cache, "jit_*.nb[ic]"))
+    try:
+        for path in stale:
+            os.remove(path)
+        os.makedirs(cache, exist_ok=True)
+        with open(stamp, "w") as fh:
+            fh.write(digest.hexdigest())
+    except OSError:
+        return False  # a read-only install: nothing there was compiled from other sources
+    return bool(stale)
+
+
 def _load(module: str) -> ModuleType | None:
     """``deltastore.codecs.<module>`` (a module of kernels), imported once per process; None
     without numba."""
     with _lock:
+        if not _loaded:
+            drop_stale_kernels()
         if module not in _loaded:
             try:
                 _loaded[module] = importlib.import_module(f"deltastore.codecs.{module}")

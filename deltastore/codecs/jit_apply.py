@@ -20,6 +20,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from deltastore.codecs.jit_kernels import _bit_length, _read_varint
+
 U64 = np.uint64
 MARK = 0x20
 APPLIED = 0
@@ -32,35 +34,6 @@ ELSEWHERE = 2
 TAG_XOR = 0
 TAG_SPARSE = 1
 TAG_COMPACT = 2
-
-
-# _bit_length and _read_varint are jit_kernels' own, copied: numba's on-disk cache of a function
-# does not notice a change to a function it calls from another file.
-@numba.njit(cache=True, nogil=True, inline="always")
-def _bit_length(value):  # type: ignore[no-untyped-def]
-    length = 0
-    while value:
-        value >>= U64(1)
-        length += 1
-    return length
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _read_varint(raw, at):  # type: ignore[no-untyped-def]
-    """(value, offset after it, ok) of the LEB128 at ``at``: not ok when truncated or over 64
-    bits (as ``steps.read_varint``)."""
-    value = U64(0)
-    shift = 0
-    while at < raw.size and shift < 64:
-        byte = U64(raw[at])
-        if shift == 63 and (byte & U64(0x7F)) > U64(1):
-            return value, at, False
-        value |= (byte & U64(0x7F)) << U64(shift)
-        at += 1
-        if not byte & U64(0x80):
-            return value, at, True
-        shift += 7
-    return value, at, False
 
 
 @numba.njit(cache=True, nogil=True)
