@@ -9,6 +9,7 @@ taken from the front of a queue, so no step scans the tensors already submitted.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import threading
 import time
 from collections import deque
@@ -184,11 +185,14 @@ def diff_tensors(
     settings: DiffSettings,
     spool: PayloadSpool,
     metrics: dict[str, float],
+    pool: cf.Executor | None = None,
 ) -> DiffResult:
     """Diff every passed tensor against ``old_bytes(name)`` (the snapshot).
 
-    Host copies are staged under the in-flight byte budget and at most ``2 * workers``
-    encodes are pending, so a slow pool holds the producer back. Adds ``load_s``, ``copy_s``,
+    The encodes run in ``pool`` (the publisher's kept threads; None: a pool of ``workers``
+    threads for this call). Host copies are staged under the in-flight byte budget and at most
+    ``2 * workers`` encodes are pending, so a slow pool holds the producer back. Adds
+    ``load_s``, ``copy_s``,
     ``encode_s`` and ``diff_s`` to ``metrics``. Raises :class:`PublishError` naming a tensor
     passed twice, unknown to the base, or of another size, dtype or shape.
     """
@@ -215,11 +219,16 @@ def diff_tensors(
     batch_bytes = 0
     batch_limit = min(BATCH_BYTES, settings.max_inflight_bytes // 2)
     started = time.perf_counter()
-    with cf.ThreadPoolExecutor(settings.workers, thread_name_prefix="deltastore-encode") as pool:
+    # A kept pool (the publisher's) outlives this call; one made here is shut down after it.
+    with (
+        contextlib.nullcontext(pool)
+        if pool is not None
+        else cf.ThreadPoolExecutor(settings.workers, thread_name_prefix="deltastore-encode")
+    ) as executor:
 
         def submit() -> None:
             nonlocal batch, batch_bytes
-            pending.append(pool.submit(_encode, settings, spool, metrics, lock, batch))
+            pending.append(executor.submit(_encode, settings, spool, metrics, lock, batch))
             batch, batch_bytes = [], 0
             while pending and (len(pending) > window or pending[0].done()):
                 take_oldest()
@@ -246,6 +255,7 @@ def diff_tensors(
                 item.staged.release()
             for future in pending:
                 future.cancel()
+            cf.wait(pending)  # a kept pool is not shut down: the running encodes end here
             raise
         finally:
             stager.close()

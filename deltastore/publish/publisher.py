@@ -4,7 +4,7 @@ One code path serves one process and many ranks: with ``torch.distributed`` init
 ``process_group`` given) :meth:`DeltaPublisher.publish` is a collective; alone, every collective
 is the identity. One publish is five phases (docs/publishing.md has the full account):
 
-1. **diff** (every rank): the tensors it is passed against its snapshot (:mod:`.diff`);
+1. **diff** (every rank, in its kept threads): the tensors it is passed against its snapshot;
 2. **plan** (gather → rank 0 → broadcast): replicas, delta or full, shards (:mod:`.planning`),
    and the claim of the version (:mod:`.commit`);
 3. **write** (every rank): its shards (:mod:`.shards`);
@@ -13,8 +13,7 @@ is the identity. One publish is five phases (docs/publishing.md has the full acc
    replaced (:mod:`.stream`), the post-write hook runs, metrics are the global totals.
 
 Errors (every rank, any world size): before the commit :class:`PublishError` or
-:class:`VersionConflictError`; at or after it :class:`HookError` or :class:`SnapshotError`
-(docs/publishing.md says what each leaves behind).
+:class:`VersionConflictError`; at or after it :class:`HookError` or :class:`SnapshotError`.
 """
 
 from __future__ import annotations
@@ -281,6 +280,7 @@ class DeltaPublisher:
                 self._diff_settings,
                 spool,
                 metrics,
+                held.pool,
             )
         except Exception as exc:
             return DiffResult(), exc

@@ -8,6 +8,7 @@ speed depends on, each of which fails without it.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,31 @@ def test_the_collector_is_paused_while_a_publish_runs_and_resumed_after(
         assert not gc.isenabled(), "a collector the caller turned off stays off"
     finally:
         gc.enable()
+
+
+def test_the_worker_threads_are_kept_across_publishes_and_a_failed_one(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    """Encode threads are started once per publisher, not per publish (each start waited for
+    the GIL), and a publish refused midway leaves none of its encodes running."""
+    publisher = ds.DeltaPublisher(ds.VersionStore(tmp_path / "store"), base_dir, workers=2)
+    publisher.seed()
+
+    def workers() -> set[int | None]:
+        return {t.ident for t in threading.enumerate() if t.name.startswith("deltastore-publish")}
+
+    publisher.publish(perturb(small_model, 1))
+    kept = workers()
+    assert kept
+    stepped = perturb(small_model, 2)
+    with pytest.raises(ds.PublishError, match="not in the base checkpoint"):
+        publisher.publish([*stepped.items(), ("not.a.tensor.of.the.base", torch.zeros(4))])
+    publisher.publish(stepped)
+    assert workers() == kept
+    assert publisher.snapshot is not None
+    assert {n: publisher.snapshot.load(n).tobytes() for n in stepped} == {
+        n: raw_bytes(t) for n, t in stepped.items()
+    }
 
 
 def test_nested_pauses_resume_the_collector_once_the_last_ends():
