@@ -280,7 +280,7 @@ class DeltaPublisher:
                 self._diff_settings,
                 spool,
                 metrics,
-                held.pool,
+                held.pool(),
             )
         except Exception as exc:
             return DiffResult(), exc

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 from dataclasses import dataclass, replace
 
 from deltastore.codecs import ByteArray, Encoding, decompress
@@ -73,13 +74,17 @@ class RankSnapshot:
         """Tensors changed by another rank since this rank's snapshot of them."""
         self._pool: tuple[int, cf.ThreadPoolExecutor] | None = None
 
-    @property
     def pool(self) -> cf.ThreadPoolExecutor:
-        """The rank's ``workers`` threads, started at the first publish and kept for the next:
-        started per publish, each start waited for the GIL while the first thread encoded
-        (5-16 ms of a 180 ms publish of 522 MB). A process forked since gets its own."""
+        """The rank's ``workers`` threads, all started at once (by ``seed()``) and kept for
+        every publish: started per publish, each start waited for the GIL while the first
+        thread encoded (5-16 ms of a 180 ms publish of 522 MB). A process forked since gets
+        its own."""
         if self._pool is None or self._pool[0] != os.getpid():
             pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="deltastore-publish")
+            started = threading.Barrier(self.workers + 1)
+            for _ in range(self.workers):  # each waits for the others: every thread starts
+                pool.submit(started.wait)
+            started.wait()
             self._pool = (os.getpid(), pool)
         return self._pool[1]
 
@@ -162,4 +167,4 @@ class RankSnapshot:
         # Several batches per thread, so one large tensor does not leave the others idle.
         count = min(len(entries), 4 * self.workers)
         batches = [entries[i::count] for i in range(count)]
-        list(self.pool.map(apply, batches))
+        list(self.pool().map(apply, batches))

@@ -153,4 +153,6 @@ def seed_rank(
         decision.stream.stream_id,
         f" (resumed at v{lineage.version:06d})" if lineage else "",
     )
-    return RankSnapshot(snapshot, sources, store, workers=config.threads), decision.stream
+    held = RankSnapshot(snapshot, sources, store, workers=config.threads)
+    held.pool()  # the worker threads start here, not in the first publish
+    return held, decision.stream

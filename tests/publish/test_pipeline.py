@@ -127,17 +127,18 @@ def test_the_collector_is_paused_while_a_publish_runs_and_resumed_after(
 def test_the_worker_threads_are_kept_across_publishes_and_a_failed_one(
     tmp_path: Path, base_dir: Path, small_model: Model
 ):
-    """Encode threads are started once per publisher, not per publish (each start waited for
-    the GIL), and a publish refused midway leaves none of its encodes running."""
+    """Encode threads are started once, by seed(), not per publish (each start waited for the
+    GIL), and a publish refused midway leaves none of its encodes running."""
     publisher = ds.DeltaPublisher(ds.VersionStore(tmp_path / "store"), base_dir, workers=2)
     publisher.seed()
 
     def workers() -> set[int | None]:
         return {t.ident for t in threading.enumerate() if t.name.startswith("deltastore-publish")}
 
-    publisher.publish(perturb(small_model, 1))
     kept = workers()
-    assert kept
+    assert len(kept) == 2, "seed() starts both threads"
+    publisher.publish(perturb(small_model, 1))
+    assert workers() == kept
     stepped = perturb(small_model, 2)
     with pytest.raises(ds.PublishError, match="not in the base checkpoint"):
         publisher.publish([*stepped.items(), ("not.a.tensor.of.the.base", torch.zeros(4))])
