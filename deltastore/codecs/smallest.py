@@ -20,8 +20,9 @@ sparse-v1's (same gaps, a 38-byte header and zstd'd XOR planes for values). Othe
 change, rare in a training step) the XOR is compressed with the store's zstd-1 and sparse-v1 is
 encoded too, and the smallest is kept: such a tensor costs two extra passes. Measured on bf16
 Adam-like steps sparse-v2 is the smallest up to about 30 % density; a tensor of random changes
-stays ``xor``. Building positions costs up to 16 bytes of memory per changed element while a
-tensor is encoded.
+stays ``xor``. Building positions costs up to 24 bytes of memory per changed element while a
+tensor is encoded (position, step field, XOR value; the compiled encoder's growing buffers hold
+up to twice that for a moment).
 """
 
 from __future__ import annotations

@@ -192,9 +192,9 @@ def diff_tensors(
     The encodes run in ``pool`` (the publisher's kept threads; None: a pool of ``workers``
     threads for this call). Host copies are staged under the in-flight byte budget and at most
     ``2 * workers`` encodes are pending, so a slow pool holds the producer back. Adds
-    ``load_s``, ``copy_s``,
-    ``encode_s`` and ``diff_s`` to ``metrics``. Raises :class:`PublishError` naming a tensor
-    passed twice, unknown to the base, or of another size, dtype or shape.
+    ``load_s``, ``copy_s``, ``encode_s`` and ``diff_s`` to ``metrics``. Raises
+    :class:`PublishError` naming a tensor passed twice, unknown to the base, or of another
+    size, dtype or shape.
     """
     # long because the open batch, the bounded window of futures and the pool share one
     # scope and one clean-up path; split apart they would hand state between five helpers.
