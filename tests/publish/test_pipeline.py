@@ -182,6 +182,7 @@ def test_a_snapshot_advanced_by_many_threads_matches_every_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     monkeypatch.setattr(rank_state, "PARALLEL_BYTES", 0)  # the pool even for a small model
+    monkeypatch.setattr(rank_state, "PARALLEL_TENSOR_BYTES", 0)
     generator = torch.Generator().manual_seed(3)
     model = {
         f"t{i:03d}": torch.randn(64 + 37 * i, generator=generator).to(torch.bfloat16)
@@ -210,6 +211,40 @@ def test_a_snapshot_advanced_by_many_threads_matches_every_version(
         ds.pull_weights(host, publisher.store, 3, base_dir=base)
         assert checkpoint_bytes(host) == {n: raw_bytes(t) for n, t in current.items()}
     del store
+
+
+@pytest.mark.parametrize("tensor_bytes", [0, rank_state.PARALLEL_TENSOR_BYTES])
+def test_many_small_tensors_advance_the_snapshot_on_one_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tensor_bytes: int
+):
+    """Small tensors' XORs are not handed to the pool (the threads would trade the GIL for
+    every numpy call); with a lower bar the same publish is split."""
+    monkeypatch.setattr(rank_state, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(rank_state, "PARALLEL_TENSOR_BYTES", tensor_bytes)
+    model = {f"expert.{i}": torch.zeros(512, dtype=torch.bfloat16) for i in range(64)}
+    base = make_checkpoint(tmp_path / "base", model, shards=1)
+    publisher = ds.DeltaPublisher(ds.VersionStore(tmp_path / "store"), base, workers=2)
+    publisher.seed()
+    held = publisher._held
+    assert held is not None
+    pool = held.pool()
+    maps: list[int] = []
+    real_map = pool.map
+
+    def counted_map(fn: Any, *iterables: Any, **kwargs: Any) -> Any:
+        maps.append(1)
+        return real_map(fn, *iterables, **kwargs)
+
+    monkeypatch.setattr(pool, "map", counted_map)
+    stepped = {n: t.clone() for n, t in model.items()}
+    for tensor in stepped.values():
+        tensor.view(torch.int16)[::7] += 1
+    publisher.publish(stepped)
+    assert len(maps) == (1 if tensor_bytes == 0 else 0)
+    assert publisher.snapshot is not None
+    assert {n: publisher.snapshot.load(n).tobytes() for n in stepped} == {
+        n: raw_bytes(t) for n, t in stepped.items()
+    }
 
 
 def test_spooled_frames_are_written_back_to_back_in_order_whatever_their_home(
