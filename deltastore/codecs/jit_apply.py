@@ -20,7 +20,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from deltastore.codecs.jit_kernels import _bit_length, _read_varint
+from deltastore.codecs.jit_kernels import (
+    _bit_length,
+    _next_position,
+    _ones_to_the_end,
+    _read_varint,
+)
 
 U64 = np.uint64
 MARK = 0x20
@@ -159,20 +164,13 @@ def _decode_into(  # type: ignore[no-untyped-def]
     for j in range(count):
         low, low_bit = _get(raw, low_bit, k)
         quotient, bit, ok = _quotient(raw, bit, end)
-        if not ok or quotient >> (63 - k) or quotient << k >= nelements:
+        if not ok:
             return False
-        gap = (quotient << k) | np.int64(low)
-        if gap >= nelements - position - 1:
+        position, ok = _next_position(position, quotient, low, k, nelements)
+        if not ok:
             return False
-        position += gap + 1
         positions[j] = position
-    if end - bit >= 8:
-        return False
-    while bit < end:
-        if not (raw[bit >> 3] >> (7 - (bit & 7))) & 1:
-            return False
-        bit += 1
-    return True
+    return _ones_to_the_end(raw, bit, end)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -191,6 +191,31 @@ def _leading_ones(byte, skip):  # type: ignore[no-untyped-def]
     return ones
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _next_position(previous, quotient, low, k, nelements):  # type: ignore[no-untyped-def]
+    """(the position a gap of ``quotient`` << k | ``low`` leads to after ``previous``, ok): not
+    ok when the gap overflows 63 bits or the position is not below ``nelements``."""
+    if quotient >> (63 - k) or quotient << k >= nelements:
+        return previous, False
+    gap = (quotient << k) | np.int64(low)
+    if gap >= nelements - previous - 1:
+        return previous, False
+    return previous + gap + 1, True
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _ones_to_the_end(raw, bit, end):  # type: ignore[no-untyped-def]
+    """True when the bits from ``bit`` to ``end`` are fewer than 8 and all ones (the padding
+    after a unary stream)."""
+    if end - bit >= 8:
+        return False
+    while bit < end:
+        if not (raw[bit >> 3] >> (7 - (bit & 7))) & 1:
+            return False
+        bit += 1
+    return True
+
+
 @numba.njit(cache=True, nogil=True)
 def _unary(raw, bit, count, k, low, positions, nelements):  # type: ignore[no-untyped-def]
     """Positions from the unary stream at ``bit`` and the remainders in ``low``; False when the
@@ -210,20 +235,11 @@ def _unary(raw, bit, count, k, low, positions, nelements):  # type: ignore[no-un
                     return False
                 bit += 1
                 break
-        if quotient >> (63 - k) or quotient << k >= nelements:
+        previous, ok = _next_position(previous, quotient, low[j], k, nelements)
+        if not ok:
             return False
-        gap = (quotient << k) | np.int64(low[j])
-        if gap >= nelements - previous - 1:
-            return False
-        previous += gap + 1
         positions[j] = previous
-    if end - bit >= 8:
-        return False
-    while bit < end:
-        if not (raw[bit >> 3] >> (7 - (bit & 7))) & 1:
-            return False
-        bit += 1
-    return True
+    return _ones_to_the_end(raw, bit, end)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
