@@ -62,6 +62,8 @@ from deltastore.codecs.kernels import (
     rice_parameter,
 )
 from deltastore.codecs.steps import (
+    LOG2,
+    MARK,
     apply_steps,
     changed_in_words,
     field_width,
@@ -76,9 +78,6 @@ from deltastore.codecs.steps import (
 from deltastore.errors import FormatError
 
 NAME = "sparse-v2"
-MARK = 0x20
-"""High bits of byte 0: a payload that does not carry them is not a sparse-v2 payload."""
-LOG2 = {1: 0, 2: 1, 4: 2, 8: 3}
 SMALL_BYTES = 2 * 1024**2
 """Tensors up to this size are compared in one step (fewer numpy calls); larger ones in
 cache-sized chunks."""

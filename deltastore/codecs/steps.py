@@ -27,6 +27,11 @@ import numpy as np
 from deltastore.codecs.base import ByteArray
 from deltastore.codecs.kernels import ELEMENT_DTYPES, _fields_to_bits
 
+MARK = 0x20
+"""High bits of a sparse-v2 payload's byte 0: a payload that does not carry them is not one."""
+LOG2 = {1: 0, 2: 1, 4: 2, 8: 3}
+"""The low bits of byte 0: log2 of the element size."""
+
 _LANES = {size: np.arange(8 // size, dtype=np.int64) for size in (1, 2, 4, 8)}
 
 

@@ -1,0 +1,170 @@
+"""The numpy batch encoder (no numba): a batch's sparse-v2 payloads in one pass of numpy calls.
+
+Its payloads must be byte for byte those of the per-tensor numpy encoder, whatever the element
+size, size, density and step spread (patched steps, 64-bit fields, patch rows wider than 64
+bits); the bytes come from :class:`ByteWriter`, checked here against bit strings built by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltastore.codecs import batch_numpy
+from deltastore.codecs.batch_numpy import ALONE_BYTES, GROUP_BYTES, encode_group, groups
+from deltastore.codecs.byte_writer import ByteWriter, varint_lengths
+from deltastore.codecs.smallest import AutoEncoding
+from deltastore.codecs.sparse2 import CompactSparseEncoding, encode_numpy
+from deltastore.codecs.steps import unary_stream, varint
+from tests.codecs.test_batch import check_like_alone
+from tests.codecs.test_sparse2 import DENSITIES, stepped
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    words=st.lists(st.sampled_from([0, 1, 2, 3, 17, 64, 500, 2048]), min_size=1, max_size=12),
+    density=st.sampled_from(DENSITIES),
+    spread=st.sampled_from([1, 3, 12, 64]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_group_payloads_are_the_per_tensor_encoders_bytes(
+    itemsize: int, words: list[int], density: float, spread: int, seed: int
+):
+    rng = np.random.default_rng(seed)
+    olds = [rng.integers(0, 256, size=8 * n, dtype=np.uint8) for n in words]
+    news = [stepped(old, itemsize, density, seed + i, spread) for i, old in enumerate(olds)]
+    for old, new, got in zip(olds, news, encode_group(olds, news, itemsize), strict=True):
+        payload, changes = encode_numpy(old, new, itemsize)
+        if got is None:
+            assert not changes.positions.size
+            continue
+        assert got.payload == payload
+        assert got.changed_bytes == int(np.count_nonzero(old != new))
+        assert np.array_equal(got.changes.positions, changes.positions)
+        assert got.changes.values.dtype == changes.values.dtype
+        assert np.array_equal(got.changes.values, changes.values)
+
+
+def test_wide_patches_of_eight_byte_elements():
+    """A 64-bit field with a patch row of index bits plus up to 64 high bits (over 64 bits in
+    all: written as two fields), next to ±1 steps that make the width 1."""
+    rng = np.random.default_rng(9)
+    old = rng.integers(0, 256, size=8 * 4096, dtype=np.uint8)
+    new = old.copy()
+    elements = new.view("<u8")
+    elements[::7] += np.uint64(1)
+    elements[3::701] ^= np.uint64(0xF0F0_0000_0000_0001)
+    payload, changes = encode_numpy(old, new, 8)
+    width_at = 1 + len(varint(old.size)) + len(varint(changes.positions.size)) + 1
+    assert payload[0] == 0x23 and payload[width_at] == 1  # ±1 steps: fields of one bit
+    (got,) = encode_group([old], [new], 8)
+    assert got is not None and got.payload == payload
+
+
+def bit_string(values: list[int], widths: list[int]) -> str:
+    return "".join(
+        format(v & ((1 << w) - 1), f"0{w}b") if w else "" for v, w in zip(values, widths)
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fields=st.lists(
+        st.integers(0, 64).flatmap(lambda w: st.tuples(st.integers(0, 2**64 - 1), st.just(w))),
+        max_size=40,
+    ),
+    gap=st.integers(0, 13),
+)
+def test_writer_bits_match_a_hand_built_bit_string(fields: list[tuple[int, int]], gap: int):
+    """Fields of 0..64 bits at any bit offset, MSB first, with unwritten bits between them."""
+    values = [v for v, _ in fields]
+    widths = [w for _, w in fields]
+    starts, at = [], gap
+    for w in widths:
+        starts.append(at)
+        at += w + gap
+    writer = ByteWriter()
+    writer.bits(
+        np.array(starts, dtype=np.int64),
+        np.array(values, dtype=np.uint64),
+        np.array(widths, dtype=np.int64),
+    )
+    size = (at + 7) // 8
+    expected = ["0"] * (8 * size)
+    for start, v, w in zip(starts, values, widths, strict=True):
+        expected[start : start + w] = bit_string([v], [w])
+    got = writer.build(size)
+    assert "".join(format(b, "08b") for b in got.tobytes()) == "".join(expected)
+
+
+def test_writer_varints_and_unary_match_the_per_tensor_helpers():
+    values = np.array([0, 1, 127, 128, 300, 2**21, 2**49 + 5], dtype=np.int64)
+    lengths = varint_lengths(values)
+    assert lengths.tolist() == [len(varint(int(v))) for v in values]
+    at = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    writer = ByteWriter()
+    writer.varints(at, values, lengths)
+    assert writer.build(int(lengths.sum())).tobytes() == b"".join(varint(int(v)) for v in values)
+
+    rng = np.random.default_rng(2)
+    runs = [rng.integers(0, 20, size=n).astype(np.uint64) for n in (1, 5, 8, 33)]
+    streams = [unary_stream(q).tobytes() for q in runs]
+    region_bytes = np.array([len(s) for s in streams], dtype=np.int64)
+    region_at = np.concatenate(([3], 3 + np.cumsum(region_bytes)[:-1])).astype(np.int64)
+    zeros = np.concatenate(
+        [8 * a + np.cumsum(q.astype(np.int64) + 1) - 1 for a, q in zip(region_at, runs)]
+    )
+    writer = ByteWriter()
+    writer.unary(region_at, region_bytes, zeros)
+    built = writer.build(3 + int(region_bytes.sum())).tobytes()
+    assert built == b"\x00" * 3 + b"".join(streams)
+
+
+def test_groups_split_by_element_size_and_bytes():
+    olds = [np.zeros(n, dtype=np.uint8) for n in (64, 9, ALONE_BYTES + 8, 64, 1024**2, 8)]
+    olds += [np.zeros(1024**2, dtype=np.uint8) for _ in range(6)]
+    itemsizes = [2, 2, 2, 4, 2, 3] + [2] * 6
+    chunks, alone = groups(olds, itemsizes)
+    assert sorted(alone) == [1, 2]  # not whole words; over ALONE_BYTES
+    assert (1, [5]) in chunks  # an element size that does not divide: coded byte by byte
+    assert (4, [3]) in chunks
+    two = [indices for size, indices in chunks if size == 2]
+    assert sorted(i for chunk in two for i in chunk) == [0, 4, 6, 7, 8, 9, 10, 11]
+    assert all(sum(olds[i].size for i in chunk) <= GROUP_BYTES for chunk in two)
+
+
+@pytest.mark.parametrize("kind", [CompactSparseEncoding, AutoEncoding])
+def test_numpy_batch_encodes_without_the_per_tensor_encoder(kind, monkeypatch):
+    """Without numba a batch of small sparse tensors goes through one group pass: neither the
+    encoding's per-tensor ``encode`` nor the per-tensor numpy encoder runs."""
+    rng = np.random.default_rng(4)
+    olds = [rng.integers(0, 256, size=65536, dtype=np.uint8) for _ in range(12)]
+    news = [stepped(old, 2, 0.004, i, 1) for i, old in enumerate(olds)]
+    encoding = kind(use_jit=False)
+    expected = [encoding.encode(o, n, itemsize=2) for o, n in zip(olds, news, strict=True)]
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("encoded one tensor at a time")
+
+    monkeypatch.setattr(encoding, "encode", refuse)
+    monkeypatch.setattr("deltastore.codecs.sparse2.encode_numpy", refuse)
+    monkeypatch.setattr(batch_numpy, "encode_numpy", refuse, raising=False)
+    framed = encoding.encode_framed(olds, news, [2] * len(olds))
+    assert [f.changed_bytes for f in framed] == [e.changed_bytes for e in expected]
+    assert [zstandard.ZstdDecompressor().decompress(f.frame) for f in framed] == [
+        bytes(e.payload) for e in expected
+    ]
+
+
+def test_numpy_batch_with_a_large_and_an_odd_tensor_gives_what_each_alone_gives():
+    rng = np.random.default_rng(6)
+    olds = [
+        rng.integers(0, 256, size=n, dtype=np.uint8) for n in (ALONE_BYTES + 64, 4096, 4097, 800)
+    ]
+    news = [stepped(old, 2, 0.01, i, 4) for i, old in enumerate(olds)]
+    for kind in (CompactSparseEncoding, AutoEncoding):
+        check_like_alone(kind(use_jit=False), olds, news, [2, 2, 2, 4])
