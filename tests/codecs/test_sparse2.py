@@ -341,6 +341,7 @@ def test_compiled_xor_changes_match_numpy_and_refuse_outside_positions(itemsize:
         np.append(changes.positions, 4096), np.append(changes.values, np.ones(1, dtype))
     )
     target = old.copy()
-    with pytest.raises(IndexError, match="outside the 4096 elements"):
+    # numpy's own message under DELTASTORE_NO_JIT=1
+    with pytest.raises(IndexError, match=r"outside the 4096 elements|out of bounds"):
         outside.apply(target)
     assert target.tobytes() == old.tobytes()
