@@ -31,6 +31,7 @@ SAFETENSORS_ITEMSIZES: dict[str, int] = {
 """Element size in bytes of each safetensors dtype string (what a checkpoint header names)."""
 
 _WORD = 8
+_LOG2 = {1: 0, 2: 1, 4: 2, 8: 3}
 _CHUNK_WORDS = 1 << 18
 """Words compared per step (2 MiB of each input): the mask and gathers stay in cache."""
 
@@ -74,7 +75,9 @@ def changed_elements(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[Pos
             xored = np.bitwise_xor(old_words[start:stop][words], new_words[start:stop][words])
             elements = xored.view(dtype)
             inside = np.flatnonzero(elements)
-            positions.append((words[inside // per_word] + start) * per_word + inside % per_word)
+            # Shifts, not // and %: numpy's integer division was a fifth of this loop's time.
+            word_of = words[inside >> _LOG2[per_word]] + start
+            positions.append(word_of * per_word + (inside & (per_word - 1)))
             values.append(elements[inside])
     if whole < old.size:  # the last < 8 bytes, still a whole number of elements
         tail = np.bitwise_xor(old[whole:].view(dtype), new[whole:].view(dtype))

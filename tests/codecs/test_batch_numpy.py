@@ -125,15 +125,16 @@ def test_writer_varints_and_unary_match_the_per_tensor_helpers():
 
 
 def test_groups_split_by_element_size_and_bytes():
-    olds = [np.zeros(n, dtype=np.uint8) for n in (64, 9, ALONE_BYTES + 8, 64, 1024**2, 8)]
-    olds += [np.zeros(1024**2, dtype=np.uint8) for _ in range(6)]
-    itemsizes = [2, 2, 2, 4, 2, 3] + [2] * 6
+    olds = [np.zeros(n, dtype=np.uint8) for n in (64, 9, ALONE_BYTES + 8, 64, ALONE_BYTES, 8)]
+    olds += [np.zeros(ALONE_BYTES, dtype=np.uint8) for _ in range(GROUP_BYTES // ALONE_BYTES + 6)]
+    itemsizes = [2, 2, 2, 4, 2, 3] + [2] * (len(olds) - 6)
     chunks, alone = groups(olds, itemsizes)
     assert sorted(alone) == [1, 2]  # not whole words; over ALONE_BYTES
     assert (1, [5]) in chunks  # an element size that does not divide: coded byte by byte
     assert (4, [3]) in chunks
     two = [indices for size, indices in chunks if size == 2]
-    assert sorted(i for chunk in two for i in chunk) == [0, 4, 6, 7, 8, 9, 10, 11]
+    assert sorted(i for chunk in two for i in chunk) == [0, 4, *range(6, len(olds))]
+    assert len(two) == 2
     assert all(sum(olds[i].size for i in chunk) <= GROUP_BYTES for chunk in two)
 
 
