@@ -12,7 +12,6 @@ payload out. The payloads are byte for byte those of
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,7 +92,7 @@ def _rice_parameters(gaps: np.ndarray, firsts: Ints, counts: Ints) -> Ints:
     high = np.minimum(low + 1, 63)
     costs = []
     for k in (low, high):
-        shifted = gaps >> np.repeat(k, counts).astype(np.uint64)
+        shifted = gaps >> np.repeat(k, counts)
         costs.append(_segment_sums(shifted, firsts, counts).astype(np.int64) + counts * k)
     return np.where(costs[0] <= costs[1], low, high)
 
@@ -110,36 +109,36 @@ def _field_widths(fields: np.ndarray, tensor_of: Ints, counts: Ints, bits: int) 
     return np.argmin(costs, axis=1).astype(np.int64)
 
 
-_scratch = threading.local()
-
-
-def _end_to_end(arrays: Sequence[ByteArray], side: str) -> ByteArray:
-    """``arrays`` one after the other in this thread's buffer for ``side`` (reused: a new
-    buffer of a few MB costs a page fault per 4 KB, more than the copy)."""
-    total = sum(array.size for array in arrays)
-    buffer = getattr(_scratch, side, None)
-    if buffer is None or buffer.size < total:
-        buffer = np.empty(max(total, 1 << 20), dtype=np.uint8)
-        setattr(_scratch, side, buffer)
-    return np.concatenate(arrays, out=buffer[:total])
-
-
 def _changes(
     olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsize: int
-) -> tuple[np.ndarray, Ints, np.ndarray, Ints]:
-    """(old elements end to end, positions of the changed elements in them, their XOR values,
-    each tensor's first element there) of tensors that are whole 8-byte words."""
+) -> tuple[Ints, np.ndarray, np.ndarray, Ints]:
+    """(positions of the changed elements, counted over the tensors end to end; their old
+    values; their XOR values; each tensor's first element) of tensors of whole 8-byte words.
+
+    Each tensor is compared where it lies, into one mask: copying the tensors end to end first
+    cost as much again as the compare, and its buffer a page fault per 4 KB in a new thread."""
     dtype = ELEMENT_DTYPES[itemsize]
-    old_bytes, new_bytes = _end_to_end(olds, "old"), _end_to_end(news, "new")
-    old_words, new_words = old_bytes.view(np.uint64), new_bytes.view(np.uint64)
-    words = np.flatnonzero(old_words != new_words)
-    values = (old_words[words] ^ new_words[words]).view(dtype)
+    word_at = np.zeros(len(olds) + 1, dtype=np.int64)
+    np.cumsum([old.size // 8 for old in olds], out=word_at[1:])
+    at = word_at.tolist()
+    differs = np.empty(at[-1], dtype=bool)
+    for i, (old, new) in enumerate(zip(olds, news, strict=True)):
+        np.not_equal(old.view(np.uint64), new.view(np.uint64), out=differs[at[i] : at[i + 1]])
+    words = np.flatnonzero(differs)
+    bounds = np.searchsorted(words, word_at).tolist()
+    old_parts, new_parts = [], []
+    for i, (old, new) in enumerate(zip(olds, news, strict=True)):
+        if bounds[i] < bounds[i + 1]:
+            inside_tensor = words[bounds[i] : bounds[i + 1]] - at[i]
+            old_parts.append(old.view(np.uint64)[inside_tensor])
+            new_parts.append(new.view(np.uint64)[inside_tensor])
+    old_words = np.concatenate(old_parts) if old_parts else np.zeros(0, np.uint64)
+    new_words = np.concatenate(new_parts) if new_parts else np.zeros(0, np.uint64)
+    values = (old_words ^ new_words).view(dtype)
     inside = np.flatnonzero(values)
-    lanes = 8 // itemsize
-    positions = (words[:, None] * lanes + np.arange(lanes)).reshape(-1)[inside]
-    starts = np.zeros(len(olds) + 1, dtype=np.int64)
-    np.cumsum([old.size // itemsize for old in olds], out=starts[1:])
-    return old_bytes.view(dtype), positions, values[inside], starts
+    shift = LOG2[8 // itemsize]  # elements per word: 2**shift
+    positions = (words[inside >> shift] << shift) | (inside & ((1 << shift) - 1))
+    return positions, old_words.view(dtype)[inside], values[inside], word_at << shift
 
 
 @dataclass(frozen=True)
@@ -162,12 +161,14 @@ def _layout(streams: _Streams, nbytes: Ints, itemsize: int) -> tuple[ByteWriter,
     # long because each section's offset follows from the one before it, for all tensors
     s = streams
     bits = 8 * itemsize
-    wide = s.fields.astype(np.uint64)
+    # int64 where the fields fit (numpy is faster on it than on uint64).
+    wide = s.fields.astype(np.int64 if itemsize < 8 else np.uint64)
     tensor_widths = s.widths[s.tensor_of]
-    patched = np.flatnonzero((wide >> tensor_widths.astype(np.uint64)) * (tensor_widths < bits))
+    shifts = tensor_widths.astype(wide.dtype)
+    patched = np.flatnonzero((wide >> shifts) * (tensor_widths < bits))
     patches = np.bincount(s.tensor_of[patched], minlength=s.counts.size).astype(np.int64)
     index_bits = bit_length(np.maximum(s.counts - 1, 0))
-    quotients = (s.gaps >> s.k[s.tensor_of].astype(np.uint64)).view(np.int64)
+    quotients = s.gaps >> s.k[s.tensor_of]
     ends = np.cumsum(quotients + 1) - 1  # each unary code's zero bit, over all tensors
     unary_bits = _segment_sums(quotients + 1, _firsts(s.counts), s.counts)
     size_lengths, count_lengths = varint_lengths(nbytes), varint_lengths(s.counts)
@@ -208,7 +209,7 @@ def _layout(streams: _Streams, nbytes: Ints, itemsize: int) -> tuple[ByteWriter,
             8 * patch_at[owner] + (np.arange(patched.size) - first_patch[owner]) * row_bits[owner]
         )
         writer.bits(row_at, s.ordinals[patched], index_bits[owner])
-        high = wide[patched] >> tensor_widths[patched].astype(np.uint64)
+        high = wide[patched] >> shifts[patched]
         writer.bits(row_at + index_bits[owner], high, bits - tensor_widths[patched])
     unary_before = np.cumsum(unary_bits) - unary_bits
     writer.unary(
@@ -223,7 +224,7 @@ def encode_group(
     """The sparse-v2 payload of each tensor (whole 8-byte words, all coded with ``itemsize``
     -byte elements), None for an unchanged one."""
     bits = 8 * itemsize
-    elements, positions, xored, starts = _changes(olds, news, itemsize)
+    positions, before, xored, starts = _changes(olds, news, itemsize)
     bounds = np.searchsorted(positions, starts)
     counts = np.diff(bounds)
     firsts = bounds[:-1][counts > 0]
@@ -234,13 +235,12 @@ def encode_group(
         gaps[0] = local[0]
         np.subtract(local[1:], local[:-1] + 1, out=gaps[1:])
         gaps[firsts] = local[firsts]
-    before = elements[positions]
     fields = step_fields(before, before ^ xored)
     streams = _Streams(
         counts=counts,
-        k=_rice_parameters(gaps.view(np.uint64), firsts, counts),
+        k=_rice_parameters(gaps, firsts, counts),
         widths=_field_widths(fields, tensor_of, counts, bits),
-        gaps=gaps.view(np.uint64),
+        gaps=gaps,
         fields=fields,
         tensor_of=tensor_of,
         ordinals=np.arange(positions.size) - np.repeat(bounds[:-1], counts),
