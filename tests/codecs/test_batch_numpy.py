@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from deltastore.codecs import batch_numpy
 from deltastore.codecs.batch_numpy import ALONE_BYTES, GROUP_BYTES, encode_group, groups
 from deltastore.codecs.byte_writer import ByteWriter, varint_lengths
+from deltastore.codecs.kernels import PACK_IN_WORDS, _fields_to_bits
 from deltastore.codecs.smallest import AutoEncoding
 from deltastore.codecs.sparse2 import CompactSparseEncoding, encode_numpy
 from deltastore.codecs.steps import unary_stream, varint
@@ -169,3 +170,20 @@ def test_numpy_batch_with_a_large_and_an_odd_tensor_gives_what_each_alone_gives(
     news = [stepped(old, 2, 0.01, i, 4) for i, old in enumerate(olds)]
     for kind in (CompactSparseEncoding, AutoEncoding):
         check_like_alone(kind(use_jit=False), olds, news, [2, 2, 2, 4])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    k=st.integers(0, 64),
+    count=st.sampled_from([0, 1, 7, PACK_IN_WORDS - 1, PACK_IN_WORDS, PACK_IN_WORDS + 5, 3001]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_low_bits_packed_in_words_match_the_bit_by_bit_packing(k: int, count: int, seed: int):
+    """``_fields_to_bits`` packs large arrays a group of values to a 64-bit word (k = 1..7,
+    10, 12, 20, 24, 28, 40, 44 ...): the same bytes as spreading every bit out."""
+    values = np.random.default_rng(seed).integers(0, 2**64, size=count, dtype=np.uint64)
+    expected = "".join(format(int(v) & ((1 << k) - 1), f"0{k}b") if k else "" for v in values)
+    expected += "0" * (-len(expected) % 8)
+    packed = _fields_to_bits(values, k)
+    assert "".join(format(b, "08b") for b in packed.tobytes()) == expected
+    assert packed.flags.c_contiguous  # callers hand its memoryview to bytes.join
