@@ -1,12 +1,12 @@
 """``sparse-v2`` payloads of a batch of small tensors in a few numpy calls (no numba).
 
 Without the ``fast`` extra, a tensor of 64 KB cost about 245 us to encode one by one, most of
-it in the fixed cost of some forty numpy calls on a few hundred changes each. Here the tensors
-of a batch that share an element size are laid end to end and every step runs once for all of
-them: the compare, the gaps, each tensor's Rice parameter and step width (per-tensor sums by
-``np.add.reduceat``), and every payload's bytes, written into one buffer by a
-:class:`~deltastore.codecs.byte_writer.ByteWriter`. What is left per tensor is slicing its
-payload out. The payloads are byte for byte those of
+it in the fixed cost of some forty numpy calls on a few hundred changes each. Here the small
+tensors of a batch that share an element size are taken as one: each is compared where it lies
+into one mask, and every later step runs once for all of their changes: the gaps, each
+tensor's Rice parameter and step width (per-tensor sums by ``np.add.reduceat``), and every
+payload's bytes, written into one buffer by a :class:`~deltastore.codecs.byte_writer.ByteWriter`.
+What is left per tensor is slicing its payload out. The payloads are byte for byte those of
 :func:`deltastore.codecs.sparse2.encode_numpy`, which a property test checks.
 """
 
@@ -37,12 +37,12 @@ class BatchPayload:
 
 GROUP_BYTES = 4 * 1024**2
 """Tensors coded in one pass hold at most this many bytes (the pass keeps about 100 bytes per
-changed element for a moment, and a copy of both sides)."""
+changed element for a moment)."""
 ALONE_BYTES = 128 * 1024
 """A tensor over this size is left to the per-tensor encoder. The pass here costs more per
 change than that encoder (its streams are laid out for many payloads at once) and saves the
-fixed cost of its numpy calls: at 0.4 % density it won 6.5x on tensors of 8 KB and 1.7x on
-64 KB, and lost 1.2x on 256 KB and 2.7x on 2 MB."""
+fixed cost of its numpy calls: at 0.4 % density, one thread, it was 5-6x faster on tensors of
+8 KB and 1.2-1.7x on 64 KB, even on 256 KB, and 1.7-2.7x slower on 2 MB."""
 
 
 def groups(
