@@ -12,6 +12,7 @@ What is left per tensor is slicing its payload out. The payloads are byte for by
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,8 +37,12 @@ class BatchPayload:
 
 
 GROUP_BYTES = 4 * 1024**2
-"""Tensors coded in one pass hold at most this many bytes (the pass keeps about 100 bytes per
-changed element for a moment)."""
+"""Tensors coded in one pass hold at most this many bytes."""
+GROUP_CHANGES = 1 << 17
+"""A group with more changed elements than this (a dense step) is coded in parts: the pass holds
+about 160 bytes per change for a moment (its index arrays and the writer's byte values), so a
+part peaks near 20 MB besides what it returns (measured with tracemalloc: 4 MB of 1-byte
+elements, all changed, held 670 MB in one part)."""
 ALONE_BYTES = 128 * 1024
 """A tensor over this size is left to the per-tensor encoder. The pass here costs more per
 change than that encoder (its streams are laid out for many payloads at once) and saves the
@@ -109,22 +114,45 @@ def _field_widths(fields: np.ndarray, tensor_of: Ints, counts: Ints, bits: int) 
     return np.argmin(costs, axis=1).astype(np.int64)
 
 
-def _changes(
-    olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsize: int
-) -> tuple[Ints, np.ndarray, np.ndarray, Ints]:
-    """(positions of the changed elements, counted over the tensors end to end; their old
-    values; their XOR values; each tensor's first element) of tensors of whole 8-byte words.
+_masks = threading.local()
+
+
+def _mask(size: int) -> npt.NDArray[np.bool_]:
+    """This thread's mask of ``size`` entries, kept between calls: allocated and freed per
+    group, glibc handed its pages back and faulted them in again each time (a group took 1.3x
+    as long)."""
+    mask = getattr(_masks, "mask", None)
+    if mask is None or mask.size < size:
+        mask = _masks.mask = np.empty(max(size, GROUP_BYTES // 8), dtype=bool)
+    return mask[:size]
+
+
+def _changed_words(olds: Sequence[ByteArray], news: Sequence[ByteArray]) -> tuple[Ints, Ints]:
+    """(indices of the 8-byte words that differ, counted over the tensors end to end; each
+    tensor's first word there) of tensors of whole 8-byte words.
 
     Each tensor is compared where it lies, into one mask: copying the tensors end to end first
     cost as much again as the compare, and its buffer a page fault per 4 KB in a new thread."""
-    dtype = ELEMENT_DTYPES[itemsize]
     word_at = np.zeros(len(olds) + 1, dtype=np.int64)
     np.cumsum([old.size // 8 for old in olds], out=word_at[1:])
     at = word_at.tolist()
-    differs = np.empty(at[-1], dtype=bool)
+    differs = _mask(at[-1])
     for i, (old, new) in enumerate(zip(olds, news, strict=True)):
         np.not_equal(old.view(np.uint64), new.view(np.uint64), out=differs[at[i] : at[i + 1]])
-    words = np.flatnonzero(differs)
+    return np.flatnonzero(differs), word_at
+
+
+def _changes(
+    olds: Sequence[ByteArray],
+    news: Sequence[ByteArray],
+    itemsize: int,
+    words: Ints,
+    word_at: Ints,
+) -> tuple[Ints, np.ndarray, np.ndarray, Ints]:
+    """(positions of the changed elements, counted over the tensors end to end; their old
+    values; their XOR values; each tensor's first element) from the :func:`_changed_words`."""
+    dtype = ELEMENT_DTYPES[itemsize]
+    at = word_at.tolist()
     bounds = np.searchsorted(words, word_at).tolist()
     old_parts, new_parts = [], []
     for i, (old, new) in enumerate(zip(olds, news, strict=True)):
@@ -224,7 +252,16 @@ def encode_group(
     """The sparse-v2 payload of each tensor (whole 8-byte words, all coded with ``itemsize``
     -byte elements), None for an unchanged one."""
     bits = 8 * itemsize
-    positions, before, xored, starts = _changes(olds, news, itemsize)
+    words, word_at = _changed_words(olds, news)
+    if words.size * (8 // itemsize) > GROUP_CHANGES and len(olds) > 1:
+        # Maybe a dense group: halved (by changed words) so the pass's memory stays bounded.
+        word_bounds = np.searchsorted(words, word_at[1:])
+        half = min(max(int(np.searchsorted(word_bounds, words.size // 2)) + 1, 1), len(olds) - 1)
+        del words
+        return encode_group(olds[:half], news[:half], itemsize) + encode_group(
+            olds[half:], news[half:], itemsize
+        )
+    positions, before, xored, starts = _changes(olds, news, itemsize, words, word_at)
     bounds = np.searchsorted(positions, starts)
     counts = np.diff(bounds)
     firsts = bounds[:-1][counts > 0]

@@ -7,6 +7,8 @@ bits); the bytes come from :class:`ByteWriter`, checked here against bit strings
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 import zstandard
@@ -187,3 +189,33 @@ def test_low_bits_packed_in_words_match_the_bit_by_bit_packing(k: int, count: in
     packed = _fields_to_bits(values, k)
     assert "".join(format(b, "08b") for b in packed.tobytes()) == expected
     assert packed.flags.c_contiguous  # callers hand its memoryview to bytes.join
+
+
+def test_a_dense_group_is_coded_in_parts_with_bounded_memory():
+    """Every 1-byte element of 4 MB changed: the pass splits the group by changes, so it holds
+    tens of MB at most (in one part it held about 670 MB), and the payloads do not change."""
+    rng = np.random.default_rng(8)
+    olds = [rng.integers(0, 256, size=ALONE_BYTES, dtype=np.uint8) for _ in range(32)]
+    news = [(old + 1).astype(np.uint8) for old in olds]
+    tracemalloc.start()
+    try:
+        payloads = encode_group(olds, news, 1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    kept = sum(len(p.payload) + p.changes.nbytes for p in payloads if p is not None)
+    assert peak - kept < 64 * 1024**2
+    for i in (0, 17, 31):
+        got = payloads[i]
+        assert got is not None and got.payload == encode_numpy(olds[i], news[i], 1)[0]
+
+
+def test_group_split_points_keep_every_payload(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(batch_numpy, "GROUP_CHANGES", 50)
+    rng = np.random.default_rng(10)
+    olds = [rng.integers(0, 256, size=8 * n, dtype=np.uint8) for n in (3, 400, 0, 90, 1, 257)]
+    news = [stepped(old, 2, 0.2, i, 3) for i, old in enumerate(olds)]
+    for old, new, got in zip(olds, news, encode_group(olds, news, 2), strict=True):
+        payload, changes = encode_numpy(old, new, 2)
+        assert (got is None) == (not changes.positions.size)
+        assert got is None or got.payload == payload
