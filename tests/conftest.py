@@ -20,6 +20,7 @@ import os
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import json
+import signal
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -32,6 +33,12 @@ from safetensors.torch import save_file
 from deltastore.testing.servers import GCSServer, S3Server, start_fake_gcs, start_moto_s3
 
 INDEX_NAME = "model.safetensors.index.json"
+
+# A suite started in the background of a non-interactive shell (`nohup ... &`) inherits SIGINT
+# ignored, and so would every CLI it spawns: the tests that press Ctrl-C on one would hang or
+# see it finish. A handler here is reset to the default at exec, so children take Ctrl-C again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def make_checkpoint(

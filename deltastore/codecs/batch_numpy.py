@@ -21,8 +21,8 @@ import numpy.typing as npt
 
 from deltastore.codecs.base import ByteArray, XorChanges
 from deltastore.codecs.byte_writer import ByteWriter, bit_length, varint_lengths
-from deltastore.codecs.kernels import ELEMENT_DTYPES, element_size
-from deltastore.codecs.steps import LOG2, MARK, bit_lengths, step_fields
+from deltastore.codecs.kernels import ELEMENT_DTYPES, LOG2, element_size
+from deltastore.codecs.steps import MARK, bit_lengths, step_fields
 
 Ints = npt.NDArray[np.int64]
 

@@ -33,7 +33,8 @@ SAFETENSORS_ITEMSIZES: dict[str, int] = {
 """Element size in bytes of each safetensors dtype string (what a checkpoint header names)."""
 
 _WORD = 8
-_LOG2 = {1: 0, 2: 1, 4: 2, 8: 3}
+LOG2 = {1: 0, 2: 1, 4: 2, 8: 3}
+"""log2 of each element size (``sparse-v2`` writes it in the low bits of a payload's byte 0)."""
 _CHUNK_WORDS = 1 << 18
 """Words compared per step (2 MiB of each input): the mask and gathers stay in cache."""
 
@@ -78,7 +79,7 @@ def changed_elements(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[Pos
             elements = xored.view(dtype)
             inside = np.flatnonzero(elements)
             # Shifts, not // and %: numpy's integer division was a fifth of this loop's time.
-            word_of = words[inside >> _LOG2[per_word]] + start
+            word_of = words[inside >> LOG2[per_word]] + start
             positions.append(word_of * per_word + (inside & (per_word - 1)))
             values.append(elements[inside])
     if whole < old.size:  # the last < 8 bytes, still a whole number of elements

@@ -53,6 +53,7 @@ from deltastore.codecs.batch import encode_framed_batch
 from deltastore.codecs.batch_apply import apply_compiled
 from deltastore.codecs.kernels import (
     ELEMENT_DTYPES,
+    LOG2,
     _bits_to_fields,
     _fields_to_bits,
     changed_elements,
@@ -62,7 +63,6 @@ from deltastore.codecs.kernels import (
     rice_parameter,
 )
 from deltastore.codecs.steps import (
-    LOG2,
     MARK,
     apply_steps,
     changed_in_words,

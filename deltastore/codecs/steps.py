@@ -25,12 +25,11 @@ from __future__ import annotations
 import numpy as np
 
 from deltastore.codecs.base import ByteArray
-from deltastore.codecs.kernels import ELEMENT_DTYPES, _fields_to_bits
+from deltastore.codecs.kernels import ELEMENT_DTYPES, LOG2, _fields_to_bits
 
 MARK = 0x20
-"""High bits of a sparse-v2 payload's byte 0: a payload that does not carry them is not one."""
-LOG2 = {1: 0, 2: 1, 4: 2, 8: 3}
-"""The low bits of byte 0: log2 of the element size."""
+"""High bits of a sparse-v2 payload's byte 0 (its low bits: ``LOG2`` of the element size): a
+payload that does not carry them is not one."""
 
 
 def changed_in_words(
