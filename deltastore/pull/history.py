@@ -75,6 +75,19 @@ def check_digest(checksum: Checksum, digest: object, *, name: str, where: str) -
     return Digest(checksum, digest)
 
 
+def recorded_digests(
+    header: SafetensorsHeader, checksum: Checksum, *, where: str
+) -> dict[str, Digest]:
+    """The digests a full shard's metadata records, by tensor (a tensor without one is left out:
+    a foreign full version may record none); :class:`FormatError` for an invalid one."""
+    digests = {}
+    for name in header.tensors:
+        value = header.metadata.get(name)
+        if value is not None:
+            digests[name] = check_digest(checksum, value, name=name, where=where)
+    return digests
+
+
 def read_delta_headers(store: VersionStore, index: VersionIndex) -> dict[str, SafetensorsHeader]:
     """Shard headers of a delta, each checked to hold exactly the names its index maps to it."""
     headers = {}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from deltastore.codecs import Checksum, Hasher
 from deltastore.format.safetensors_io import header_length, parse_header
-from deltastore.pull.history import check_digest
+from deltastore.pull.history import recorded_digests
 
 
 @dataclass
@@ -29,8 +29,8 @@ class _Span:
 class ShardDigests:
     """A download sink (see :meth:`VersionStore.download`) for one safetensors shard of a full
     version: it reads the shard's header from the first bytes, then hashes every tensor the
-    header's metadata gives a digest for (tensors without one are not checked, as
-    :func:`~deltastore.pull.verify.full_digests` skips them).
+    header's metadata gives a digest for (:func:`~deltastore.pull.history.recorded_digests`:
+    tensors without one are not checked).
 
     ``where`` names the version in errors. A malformed header or digest raises
     :class:`FormatError` from :meth:`update`; :meth:`mismatched` lists the tensors that did not
@@ -80,11 +80,8 @@ class ShardDigests:
             return view[len(view) :]
         header = parse_header(bytes(self._head[8:total]), source=self.source)
         spans = []
-        for name, entry in header.tensors.items():
-            value = header.metadata.get(name)
-            if value is None:
-                continue
-            digest = check_digest(self.checksum, value, name=name, where=self.where)
+        for name, digest in recorded_digests(header, self.checksum, where=self.where).items():
+            entry = header.tensors[name]
             spans.append(_Span(name, entry.start, entry.end, self.checksum.hasher(), digest.hex))
         self._spans = sorted(spans, key=lambda s: (s.start, s.end))
         rest = memoryview(bytes(self._head[total:]))

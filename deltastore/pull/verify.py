@@ -13,10 +13,9 @@ from deltastore.errors import ConfigError, IntegrityError, NameMismatchError
 from deltastore.format.checkpoint import CheckpointTensor, read_tensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
-from deltastore.format.safetensors_io import read_header_file
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.pull.chain import Chain, resolve_chain
-from deltastore.pull.history import check_digest
+from deltastore.pull.history import check_digest, recorded_digests
 from deltastore.pull.local import LocalCheckpoint
 from deltastore.pull.source import open_store
 from deltastore.storage import VersionStore
@@ -24,29 +23,13 @@ from deltastore.trust import SignatureRecord, TrustedKey, verify_index
 from deltastore.trust.keys import TrustedKeys, load_trusted
 
 
-def full_digests(
-    store: VersionStore,
-    index: VersionIndex,
-    checksum: Checksum,
-    staged: str | None = None,
-) -> dict[str, Digest]:
-    """Per-tensor digests recorded in a full version's shard metadata (may be empty).
-
-    With ``staged`` (a dir holding the downloaded shards) the headers are read from there:
-    the same bytes the store served, without another request per shard.
-    """
+def full_digests(store: VersionStore, index: VersionIndex, checksum: Checksum) -> dict[str, Digest]:
+    """Per-tensor digests recorded in a full version's shard metadata (may be empty)."""
     where = version_dir_name(index.version)
     digests: dict[str, Digest] = {}
     for shard in index.shards():
-        header = (
-            read_header_file(os.path.join(staged, shard))
-            if staged is not None
-            else store.read_shard_header(index.version, shard)
-        )
-        for name in header.tensors:
-            value = header.metadata.get(name)
-            if value is not None:
-                digests[name] = check_digest(checksum, value, name=name, where=where)
+        header = store.read_shard_header(index.version, shard)
+        digests.update(recorded_digests(header, checksum, where=where))
     return digests
 
 
