@@ -43,13 +43,9 @@ class Adler32Checksum(Checksum):
     hex_length = 8
 
     def hexdigest(self, data: ByteArray | bytes | memoryview) -> str:
-        view = memoryview(data).cast("B")
-        value = 1
-        # zlib takes at most UINT_MAX bytes per call on some builds: feed it in slices.
-        step = 1 << 30
-        for offset in range(0, len(view), step):
-            value = zlib.adler32(view[offset : offset + step], value)
-        return f"{value:08x}"
+        hasher = _Adler32()
+        hasher.update(memoryview(data))
+        return hasher.hexdigest()
 
     def hasher(self) -> Hasher:
         return _Adler32()
@@ -63,7 +59,7 @@ class _Adler32:
 
     def update(self, data: bytes | memoryview, /) -> None:
         view = memoryview(data).cast("B")
-        step = 1 << 30  # see Adler32Checksum.hexdigest
+        step = 1 << 30  # zlib takes at most UINT_MAX bytes per call on some builds: slices
         for offset in range(0, len(view), step):
             self._value = zlib.adler32(view[offset : offset + step], self._value)
 

@@ -26,9 +26,9 @@ from deltastore.codecs.jit_kernels import (
     _ones_to_the_end,
     _read_varint,
 )
+from deltastore.codecs.steps import MARK
 
 U64 = np.uint64
-MARK = 0x20
 APPLIED = 0
 """Every payload from ``first`` on was applied."""
 REFUSED = 1

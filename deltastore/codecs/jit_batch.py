@@ -24,9 +24,9 @@ from numba import types
 from numba.extending import intrinsic
 
 from deltastore.codecs.jit_kernels import _write
+from deltastore.codecs.steps import MARK
 
 U64 = np.uint64
-MARK = 0x20
 BLOCK = 128 * 1024
 """Largest zstd block (bytes of content)."""
 FRAMED = 0

@@ -16,11 +16,10 @@ import numpy as np
 
 from deltastore.codecs.base import ByteArray, XorChanges
 from deltastore.codecs.jit_changes import _changes
-from deltastore.codecs.kernels import ELEMENT_DTYPES
+from deltastore.codecs.kernels import ELEMENT_DTYPES, LOG2
+from deltastore.codecs.steps import MARK
 
 U64 = np.uint64
-MARK = 0x20
-LOG2 = {1: 0, 2: 1, 4: 2, 8: 3}
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
