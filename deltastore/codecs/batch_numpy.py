@@ -81,13 +81,6 @@ def _segment_sums(values: np.ndarray, firsts: Ints, counts: Ints) -> np.ndarray:
     return sums
 
 
-def _firsts(counts: Ints) -> Ints:
-    """Index of each non-empty segment's first element."""
-    starts = np.zeros(counts.size, dtype=np.int64)
-    np.cumsum(counts[:-1], out=starts[1:])
-    return starts[counts > 0]
-
-
 def _rice_parameters(gaps: np.ndarray, firsts: Ints, counts: Ints) -> Ints:
     """:func:`deltastore.codecs.kernels.rice_parameter` of each segment's gaps."""
     totals = _segment_sums(gaps, firsts, counts)
@@ -174,6 +167,8 @@ class _Streams:
     """What a group's payloads hold besides their headers, per tensor and per change."""
 
     counts: Ints
+    firsts: Ints
+    """Index of each changed tensor's first change."""
     k: Ints
     widths: Ints
     gaps: np.ndarray
@@ -198,7 +193,7 @@ def _layout(streams: _Streams, nbytes: Ints, itemsize: int) -> tuple[ByteWriter,
     index_bits = bit_length(np.maximum(s.counts - 1, 0))
     quotients = s.gaps >> s.k[s.tensor_of]
     ends = np.cumsum(quotients + 1) - 1  # each unary code's zero bit, over all tensors
-    unary_bits = _segment_sums(quotients + 1, _firsts(s.counts), s.counts)
+    unary_bits = _segment_sums(quotients + 1, s.firsts, s.counts)
     size_lengths, count_lengths = varint_lengths(nbytes), varint_lengths(s.counts)
     patch_lengths = varint_lengths(patches)
     head = 1 + size_lengths + count_lengths + 2
@@ -275,6 +270,7 @@ def encode_group(
     fields = step_fields(before, before ^ xored)
     streams = _Streams(
         counts=counts,
+        firsts=firsts,
         k=_rice_parameters(gaps, firsts, counts),
         widths=_field_widths(fields, tensor_of, counts, bits),
         gaps=gaps,
