@@ -20,7 +20,7 @@ GCS (:func:`start_fake_gcs`)
     also sets ``STORAGE_EMULATOR_HOST`` so gcsfs and google-cloud-storage need neither an
     endpoint nor a token.
 
-Known emulator gaps (see ``tests/storage/test_emulators.py``): fake-gcs-server honours
+Known emulator gaps (see ``tests/testing/test_emulators.py``): fake-gcs-server honours
 ``ifGenerationMatch=0`` (gcsfs ``mode="create"``) on simple uploads only, not on resumable
 ones; moto honours ``If-None-Match: *`` on PutObject and on CompleteMultipartUpload.
 """

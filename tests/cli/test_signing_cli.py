@@ -11,7 +11,7 @@ from deltastore import VersionStore
 from deltastore.trust import SIGNATURE_KEY
 from tests.cli.test_cli import _model, _step, deltastore
 from tests.conftest import checkpoint_bytes, make_checkpoint
-from tests.engine.test_server import http, start_server, stop_server
+from tests.pull.test_server import http, start_server, stop_server
 
 
 def _checkpoints(tmp_path: Path, count: int) -> list[str]:

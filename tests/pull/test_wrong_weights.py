@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 import deltastore as ds
 from deltastore.errors import ConfigError, IntegrityError, NameMismatchError
 from tests.conftest import checkpoint_bytes, perturb, raw_bytes
-from tests.engine.helpers import write_tensor
+from tests.pull.helpers import write_tensor
 
 Model = dict[str, torch.Tensor]
 Bytes = dict[str, bytes]

@@ -9,7 +9,7 @@ import pytest
 
 import deltastore as ds
 from deltastore.trust import SIGNATURE_KEY, generate_keypair
-from tests.distributed.harness import (
+from tests.publish.harness import (
     assert_checkpoint_equals,
     base_tensors,
     model_at,

@@ -30,7 +30,7 @@ from deltastore.trust import (
     verify_index,
     verify_manifest,
 )
-from tests.engine.helpers import Published, many_tensors, publish_versions, write_checkpoint
+from tests.pull.helpers import Published, many_tensors, publish_versions, write_checkpoint
 
 
 @dataclasses.dataclass

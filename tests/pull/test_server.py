@@ -18,7 +18,7 @@ import pytest
 
 from deltastore import FormatError, StoreError, verify_local
 from deltastore.pull import PullReply, PullRequest, fetch_state, pull_all
-from tests.engine.helpers import Published, many_tensors, publish_versions, write_checkpoint
+from tests.pull.helpers import Published, many_tensors, publish_versions, write_checkpoint
 
 TOKEN = "s3cret-token"
 
@@ -248,7 +248,7 @@ def test_server_answers_while_a_pull_runs(tmp_path: Path):
     write_checkpoint(tmp_path / "base", base)
     published = publish_versions(tmp_path / "store", tmp_path / "base", base, 1, seed=117)
     server = start_server(
-        "--base", str(tmp_path / "base"), "--pre-read-hook", "tests.engine.slow_hook.hold"
+        "--base", str(tmp_path / "base"), "--pre-read-hook", "tests.pull.slow_hook.hold"
     )
     local = tmp_path / "h"
     try:

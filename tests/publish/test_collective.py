@@ -15,7 +15,7 @@ from safetensors import safe_open
 import deltastore as ds
 from deltastore.format.names import INDEX_NAME
 from deltastore.storage import VersionStore
-from tests.distributed.harness import (
+from tests.publish.harness import (
     assert_checkpoint_equals,
     base_tensors,
     model_at,

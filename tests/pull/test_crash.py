@@ -31,7 +31,7 @@ import pytest
 
 from deltastore import pull_weights, verify_local
 from deltastore.pull import LocalCheckpoint
-from tests.engine.helpers import (
+from tests.pull.helpers import (
     Published,
     local_bytes,
     many_tensors,

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from deltastore import verify_local
-from tests.engine.helpers import Published, many_tensors, publish_versions, write_checkpoint
-from tests.engine.test_server import Server, start_server, stop_server
+from tests.pull.helpers import Published, many_tensors, publish_versions, write_checkpoint
+from tests.pull.test_server import Server, start_server, stop_server
 
 
 @dataclass

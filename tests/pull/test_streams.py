@@ -8,7 +8,7 @@ from pathlib import Path
 
 from deltastore import pull_weights
 from deltastore.pull import LocalCheckpoint
-from tests.engine.helpers import (
+from tests.pull.helpers import (
     local_bytes,
     many_tensors,
     publish_versions,

@@ -18,7 +18,7 @@ import pytest
 from deltastore import pull_weights, verify_local
 from deltastore.format.state import PendingTransition
 from deltastore.pull import LocalCheckpoint
-from tests.engine.helpers import (
+from tests.pull.helpers import (
     Published,
     changed_between,
     local_bytes,

@@ -12,7 +12,7 @@ import torch
 
 import deltastore as ds
 from tests.conftest import make_checkpoint
-from tests.distributed.harness import assert_checkpoint_equals, base_tensors, model_at
+from tests.publish.harness import assert_checkpoint_equals, base_tensors, model_at
 
 NAMES = [f"model.layers.{i}.weight" for i in range(4)] + ["model.norm.weight"]
 CHANGES = {1: {NAMES[0]}, 2: {NAMES[1], NAMES[4]}, 3: {NAMES[2]}, 4: {NAMES[0], NAMES[3]}}

@@ -12,7 +12,7 @@ import pytest
 from deltastore import ConfigError, pull_weights, verify_local
 from deltastore.format.state import PendingTransition
 from deltastore.pull import LocalCheckpoint
-from tests.engine.helpers import (
+from tests.pull.helpers import (
     changed_between,
     local_bytes,
     many_tensors,

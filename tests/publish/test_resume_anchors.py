@@ -19,7 +19,7 @@ from safetensors import safe_open
 import deltastore as ds
 from deltastore.storage import VersionStore
 from tests.conftest import raw_bytes
-from tests.distributed.harness import (
+from tests.publish.harness import (
     assert_checkpoint_equals,
     base_tensors,
     model_at,

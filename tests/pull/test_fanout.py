@@ -15,7 +15,7 @@ from deltastore import VersionStore, verify_local
 from deltastore.errors import ConfigError
 from deltastore.pull import LocalCheckpoint, pull_weights
 from deltastore.testing.servers import free_port
-from tests.engine.helpers import many_tensors, publish_versions, write_checkpoint
+from tests.pull.helpers import many_tensors, publish_versions, write_checkpoint
 
 WORKER = Path(__file__).with_name("fanout_worker.py")
 

@@ -14,7 +14,7 @@ from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.pull import LocalCheckpoint
 from deltastore.pull.history import collect_history
 from deltastore.pull.mapped import MappedFiles
-from tests.engine.helpers import (
+from tests.pull.helpers import (
     evolve,
     local_bytes,
     many_tensors,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from deltastore import pull_weights
 from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.pull import GroupPullError
-from tests.engine.helpers import write_tensor
+from tests.pull.helpers import write_tensor
 
 
 def main() -> int:
