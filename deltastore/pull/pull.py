@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -103,25 +104,18 @@ def pull_weights(
     keys = load_trusted(trusted_keys)
     source = make_source(source_dir, storage_options, pre_read)
     target = source.resolve_target(target_version)
-
-    def pull_here() -> PullResult:
-        def attempt() -> PullResult:
-            return _pull_here(
-                local_checkpoint_dir,
-                source,
-                target,
-                base_dir,
-                workers=workers,
-                lock_timeout_s=lock_timeout_s,
-                keys=keys,
-                progress=progress,
-            )
-
-        try:
-            return attempt()
-        except VersionNotFoundError as exc:
-            return _re_resolve(source.store, target, exc, attempt)
-
+    attempt = functools.partial(
+        _pull_here,
+        local_checkpoint_dir,
+        source,
+        target,
+        base_dir,
+        workers=workers,
+        lock_timeout_s=lock_timeout_s,
+        keys=keys,
+        progress=progress,
+    )
+    pull_here = functools.partial(_re_resolving, source.store, target, attempt)
     if group is None:
         return pull_here()
     return pull_in_group(
@@ -130,6 +124,16 @@ def pull_weights(
         local_dir=os.path.abspath(os.fspath(local_checkpoint_dir)),
         target_version=target,
     )
+
+
+def _re_resolving(
+    store: VersionStore, target_version: int, attempt: Callable[[], PullResult]
+) -> PullResult:
+    """``attempt()``, resolved once more if a version vanished while it ran."""
+    try:
+        return attempt()
+    except VersionNotFoundError as exc:
+        return _re_resolve(store, target_version, exc, attempt)
 
 
 def _re_resolve(
