@@ -1,6 +1,6 @@
 """Load and soak, reduced: 4 host processes pull 30 versions through a faulty proxy.
 
-The full run (8 hosts x 200 versions) is ``python -m deltastore.testing.soak --hosts 8
+The full run (8 hosts x 200 versions) is ``python -m tests.soak.soak --hosts 8
 --versions 200 --json``; its figures are in docs/reliability.md.
 """
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from deltastore.testing.soak import SoakConfig, run_soak
-from deltastore.testing.soak_roles import hash_checkpoint, hash_tensors
+from tests.soak.soak import SoakConfig, run_soak
+from tests.soak.soak_roles import hash_checkpoint, hash_tensors
 
 # Faults on about 3 % of requests, short stalls: enough to meet every kind many times in a run
 # of a few thousand requests, without making the test slow.
@@ -55,7 +55,7 @@ def test_four_hosts_thirty_versions_through_a_faulty_proxy_all_verified(tmp_path
 
 def test_a_claim_that_did_not_verify_fails_the_run() -> None:
     """The judge is not vacuous: a host report with an unverified claim is a problem."""
-    from deltastore.testing.soak import _host_problems
+    from tests.soak.soak import _host_problems
 
     good = {
         "host": 0,

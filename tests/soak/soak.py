@@ -6,9 +6,9 @@ acknowledgement), or stalls and hangs up. A trainer process publishes ``versions
 versions of a small synthetic bf16 model with anchors, pruning every few versions with a short
 grace period; ``hosts`` host processes each seed a local checkpoint from the base and pull the
 latest version until they hold the last one, verifying every version they claim (see
-:mod:`deltastore.testing.soak_roles`).
+:mod:`tests.soak.soak_roles`).
 
-Run it as ``python -m deltastore.testing.soak --hosts 8 --versions 200 --json``; it prints one
+Run it as ``python -m tests.soak.soak --hosts 8 --versions 200 --json``; it prints one
 JSON summary and exits 1 when the run failed. :func:`run_soak` is the same from Python.
 
 A run fails when a process crashed or timed out, a host met an error other than a version pruned
@@ -37,7 +37,7 @@ from typing import Any
 
 from deltastore.testing.faults import Fault, FaultProxy, s3_error
 from deltastore.testing.servers import S3Server, start_moto_s3
-from deltastore.testing.soak_roles import (
+from tests.soak.soak_roles import (
     HostJob,
     TrainerJob,
     host_main,
@@ -295,9 +295,9 @@ def run_soak(config: SoakConfig, workdir: str | None = None) -> SoakReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m deltastore.testing.soak``: run a soak, print the summary; exit 1 on failure."""
+    """``python -m tests.soak.soak``: run a soak, print the summary; exit 1 on failure."""
     defaults = SoakConfig()
-    p = argparse.ArgumentParser(prog="python -m deltastore.testing.soak", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tests.soak.soak", description=__doc__)
     for name in ("hosts", "versions", "anchor_every", "prune_every", "keep", "workers", "seed"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     for name in ("size_mb", "grace_s", "fault_share", "stall_s", "deadline_s"):

@@ -1,4 +1,4 @@
-"""The two roles of the load and soak run (:mod:`deltastore.testing.soak`), one process each.
+"""The two roles of the load and soak run (:mod:`tests.soak.soak`), one process each.
 
 :func:`trainer_main` trains a small synthetic bf16 model, publishes one version per step with
 anchors, and prunes every few versions. :func:`host_main` seeds a local checkpoint from the base,
