@@ -180,6 +180,15 @@ class _PullRun:
     started: float
     checked: CheckedPlan = field(default_factory=CheckedPlan)
     """What the preflight verified (signature records, the verified delta copies)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase so far (see :attr:`PullResult.phase_seconds`)."""
+    _mark: float = 0.0
+
+    def phase_done(self, name: str) -> None:
+        """The time since the previous mark (or the start) went to phase ``name``."""
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - (self._mark or self.started)
+        self._mark = now
 
     @property
     def store(self) -> VersionStore:
@@ -190,9 +199,18 @@ class _PullRun:
     ) -> PullResult:
         s = self.stats
         seconds = time.perf_counter() - self.started
+        if not self._mark:
+            self.phase_done("prepare")
+        try:
+            total = len(scan_checkpoint(self.local.dir))  # headers only
+        except (DeltastoreError, OSError):
+            total = s.tensors
         return PullResult(
             version, action, s.versions, s.tensors, s.bytes_read, seconds, plan.describe(),
-            repair, s.payloads,
+            repair, s.payloads, bytes_reconstructed=s.bytes_written,
+            tensors_skipped=0 if action == "reseeded" else max(0, total - s.tensors),
+            reseeds=int(action == "reseeded"),
+            phase_seconds=dict(self.phases),
         )  # fmt: skip
 
     def applied(self, version: int, stream: str | None) -> AppliedState:
@@ -218,6 +236,8 @@ class _PullRun:
             self.local.begin(pending)
             log.info("%s: seeding from base %s", self.local.dir, self.base)
             self.local.seed_from_base(self.base, self.stats.progress)
+            seeded = scan_checkpoint(self.local.dir)
+            self.stats.add(bytes_written=sum(t.entry.nbytes for t in seeded.values()))
         else:
             log.info("%s: seeding from full version %d", self.local.dir, chain.start)
             self.stats.report("download", chain.start_index.totals.get("wire_bytes"))
@@ -332,10 +352,13 @@ def _pull_locked(
         return run.result(plan, state.version, "noop" if repair is None else "repaired", repair)
     with preflight(source.store, chain, plan, local, base, keys, workers=workers) as checked:
         run.checked = checked
+        run.phase_done("prepare")
         if plan.action == "reseed":
             run.reseed(chain, state, plan.reason or "the target builds on version 0")
+            run.phase_done("reseed")
         if plan.deltas:
             run.catch_up(chain, plan)
+            run.phase_done("apply")
     run.checked = CheckedPlan()  # (the scanned checkpoint goes before the collector resumes)
     return run.result(
         plan, target_version, "reseeded" if plan.action == "reseed" else "applied", repair

@@ -35,6 +35,8 @@ class PullResult:
     versions_applied: list[int] = field(default_factory=list)
     tensors_applied: int = 0
     bytes_read: int = 0
+    """Bytes read from the store (the wire bytes: compressed payloads, a full version's
+    shards, index files are not counted)."""
     seconds: float = 0.0
     plan: str = ""
     """The plan that was followed (versions, bytes to move), as logged."""
@@ -44,6 +46,21 @@ class PullResult:
     """Delta payloads read: one per changed tensor per version."""
     group: tuple[HostOutcome, ...] = ()
     """Every rank's outcome when the pull ran across a process group."""
+    bytes_reconstructed: int = 0
+    """Bytes of local tensors written (patched, restored or copied in by a reseed)."""
+    tensors_skipped: int = 0
+    """Tensors of the local checkpoint this pull left as they were (unchanged by every
+    version it applied)."""
+    reseeds: int = 0
+    """1 when the pull reseeded (from the base or a full version), else 0."""
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """Where the time went: ``prepare`` (repair, checks, plan, preflight), ``reseed`` and
+    ``apply`` (the deltas); phases that did not run are absent."""
+
+    @property
+    def wire_bytes(self) -> int:
+        """``bytes_read`` under the name the publisher's metrics use."""
+        return self.bytes_read
 
     @property
     def message(self) -> str:

@@ -40,6 +40,7 @@ from aiohttp import web
 
 from deltastore.errors import ConfigError, DeltastoreError, FormatError
 from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.metrics import CONTENT_TYPE, PullMetrics
 from deltastore.pull.protocol import CheckpointStatus, PullReply, PullRequest, check_request_path
 from deltastore.pull.pull import pull_weights
 
@@ -253,6 +254,7 @@ class PullServer:
         self.rules = RequestRules(config)
         self.locks: dict[str, asyncio.Lock] = {}
         self.busy: set[str] = set()
+        self.metrics = PullMetrics()
         self.executor = cf.ThreadPoolExecutor(
             config.max_parallel_pulls, thread_name_prefix="deltastore-pull"
         )
@@ -265,6 +267,7 @@ class PullServer:
         app.router.add_post("/pull_weights", self.pull_weights)
         app.router.add_get("/state", self.state)
         app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/metrics", self.metrics_page)
         app.on_cleanup.append(self._close)
         return app
 
@@ -313,6 +316,10 @@ class PullServer:
 
     async def healthz(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "pulls_running": len(self.busy)})
+
+    async def metrics_page(self, _request: web.Request) -> web.Response:
+        body = self.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def state(self, request: web.Request) -> web.Response:
         path = request.query.get("local_checkpoint_dir")
@@ -379,10 +386,13 @@ class PullServer:
                 trusted_keys=self.config.trusted_keys,
             )
         except (DeltastoreError, OSError) as exc:
+            self.metrics.failed(local_dir)
             return PullReply(False, f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # a bug must still answer {success, message}
             log.exception("pull of %s failed unexpectedly", local_dir)
+            self.metrics.failed(local_dir)
             return PullReply(False, f"unexpected {type(exc).__name__}: {exc}")
+        self.metrics.pulled(local_dir, result)
         return PullReply(True, result.message)
 
 
