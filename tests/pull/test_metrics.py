@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import deltastore as ds
 from deltastore.format.safetensors_io import read_header_file
 from deltastore.pull.server import ServerConfig
-from tests.engine.helpers import changed_between, many_tensors, publish_versions, write_checkpoint
+from tests.pull.helpers import changed_between, many_tensors, publish_versions, write_checkpoint
 from tests.pull.serving import running_server
 
 
