@@ -20,8 +20,9 @@ from deltastore.errors import IntegrityError, NameMismatchError
 from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex, check_shard_names
 from deltastore.format.names import INDEX_NAME, version_dir_name
+from deltastore.format.shard_stream import StreamedShardCheck
+from deltastore.pull.history import full_shard_check
 from deltastore.pull.local import LocalCheckpoint
-from deltastore.pull.shard_check import ShardDigests
 from deltastore.pull.stats import ApplyStats, run_pool
 from deltastore.storage import VersionStore
 from deltastore.storage.durable import atomic_replace, fsync_path
@@ -117,7 +118,7 @@ class _WholeFile:
 
 
 def _download(
-    store: VersionStore, version: int, shard: str, dst: str, sink: ShardDigests | None
+    store: VersionStore, version: int, shard: str, dst: str, sink: StreamedShardCheck | None
 ) -> int:
     """Copy one shard to ``dst`` (fsynced), its bytes fed to ``sink`` as they arrive.
 
@@ -172,7 +173,7 @@ def stage_full(
     shards = index.shards()
     checksum = get_checksum(index.checksum) if index.checksum else None
     checks = {
-        shard: ShardDigests(checksum, where, f"{store.url}/{where}/{shard}")
+        shard: full_shard_check(checksum, where, f"{store.url}/{where}/{shard}")
         for shard in shards
         if checksum is not None
     }

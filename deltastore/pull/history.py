@@ -19,6 +19,7 @@ from deltastore.format.index import VersionIndex, check_shard_names
 from deltastore.format.names import version_dir_name
 from deltastore.format.payload import PayloadRef
 from deltastore.format.safetensors_io import SafetensorsHeader
+from deltastore.format.shard_stream import StreamedShardCheck
 from deltastore.storage import VersionStore
 
 _LOWER_HEX = re.compile("[0-9a-f]*")
@@ -86,6 +87,19 @@ def recorded_digests(
         if value is not None:
             digests[name] = check_digest(checksum, value, name=name, where=where)
     return digests
+
+
+def full_shard_check(checksum: Checksum, where: str, source: str) -> StreamedShardCheck:
+    """A download sink (see :meth:`VersionStore.download`) for one shard of a full version:
+    every tensor its metadata gives a digest for (:func:`recorded_digests`) is hashed as its
+    bytes arrive, so a reseed verifies in the same pass as it downloads. ``where`` names the
+    version in errors, ``source`` the shard's URL; :meth:`StreamedShardCheck.mismatched` lists
+    the tensors that failed once the download is over."""
+
+    def expected(header: SafetensorsHeader) -> dict[str, str]:
+        return {n: d.hex for n, d in recorded_digests(header, checksum, where=where).items()}
+
+    return StreamedShardCheck(source, checksum.hasher, expected)
 
 
 def read_delta_headers(store: VersionStore, index: VersionIndex) -> dict[str, SafetensorsHeader]:

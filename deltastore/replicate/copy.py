@@ -28,7 +28,7 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.names import version_dir_name
-from deltastore.replicate.digests import ShardChecker, new_file_hasher
+from deltastore.replicate.digests import new_file_hasher, shard_checker
 from deltastore.storage import VersionStore
 
 log = logging.getLogger("deltastore.replicate")
@@ -129,7 +129,7 @@ class FileCopier:
     ) -> int:
         source = f"{self.src.url}/{version_dir_name(job.version)}/{job.name}"
         checker = (
-            ShardChecker(
+            shard_checker(
                 source,
                 job.size,
                 job.checksum,
@@ -163,7 +163,7 @@ class FileCopier:
                     _write_all(out, data)
                     file_hash.update(data)
                     if checker is not None:
-                        checker.feed(data)
+                        checker.update(data)
                     count(len(data))
                 if checker is not None:
                     checker.finish()

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from deltastore.codecs import get_checksum
 from deltastore.errors import FormatError
 from deltastore.format.safetensors_io import parse_header
-from deltastore.pull.shard_check import ShardDigests
+from deltastore.format.shard_stream import StreamedShardCheck
+from deltastore.pull.history import full_shard_check
 from deltastore.testing.store_helpers import shard_bytes
 
 XXH3 = get_checksum("xxh3-128")
@@ -31,14 +32,14 @@ def _shard(tensors: dict[str, bytes], digests: dict[str, str] | None = None) -> 
     return shard_bytes(tensors, digests)
 
 
-def _feed(check: ShardDigests, data: bytes, cuts: list[int]) -> None:
+def _feed(check: StreamedShardCheck, data: bytes, cuts: list[int]) -> None:
     bounds = [0, *sorted(c % (len(data) + 1) for c in cuts), len(data)]
     for start, end in itertools.pairwise(bounds):
         check.update(data[start:end])
 
 
-def _check() -> ShardDigests:
-    return ShardDigests(XXH3, "weight_v000003", "s3://b/weight_v000003/shard")
+def _check() -> StreamedShardCheck:
+    return full_shard_check(XXH3, "weight_v000003", "s3://b/weight_v000003/shard")
 
 
 @settings(max_examples=60, deadline=None)

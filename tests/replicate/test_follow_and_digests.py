@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 import deltastore as ds
-from deltastore.codecs import get_checksum
+from deltastore.codecs import CHECKSUMS, get_checksum
 from deltastore.errors import IntegrityError
 from deltastore.format.safetensors_io import TensorLayout, write_safetensors
 from deltastore.replicate import Observer, ReplicationPolicy, ReplicationReport, VersionCopy
-from deltastore.replicate.digests import HASHERS, ShardChecker
+from deltastore.replicate.digests import shard_checker
 from deltastore.storage import VersionStore
 from tests.replicate.helpers import assert_replica
 from tests.storage.models import model_at, write_base
@@ -76,7 +76,7 @@ def test_follow_picks_up_new_versions_and_mirrors_pruning(tmp_path: Path) -> Non
     assert report.pruned == (1, 2)
 
 
-@pytest.mark.parametrize("algorithm", sorted(HASHERS))
+@pytest.mark.parametrize("algorithm", sorted(CHECKSUMS))
 @pytest.mark.parametrize("piece", [1, 7, 4096])
 def test_streamed_digests_match_codecs(algorithm: str, piece: int, tmp_path: Path) -> None:
     checksum = get_checksum(algorithm)
@@ -87,14 +87,14 @@ def test_streamed_digests_match_codecs(algorithm: str, piece: int, tmp_path: Pat
     with open(path, "wb") as fh:
         write_safetensors(fh, tensors, metadata)
     data = path.read_bytes()
-    checker = ShardChecker("shard", len(data), algorithm, check_digests=True, hash_tensors=True)
+    checker = shard_checker("shard", len(data), algorithm, check_digests=True, hash_tensors=True)
     for offset in range(0, len(data), piece):
-        checker.feed(data[offset : offset + piece])
+        checker.update(data[offset : offset + piece])
     checker.finish()
     assert checker.checked == 4
     corrupt = bytearray(data)
     corrupt[-1] ^= 1
-    checker = ShardChecker("shard", len(data), algorithm, check_digests=True, hash_tensors=True)
+    checker = shard_checker("shard", len(data), algorithm, check_digests=True, hash_tensors=True)
     with pytest.raises(IntegrityError, match="'t3'"):
         for offset in range(0, len(corrupt), piece):
-            checker.feed(bytes(corrupt[offset : offset + piece]))
+            checker.update(bytes(corrupt[offset : offset + piece]))

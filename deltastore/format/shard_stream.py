@@ -1,0 +1,179 @@
+"""Checking a shard while its bytes stream past: the header, then each tensor's digest.
+
+A reseed (pull) and a replica's copy both see a shard once, front to back, as it is
+downloaded or copied; hashing each tensor's byte range as it passes checks it in that same
+pass, without holding the shard (or a tensor of several GB) and without reading the copy back.
+This module knows the safetensors layout only: which digest a tensor must have is the
+caller's rule (``expected``), and the hash is the caller's too (``new_hasher``, e.g. a
+``deltastore.codecs`` checksum's ``hasher``), so the format layer never sees a codec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from deltastore.errors import FormatError
+from deltastore.format.packed import unpack_header
+from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
+
+HEADER_NOT_READ = "(the shard header)"
+"""What :meth:`StreamedShardCheck.mismatched` names when the header never arrived whole."""
+
+
+class StreamHasher(Protocol):
+    """An incremental digest: ``update`` with consecutive pieces, then ``hexdigest``."""
+
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+ExpectedDigests = Callable[[SafetensorsHeader], Mapping[str, str]]
+"""``expected(header)``: the digest (lowercase hex) each checked tensor must hash to, by name;
+tensors left out are not hashed. It may raise (a missing or malformed digest)."""
+Mismatch = Callable[[str, str, str], None]
+"""``on_mismatch(tensor, recorded, read)``: called when a whole tensor hashed to another digest."""
+
+
+@dataclass
+class _Span:
+    name: str
+    start: int
+    end: int
+    expected: str
+    hasher: StreamHasher
+    fed: int = 0
+
+
+class StreamedShardCheck:
+    """Follows one shard's bytes in file order and checks each tensor as its bytes pass.
+
+    Feed consecutive pieces with :meth:`update` (a download sink: :meth:`restart` forgets what
+    was fed, for a retried transfer). The header is parsed once its bytes are whole (a packed
+    delta shard's comes back with one entry per tensor); ``size``, when known, bounds it. Every
+    tensor ``expected`` names is hashed as it passes; a whole tensor that hashes to another
+    digest goes to ``on_mismatch`` (which may raise) and to :meth:`mismatched`. ``source``
+    names the shard in errors. Raises :class:`FormatError` for a malformed header, and from
+    :meth:`finish` for a shard cut short.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        new_hasher: Callable[[], StreamHasher],
+        expected: ExpectedDigests,
+        *,
+        size: int | None = None,
+        on_mismatch: Mismatch | None = None,
+    ) -> None:
+        self.source = source
+        self.size = size
+        self._new_hasher = new_hasher
+        self._expected = expected
+        self._on_mismatch = on_mismatch
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget what was fed: the shard comes again from its first byte."""
+        self.offset = 0
+        """Bytes fed so far."""
+        self.header: SafetensorsHeader | None = None
+        self.checked = 0
+        """Tensors hashed whole to their digest."""
+        self._head = bytearray()
+        self._spans: list[_Span] = []
+        self._next = 0
+        self._bad: set[str] = set()
+
+    def update(self, data: bytes | memoryview) -> None:
+        """The shard's next ``len(data)`` bytes."""
+        view = memoryview(data).cast("B")
+        if self.header is None:
+            view = self._take_header(view)
+            if self.header is None:
+                return
+        self._feed(view)
+
+    def mismatched(self) -> list[str]:
+        """Tensors (in file order) whose bytes did not hash to their digest or did not all
+        arrive; :data:`HEADER_NOT_READ` alone when the header never arrived whole."""
+        if self.header is None:
+            return [HEADER_NOT_READ]
+        unfinished = {
+            s.name
+            for s in self._spans[self._next :]
+            if s.fed != s.end - s.start or s.hasher.hexdigest() != s.expected
+        }
+        return [s.name for s in self._spans if s.name in self._bad or s.name in unfinished]
+
+    def finish(self) -> SafetensorsHeader:
+        """Check that the whole shard passed (``size`` bytes, every checked tensor whole);
+        returns its header. Raises :class:`FormatError` for a shard cut short."""
+        if self.header is None or (self.size is not None and self.offset != self.size):
+            raise FormatError(
+                f"{self.source}: read {self.offset} bytes of {self.size}, header "
+                f"{'parsed' if self.header else 'incomplete'}; the file is truncated"
+            )
+        if self._next < len(self._spans):
+            raise FormatError(
+                f"{self.source}: tensor {self._spans[self._next].name!r} is cut short"
+            )
+        return self.header
+
+    def _take_header(self, view: memoryview) -> memoryview:
+        """Keep the header's bytes until it is whole, then parse it; returns the bytes after."""
+        before = len(self._head)
+        self._head += view
+        self.offset += len(view)
+        if len(self._head) < 8:
+            return view[len(view) :]
+        total = 8 + header_length(bytes(self._head[:8]), source=self.source)
+        if len(self._head) < total:
+            return view[len(view) :]
+        parsed = parse_header(bytes(self._head[8:total]), file_size=self.size, source=self.source)
+        header = unpack_header(parsed, source=self.source)
+        expected = self._expected(header)
+        spans = [
+            _Span(
+                name,
+                header.tensors[name].start,
+                header.tensors[name].end,
+                digest,
+                self._new_hasher(),
+            )
+            for name, digest in expected.items()
+        ]
+        self._spans = sorted(spans, key=lambda s: (s.start, s.end))
+        self.header = header
+        self._head = bytearray()
+        self.offset = total
+        return view[total - before :]
+
+    def _feed(self, view: memoryview) -> None:
+        begin = self.offset
+        end = begin + len(view)
+        spans = self._spans
+        # Spans are sorted by start: every span before _next has all its bytes already.
+        for i in range(self._next, len(spans)):
+            span = spans[i]
+            if span.start >= end:
+                break
+            low, high = max(span.start, begin), min(span.end, end)
+            if high > low:
+                span.hasher.update(view[low - begin : high - begin])
+                span.fed += high - low
+        while self._next < len(spans) and spans[self._next].end <= end:
+            self._check(spans[self._next])
+            self._next += 1
+        self.offset = end
+
+    def _check(self, span: _Span) -> None:
+        got = span.hasher.hexdigest()
+        if got == span.expected:
+            self.checked += 1
+            return
+        self._bad.add(span.name)
+        if self._on_mismatch is not None:
+            self._on_mismatch(span.name, span.expected, got)
