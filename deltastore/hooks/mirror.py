@@ -40,9 +40,12 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from typing import Any, BinaryIO
 
 from deltastore.errors import (
     DeltastoreError,
@@ -56,6 +59,7 @@ from deltastore.hooks.context import current_publishing_rank
 from deltastore.hooks.posix import version_of
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import iter_chain
+from deltastore.storage.copy import CopyJob, FileCopier
 from deltastore.storage.durable import atomic_writer, create_new_file, fsync_path
 
 log = logging.getLogger("deltastore.hooks")
@@ -65,6 +69,9 @@ STORAGE_OPTIONS_ENV = "DELTASTORE_STORAGE_OPTIONS"
 TIMEOUT_ENV = "DELTASTORE_HOOK_TIMEOUT_S"
 ARGS_URL_ATTR = "update_weight_remote_url"
 _COPY_CHUNK = 8 * 1024**2
+_READS = 4
+"""Ranged reads in flight per copied file (two chunks each in the copier's window)."""
+_COPY_ATTEMPTS = 5
 _S3_SCHEMES = ("s3://", "s3a://")
 _GCS_SCHEMES = ("gs://", "gcs://")
 
@@ -183,6 +190,14 @@ def _verify_remote(remote: VersionStore, version: int, sizes: dict[str, int], to
             )
 
 
+def _copier(src: VersionStore, dst: VersionStore, reads: ThreadPoolExecutor) -> FileCopier:
+    """The one copier of version files (shared with replication): ranged reads in parallel,
+    written in order, each file's size checked at the destination, transient errors retried."""
+    return FileCopier(
+        src, dst, reads, chunk=_COPY_CHUNK, window=2 * _READS, attempts=_COPY_ATTEMPTS
+    )
+
+
 def _upload(
     version_dir: str, remote: VersionStore, version: int, index: VersionIndex, sizes: dict[str, int]
 ) -> None:
@@ -198,18 +213,11 @@ def _upload(
             f"weight_v{version:06d} in {remote.url} is claimed by another writer; two "
             "trainers publish to one remote store"
         ) from None
-    with writer:
+    local = VersionStore(os.path.dirname(os.path.abspath(version_dir)))
+    with writer, ThreadPoolExecutor(_READS, thread_name_prefix="mirror-read") as reads:
+        copier = _copier(local, remote, reads)
         for shard, size in sizes.items():
-            local = os.path.join(version_dir, shard)
-            with open(local, "rb") as src, writer.open_write(shard) as dst:
-                while chunk := src.read(_COPY_CHUNK):
-                    dst.write(chunk)
-            remote_size = remote.file_size(version, shard)
-            if remote_size != size:
-                raise HookError(
-                    f"uploading {shard} of weight_v{version:06d} to {remote.url} stored "
-                    f"{remote_size} bytes, the local file has {size}"
-                )
+            copier.copy(writer, CopyJob(version, shard, size), threading.Event())
         writer.commit(index)
 
 
@@ -288,22 +296,24 @@ def _local_lock(delta_dir: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _download(remote: VersionStore, version: int, shard: str, dst: str) -> int:
-    size = remote.file_size(version, shard)
+class _LocalFiles:
+    """Where the engine-side mirror writes a version's files: each lands whole by rename (the
+    directory is made durable once, after every shard of the version is in place)."""
+
+    def __init__(self, version_dir: str) -> None:
+        self.version_dir = version_dir
+
+    def open_write(self, name: str) -> AbstractContextManager[BinaryIO]:
+        return atomic_writer(os.path.join(self.version_dir, name), sync_dir=False)
+
+
+def _download(copier: FileCopier, version: int, shard: str, version_dir: str) -> int:
+    size = copier.src.file_size(version, shard)
+    dst = os.path.join(version_dir, shard)
     if os.path.exists(dst) and os.path.getsize(dst) == size:
         return 0  # landed by an earlier, interrupted mirror (files arrive by rename only)
-    copied = 0
-    # The directory is made durable once, after every shard of the version is in place.
-    with remote.open_read(version, shard) as src, atomic_writer(dst, sync_dir=False) as out:
-        while chunk := src.read(_COPY_CHUNK):
-            out.write(chunk)
-            copied += len(chunk)
-        if copied != size:
-            raise HookError(
-                f"{remote.url}/{version_dir_name(version)}/{shard}: read {copied} bytes, the "
-                f"store reports {size}"
-            )
-    return copied
+    job = CopyJob(version, shard, size)
+    return copier.copy(_LocalFiles(version_dir), job, threading.Event()).size
 
 
 def _write_index(path: str, data: bytes) -> None:
@@ -374,14 +384,17 @@ def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int)
 
         for _ in iter_chain(target_version, read):
             pass
-        for version, index, raw in reversed(todo):
-            version_dir = os.path.join(delta_dir, version_dir_name(version))
-            os.makedirs(version_dir, exist_ok=True)
-            for shard in index.shards():
-                _download(remote, version, shard, os.path.join(version_dir, shard))
-            fsync_path(version_dir)
-            _write_index(os.path.join(version_dir, INDEX_NAME), raw)
-            fsync_path(version_dir)
+        local = VersionStore(delta_dir)
+        with ThreadPoolExecutor(_READS, thread_name_prefix="mirror-read") as reads:
+            copier = _copier(remote, local, reads)
+            for version, index, raw in reversed(todo):
+                version_dir = os.path.join(delta_dir, version_dir_name(version))
+                os.makedirs(version_dir, exist_ok=True)
+                for shard in index.shards():
+                    _download(copier, version, shard, version_dir)
+                fsync_path(version_dir)
+                _write_index(os.path.join(version_dir, INDEX_NAME), raw)
+                fsync_path(version_dir)
         fsync_path(delta_dir)
     done = [v for v, _, _ in reversed(todo)]
     if done:

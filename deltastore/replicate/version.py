@@ -18,6 +18,7 @@ version is visible before its commit stands.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -33,10 +34,11 @@ from deltastore.errors import (
 )
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
-from deltastore.replicate.copy import CopyJob, FileCopier
+from deltastore.replicate.digests import new_file_hasher, shard_checker
 from deltastore.replicate.plan import same_content
 from deltastore.replicate.report import Observer, ReplicationPolicy, VersionCopy
 from deltastore.storage import VersionStore, new_token
+from deltastore.storage.copy import CopyJob, FileCopier
 from deltastore.storage.writer import VersionWriter, json_field
 
 log = logging.getLogger("deltastore.replicate")
@@ -123,18 +125,21 @@ class VersionCopier:
                 "its index names (pruned meanwhile, or corrupt)"
             )
         extra = sorted(n for n in names - set(shards) if n != INDEX_NAME and not is_temporary(n))
-        return [
-            CopyJob(
-                version=version,
-                name=name,
-                size=self.src.file_size(version, name),
-                checksum=index.checksum,
-                is_shard=name in shards,
-                hash_tensors=self.verify and not index.is_delta,
-                verify=self.verify,
-            )
-            for name in [*shards, *extra]
-        ]
+        jobs = []
+        for name in [*shards, *extra]:
+            size = self.src.file_size(version, name)
+            check = None
+            if name in shards:  # a shard the index maps tensors to: its header is checked
+                check = functools.partial(
+                    shard_checker,
+                    f"{self.src.url}/{version_dir_name(version)}/{name}",
+                    size,
+                    index.checksum,
+                    check_digests=self.verify,
+                    hash_tensors=self.verify and not index.is_delta,
+                )
+            jobs.append(CopyJob(version, name, size, check))
+        return jobs
 
     def _copy_once(
         self, version: int, index: VersionIndex, token: str, started: float, retries: int
@@ -173,6 +178,7 @@ class VersionCopier:
             window=window,
             attempts=self.policy.attempts,
             on_bytes=lambda n: self.observer.advanced(version, n),
+            read_back=new_file_hasher if self.verify else None,
         )
         cancel = threading.Event()
         futures = [self.files.submit(copier.copy, writer, job, cancel) for job in jobs]

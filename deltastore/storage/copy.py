@@ -1,12 +1,17 @@
-"""Copying one file of a version: ranged reads in parallel, written in order, bounded memory.
+"""Copying one file of a version between stores: ranged reads in parallel, written in order,
+bounded memory. The one copier of version files: replication (``deltastore.replicate``) and
+the mirror hooks (``deltastore.hooks``, both directions) use it; it lives here, below both.
 
-A file is cut into chunks of the destination's block size. Up to ``window`` chunks are being
-read at once (ranged reads on a shared pool of ``jobs`` threads) while the chunk at the head is
-written to the destination's stream, so at most ``window`` chunks per file are held, never a
-whole shard. The destination stream is the version transaction's ``open_write``: a local temp
-file renamed into place, or a multipart (S3) / resumable (GCS) upload that completes only when
-the file is whole. A failed try is discarded (never completed) and repeated for transient
-errors.
+A file is cut into chunks (replication uses the destination's block size). Up to ``window``
+chunks are being read at once (ranged reads on a shared pool of threads) while the chunk at
+the head is written to the destination's stream, so at most ``window`` chunks per file are
+held, never a whole shard. The destination stream is the version transaction's
+``open_write``: a local temp file renamed into place, or a multipart (S3) / resumable (GCS)
+upload that completes only when the file is whole. A failed try is discarded (never
+completed) and repeated for transient errors. What the bytes mean is the caller's: a job may
+carry a streamed check (for a shard, each tensor against its digest) fed every byte as it
+passes, and the copier may be given a whole-file hasher to compare a read-back of the
+destination with what the source gave.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from deltastore.errors import (
     StoreError,
@@ -28,16 +33,30 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.names import version_dir_name
-from deltastore.replicate.digests import new_file_hasher, shard_checker
-from deltastore.storage import VersionStore
+from deltastore.format.shard_stream import StreamHasher
 
-log = logging.getLogger("deltastore.replicate")
+if TYPE_CHECKING:
+    from deltastore.storage.store import VersionStore
+
+log = logging.getLogger("deltastore.storage")
 
 
 class WritesFiles(Protocol):
     """What a version transaction offers for writing one file (``VersionWriter.open_write``)."""
 
     def open_write(self, name: str) -> Any: ...
+
+
+class StreamCheck(Protocol):
+    """What follows a file's bytes as they are copied (e.g. a
+    :class:`~deltastore.format.shard_stream.StreamedShardCheck`); it raises to fail the try."""
+
+    checked: int
+    """Tensors checked (reported as ``verified_tensors``)."""
+
+    def update(self, data: bytes | memoryview) -> None: ...
+
+    def finish(self) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -48,13 +67,8 @@ class CopyJob:
     name: str
     size: int
     """Size at the source, in bytes."""
-    checksum: str | None
-    """The index's ``checksum_format``."""
-    is_shard: bool
-    """A ``*.safetensors`` shard the index maps tensors to (headers parsed and checked)."""
-    hash_tensors: bool
-    """``verify`` on a full version: recompute every tensor's digest."""
-    verify: bool
+    check: Callable[[], StreamCheck] | None = None
+    """A fresh check for each try, fed the file's bytes in order; None: sizes only."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +81,12 @@ class FileCopied:
 
 
 class FileCopier:
-    """Copies files from ``src`` into a destination transaction (see the module docstring)."""
+    """Copies files from ``src`` into a destination transaction (see the module docstring).
+
+    ``dst`` is the store the transaction writes to (each copied file's size is checked there);
+    ``reads`` runs the ranged reads; ``read_back``, when given, makes each copy read the
+    destination's file back and compare its digest with the source's bytes.
+    """
 
     def __init__(
         self,
@@ -78,15 +97,17 @@ class FileCopier:
         chunk: int,
         window: int,
         attempts: int,
-        on_bytes: Callable[[int], None],
+        on_bytes: Callable[[int], None] = lambda n: None,
+        read_back: Callable[[], StreamHasher] | None = None,
     ) -> None:
         self.src, self.dst, self.reads = src, dst, reads
         self.chunk, self.window, self.attempts = chunk, max(1, window), max(1, attempts)
         self.on_bytes = on_bytes
+        self.read_back = read_back
 
     def copy(self, writer: WritesFiles, job: CopyJob, cancel: threading.Event) -> FileCopied:
-        """Copy one file, retrying transient failures; checks its size at the destination and,
-        with ``verify``, its tensors' digests and a read-back of the destination's bytes.
+        """Copy one file, retrying transient failures; checks its size at the destination, the
+        job's check if it has one, and (with ``read_back``) the destination's bytes.
 
         Raises :class:`IntegrityError` / :class:`FormatError` for a corrupt source file and
         :class:`TransientStoreError` when the destination keeps failing, storing another size
@@ -128,18 +149,8 @@ class FileCopier:
         cancel: threading.Event,
     ) -> int:
         source = f"{self.src.url}/{version_dir_name(job.version)}/{job.name}"
-        checker = (
-            shard_checker(
-                source,
-                job.size,
-                job.checksum,
-                check_digests=job.verify,
-                hash_tensors=job.hash_tensors,
-            )
-            if job.is_shard
-            else None
-        )
-        file_hash = new_file_hasher()
+        checker = job.check() if job.check is not None else None
+        file_hash = self.read_back() if self.read_back is not None else None
         starts = iter(range(0, job.size, self.chunk))
         pending: deque[Future[bytes]] = deque()
 
@@ -161,7 +172,8 @@ class FileCopier:
                     data = pending.popleft().result()
                     submit()
                     _write_all(out, data)
-                    file_hash.update(data)
+                    if file_hash is not None:
+                        file_hash.update(data)
                     if checker is not None:
                         checker.update(data)
                     count(len(data))
@@ -170,10 +182,10 @@ class FileCopier:
         finally:
             for future in pending:
                 future.cancel()
-        self._check_landed(job, file_hash.hexdigest())
+        self._check_landed(job, None if file_hash is None else file_hash.hexdigest())
         return checker.checked if checker is not None else 0
 
-    def _check_landed(self, job: CopyJob, source_digest: str) -> None:
+    def _check_landed(self, job: CopyJob, source_digest: str | None) -> None:
         where = f"{self.dst.url}/{version_dir_name(job.version)}/{job.name}"
         size = self.dst.file_size(job.version, job.name)
         if size != job.size:
@@ -181,15 +193,15 @@ class FileCopier:
                 f"{where} holds {size} bytes after the upload, the source {job.size}; the "
                 "destination dropped or added bytes (retried; check the endpoint)"
             )
-        if not job.verify:
+        if source_digest is None or self.read_back is None:
             return
-        read_back = new_file_hasher()
+        read_back = self.read_back()
         with self.dst.open_read(job.version, job.name) as fh:
             while chunk := fh.read(self.chunk):
                 read_back.update(chunk)
         if read_back.hexdigest() != source_digest:
             raise TransientStoreError(
-                f"{where} reads back other bytes than were read from the source (xxh3-128 "
+                f"{where} reads back other bytes than were read from the source (digest "
                 f"{read_back.hexdigest()} vs {source_digest}); the destination corrupted it"
             )
 
