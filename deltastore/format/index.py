@@ -8,9 +8,10 @@ an ordinary full checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deltastore.errors import FormatError
@@ -67,6 +68,21 @@ class VersionIndex:
 
     def to_json(self) -> bytes:
         """Serialise with the reference key spellings (6-digit version strings)."""
+        return (json.dumps(self._body(), indent=2, sort_keys=False) + "\n").encode("utf-8")
+
+    def content_digest(self) -> str:
+        """SHA-256 (hex) of what a reader depends on, independent of the copy it was read from.
+
+        Two stores hold the same version exactly when these are equal: lineage, encoding,
+        compression, checksum algorithm, stream id, totals, weight map and every other
+        metadata key (signatures included) count; the store-local commit token of the writer
+        that committed this copy (each replica's own) and the JSON layout do not.
+        """
+        body = replace(self, commit_token=None)._body()
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+    def _body(self) -> dict[str, Any]:
         metadata: dict[str, Any] = dict(self.extra)
         metadata["version"] = format_version(self.version)
         if self.base_version is not None:
@@ -83,8 +99,7 @@ class VersionIndex:
         if self.commit_token is not None:
             metadata["commit_token"] = self.commit_token
         metadata.update(self.totals)
-        body = {"metadata": metadata, "weight_map": dict(sorted(self.weight_map.items()))}
-        return (json.dumps(body, indent=2, sort_keys=False) + "\n").encode("utf-8")
+        return {"metadata": metadata, "weight_map": dict(sorted(self.weight_map.items()))}
 
     @classmethod
     def from_json(cls, data: bytes, *, version: int, source: str = "index") -> VersionIndex:

@@ -5,7 +5,9 @@ it committed, falling back to the next (a replica that has not caught up yet, or
 unreachable). The stores must be copies of one run (e.g. made by ``deltastore replicate``):
 where a pull can see one version in two stores (a delta read from one store building on a
 version read from another, or a file of a version vanishing from one store mid-read), the two
-indexes must be byte-identical, else the pull fails naming both stores.
+indexes must publish the same content (``VersionIndex.content_digest``; their bytes differ,
+since each replica's writer stamps its own commit token), else the pull fails naming both
+stores.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import BinaryIO, TypeVar
 
 from deltastore.errors import ConfigError, FormatError, StoreError, VersionNotFoundError
@@ -25,6 +28,18 @@ from deltastore.storage import DownloadSink, VersionStore
 log = logging.getLogger("deltastore.pull")
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Served:
+    """The index of one version as the store that serves it holds it."""
+
+    position: int
+    """Position of that store in :attr:`NearestStores.stores`."""
+    data: bytes
+    index: VersionIndex
+    digest: str
+    """:meth:`VersionIndex.content_digest`: what two copies must share to be one version."""
 
 
 class NearestStores(VersionStore):
@@ -42,23 +57,22 @@ class NearestStores(VersionStore):
         self.stores = tuple(stores)
         self.url = "[" + ", ".join(s.url for s in self.stores) + "]"
         self._lock = threading.Lock()
-        self._served: dict[int, tuple[int, bytes]] = {}
-        """Version → (position of the store that served it, its index bytes)."""
+        self._served: dict[int, _Served] = {}
         self._down: set[int] = set()
         self._built_on_from: dict[int, int] = {}
         """Base version → position of the store whose delta named it as its base."""
 
     # ----------------------------------------------------------------- routing
-    def _serve(self, version: int) -> tuple[int, bytes]:
+    def _serve(self, version: int) -> _Served:
         with self._lock:
             if version in self._served:
                 return self._served[version]
-        found: tuple[int, bytes] | None = None
+        found: _Served | None = None
         for position, store in enumerate(self.stores):
             if position in self._down:
                 continue
             try:
-                found = (position, store.index_bytes(version))
+                found = self._read_index(position, version)
                 break
             except VersionNotFoundError:
                 continue
@@ -71,47 +85,58 @@ class NearestStores(VersionStore):
                 "have it are unreachable); list committed versions with `deltastore ls`"
             )
         linked = self._built_on_from.get(version)
-        if linked is not None and linked != found[0]:
-            self._check_agree(version, found, linked)
+        if linked is not None and linked != found.position:
+            self._check_agree(found, linked)
         with self._lock:
             self._served[version] = found
         return found
 
-    def _check_agree(self, version: int, found: tuple[int, bytes], other: int) -> None:
-        """The index of ``version`` in store ``other`` (if it has one) must equal ``found``."""
+    def _read_index(self, position: int, version: int) -> _Served:
+        """``version``'s index as store ``position`` holds it, parsed and digested once."""
+        store = self.stores[position]
+        data = store.index_bytes(version)
+        source = f"{store.url}/{version_dir_name(version)}/{INDEX_NAME}"
+        index = VersionIndex.from_json(data, version=version, source=source)
+        return _Served(position, data, index, index.content_digest())
+
+    def _check_agree(self, found: _Served, other: int) -> None:
+        """Store ``other``'s copy of ``found``'s version (if it has one) must hold the same
+        content; its bytes may differ (each replica's writer stamps its own commit token)."""
+        version = found.index.version
         try:
-            theirs = self.stores[other].index_bytes(version)
+            theirs = self._read_index(other, version)
         except (VersionNotFoundError, StoreError, ConfigError):
             return
-        if theirs != found[1]:
-            a, b = self.stores[found[0]].url, self.stores[other].url
+        if theirs.digest != found.digest:
+            a, b = self.stores[found.position].url, self.stores[other].url
             raise FormatError(
-                f"{version_dir_name(version)}/{INDEX_NAME} differs between {a} and {b}; the "
-                "stores are not copies of one run. Pull from one of them, or re-replicate"
+                f"{version_dir_name(version)}/{INDEX_NAME} publishes other content in {a} "
+                f"than in {b} (stream {found.index.stream_id} vs {theirs.index.stream_id}); "
+                "the stores are not copies of one run. Pull from one of them, or re-replicate"
             )
 
     def _read(self, version: int, read: Callable[[VersionStore], T]) -> T:
         """``read`` on the store serving ``version``; if the file vanished there (pruned),
-        on the next store holding a byte-identical index."""
-        position, data = self._serve(version)
+        on the next store holding the same content for that version."""
+        found = self._serve(version)
         try:
-            return read(self.stores[position])
+            return read(self.stores[found.position])
         except VersionNotFoundError:
             for other in range(len(self.stores)):
-                if other == position or other in self._down:
+                if other == found.position or other in self._down:
                     continue
-                self._check_agree(version, (position, data), other)
+                self._check_agree(found, other)
                 with contextlib.suppress(VersionNotFoundError):
                     result = read(self.stores[other])
                     with self._lock:
-                        self._served[version] = (other, data)
+                        self._served[version] = replace(found, position=other)
                     return result
             raise
 
     def source_of(self, version: int) -> str:
         """URL of the store ``version`` was read from (the first store if it was not read)."""
         served = self._served.get(version)
-        return self.stores[served[0] if served else 0].url
+        return self.stores[served.position if served else 0].url
 
     # ------------------------------------------------------------------- reads
     def refresh(self, version: int | None = None) -> None:
@@ -133,15 +158,14 @@ class NearestStores(VersionStore):
         return sorted(found)
 
     def index_bytes(self, version: int) -> bytes:
-        return self._serve(version)[1]
+        return self._serve(version).data
 
     def index(self, version: int) -> VersionIndex:
-        position, data = self._serve(version)
-        source = f"{self.stores[position].url}/{version_dir_name(version)}/{INDEX_NAME}"
-        index = VersionIndex.from_json(data, version=version, source=source)
+        found = self._serve(version)
+        index = found.index
         if index.is_delta and index.base_version:
             with self._lock:
-                self._built_on_from.setdefault(index.base_version, position)
+                self._built_on_from.setdefault(index.base_version, found.position)
         return index
 
     def file_size(self, version: int, name: str) -> int:
@@ -161,8 +185,7 @@ class NearestStores(VersionStore):
 
     @contextlib.contextmanager
     def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
-        position, _ = self._serve(version)
-        with self.stores[position].open_read(version, name) as fh:
+        with self.stores[self._serve(version).position].open_read(version, name) as fh:
             yield fh
 
     def begin(self, version: int, *, token: str | None = None) -> None:  # type: ignore[override]

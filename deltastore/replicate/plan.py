@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import replace
 
 from deltastore.errors import VersionNotFoundError
 from deltastore.format.index import VersionIndex
@@ -20,9 +19,8 @@ log = logging.getLogger("deltastore.replicate")
 
 def same_content(a: VersionIndex, b: VersionIndex) -> bool:
     """Whether two indexes publish the same version: equal in everything but the token of the
-    writer that committed each copy (lineage, stream id, encoding, digests' algorithm, totals,
-    weight map and any other metadata)."""
-    return replace(a, commit_token=None) == replace(b, commit_token=None)
+    writer that committed each copy (:meth:`VersionIndex.content_digest`)."""
+    return a.content_digest() == b.content_digest()
 
 
 def start_version(src: VersionStore, src_versions: list[int], from_version: int | None) -> int:

@@ -88,6 +88,49 @@ def test_index_round_trip_keeps_reference_and_own_keys():
     assert VersionIndex.from_json(index.to_json(), version=3) == index
 
 
+def _delta_index(**changes: object) -> VersionIndex:
+    fields: dict = dict(
+        version=3,
+        weight_map={"a": "model-00000-of-00001.safetensors"},
+        base_version=2,
+        encoding="xor",
+        checksum="xxh3-128",
+        stream_id="s",
+        commit_token="t",
+        totals={"wire_bytes": 50},
+        extra={"signature": {"key_id": "k", "sig": "x"}},
+    )
+    fields.update(changes)
+    return VersionIndex(**fields)
+
+
+def test_content_digest_ignores_the_commit_token_and_the_layout():
+    """Two replicas' copies of one version: each committed by its own writer (own token),
+    possibly written with another JSON layout; a reader depends on neither."""
+    ours = _delta_index()
+    theirs = _delta_index(commit_token="another-writer")
+    assert ours.to_json() != theirs.to_json()
+    assert ours.content_digest() == theirs.content_digest()
+    relaid = json.dumps(json.loads(theirs.to_json()), indent=None, sort_keys=True).encode()
+    assert VersionIndex.from_json(relaid, version=3).content_digest() == ours.content_digest()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"stream_id": "another-run"},
+        {"base_version": 1},
+        {"encoding": "overwrite"},
+        {"checksum": "blake3"},
+        {"weight_map": {"b": "model-00000-of-00001.safetensors"}},
+        {"totals": {"wire_bytes": 51}},
+        {"extra": {"signature": {"key_id": "k", "sig": "y"}}},
+    ],
+)
+def test_content_digest_tells_apart_what_a_reader_depends_on(changes: dict):
+    assert _delta_index(**changes).content_digest() != _delta_index().content_digest()
+
+
 def test_index_without_delta_encoding_is_full_and_tolerates_foreign_keys():
     index = VersionIndex.from_json(
         _index({"total_size": 5}, {"w": "model-00001-of-00001.safetensors"}), version=4

@@ -91,9 +91,9 @@ def test_stores_that_disagree_on_a_version_fail_naming_both(
     near, far, _ = run
     index = near / "weight_v000002" / "model.safetensors.index.json"
     body = json.loads(index.read_text())
-    body["stream_id"] = "another-run"
+    body["metadata"]["stream_id"] = "another-run"
     index.write_text(json.dumps(body))
-    with pytest.raises(FormatError, match="differs between") as caught:
+    with pytest.raises(FormatError, match="not copies of one run") as caught:
         ds.pull_weights(tmp_path / "host", [str(near), str(far)], 3, base_dir)
     assert str(near) in str(caught.value) and str(far) in str(caught.value)
 
@@ -111,3 +111,105 @@ def test_cli_pull_with_two_stores(tmp_path: Path, base_dir: Path, run) -> None:
     assert json.loads(proc.stdout)["version"] == 3
     assert checkpoint_bytes(host) == states[3]
     assert _state(host)["sources"]["000003"] == str(far)
+
+
+# ------------------------------------------------------------------------------------------
+# Replicas made by `deltastore replicate`: each copy of a version is committed by that
+# replica's own writer, so the indexes of one version differ byte for byte (commit token).
+
+
+def _replica(kind: str, tmp_path: Path, name: str, request: pytest.FixtureRequest) -> str:
+    if kind == "local":
+        return str(tmp_path / name)
+    request.getfixturevalue("s3_server")
+    return request.getfixturevalue("s3_url") + f"-{name}"
+
+
+def _options(kind: str, request: pytest.FixtureRequest) -> dict | None:
+    return request.getfixturevalue("s3_server").storage_options if kind == "s3" else None
+
+
+def _publish(publisher: ds.DeltaPublisher, model: Model, steps: range, states: dict) -> Model:
+    for version in steps:
+        model = perturb(model, version)
+        assert publisher.publish(model.items()).version == version
+        states[version] = {n: raw_bytes(t) for n, t in model.items()}
+    return model
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("lag", [1, 3])
+def test_replicas_where_the_near_one_lags_pull_together(
+    kind: str, lag: int, tmp_path: Path, base_dir: Path, small_model: Model,
+    request: pytest.FixtureRequest,
+) -> None:  # fmt: skip
+    src = tmp_path / "src"
+    near, far = (_replica(kind, tmp_path, n, request) for n in ("near", "far"))
+    options = _options(kind, request)
+    publisher = ds.DeltaPublisher(ds.VersionStore(src), base_dir)
+    publisher.seed()
+    states: dict[int, dict] = {}
+    model = _publish(publisher, small_model, range(1, 3), states)
+    ds.replicate(str(src), near, dst_storage_options=options)
+    _publish(publisher, model, range(3, 3 + lag), states)
+    ds.replicate(str(src), far, dst_storage_options=options)
+    latest = 2 + lag
+    near_store, far_store = ds.VersionStore(near, options), ds.VersionStore(far, options)
+    assert near_store.versions() == [1, 2] and far_store.versions() == list(range(1, latest + 1))
+    assert near_store.index_bytes(2) != far_store.index_bytes(2)  # each replica's own token
+
+    host = tmp_path / "host"
+    result = ds.pull_weights(host, [near_store, far_store], latest, base_dir)
+    assert result.version == latest and checkpoint_bytes(host) == states[latest]
+    sources = _state(host)["sources"]
+    assert sources["000002"] == near and sources[f"{latest:06d}"] == far
+    # A host already at the near replica's newest version catches up from the far one.
+    other = tmp_path / "other"
+    ds.pull_weights(other, near_store, 2, base_dir)
+    ds.pull_weights(other, [near_store, far_store], "latest", base_dir)
+    assert checkpoint_bytes(other) == states[latest]
+    assert ds.verify_local(other, far_store, base_dir=base_dir) == latest
+
+
+def test_cli_pull_from_lagging_replicas(tmp_path: Path, base_dir: Path, small_model: Model) -> None:
+    src, near, far, host = (str(tmp_path / n) for n in ("src", "near", "far", "host"))
+    publisher = ds.DeltaPublisher(ds.VersionStore(src), base_dir)
+    publisher.seed()
+    states: dict[int, dict] = {}
+    model = _publish(publisher, small_model, range(1, 3), states)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "deltastore.cli", *args], capture_output=True, text=True,
+            timeout=180, env=dict(os.environ),
+        )  # fmt: skip
+
+    assert cli("replicate", src, near, "-q").returncode == 0
+    _publish(publisher, model, range(3, 4), states)
+    assert cli("replicate", src, far, "-q").returncode == 0
+    proc = cli("pull", "--store", near, "--store", far, "--local", host, "--base", str(base_dir),
+               "--version", "3", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["version"] == 3 and checkpoint_bytes(host) == states[3]
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_replicas_of_different_runs_are_refused(
+    kind: str, tmp_path: Path, base_dir: Path, small_model: Model,
+    request: pytest.FixtureRequest,
+) -> None:  # fmt: skip
+    """Two runs seeded from the same base, publishing the same steps: replicas of one cannot
+    stand in for the other's, even where their tensors happen to agree."""
+    options = _options(kind, request)
+    near, far = (_replica(kind, tmp_path, n, request) for n in ("near", "far"))
+    for name, dst, steps in (("run-a", near, range(1, 3)), ("run-b", far, range(1, 4))):
+        publisher = ds.DeltaPublisher(ds.VersionStore(tmp_path / name), base_dir)
+        publisher.seed()
+        _publish(publisher, small_model, steps, {})
+        ds.replicate(str(tmp_path / name), dst, dst_storage_options=options)
+    host = tmp_path / "host"
+    stores = [ds.VersionStore(near, options), ds.VersionStore(far, options)]
+    with pytest.raises(FormatError, match="not copies of one run") as caught:
+        ds.pull_weights(host, stores, 3, base_dir)
+    assert near in str(caught.value) and far in str(caught.value)
+    assert "weight_v000002" in str(caught.value)
