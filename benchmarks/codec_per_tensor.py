@@ -37,9 +37,6 @@ def paths() -> dict[str, Callable[[np.ndarray, np.ndarray], bytes]]:
     """Every encode path measured, as old, new -> zstd-1 frame."""
     found: dict[str, Callable[[np.ndarray, np.ndarray], bytes]] = {
         "reference": lambda old, new: compress(np.bitwise_xor(old, new)),
-        "sparse-v1": lambda old, new: compress(
-            get_encoding("sparse-v1").encode(old, new, itemsize=2).payload
-        ),
     }
     for label, use_jit in (("numpy", False), ("numba", True)):
         if use_jit and jit._load() is None:
@@ -62,10 +59,7 @@ def appliers() -> dict[str, Callable[[np.ndarray, bytes], None]]:
 
         return apply
 
-    found = {
-        "reference": through(get_encoding("xor")),
-        "sparse-v1": through(get_encoding("sparse-v1")),
-    }
+    found = {"reference": through(get_encoding("xor"))}
     for label, use_jit in (("numpy", False), ("numba", True)):
         if not use_jit or jit._load() is not None:
             found[f"sparse-v2 {label}"] = through(CompactSparseEncoding(use_jit=use_jit))

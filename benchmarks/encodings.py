@@ -215,7 +215,7 @@ def main() -> None:
     p.add_argument(
         "--encodings",
         nargs="+",
-        default=["xor", "sparse-v1", "sparse-v1:bytes", "sparse-v2", "auto"],
+        default=["xor", "sparse-v2", "sparse-v2:bytes", "auto"],
         help="names; NAME:bytes codes with the dtype-blind element size 1",
     )
     p.add_argument("--json", action="store_true")

@@ -5,15 +5,14 @@ from __future__ import annotations
 from deltastore.codecs.base import ByteArray, Checksum, Digest, EncodedDelta, Encoding, Hasher
 from deltastore.codecs.checksums import Adler32Checksum, Blake3Checksum, Xxh3Checksum
 from deltastore.codecs.compression import COMPRESSION_NAME, compress, decompress
-from deltastore.codecs.encodings import OverwriteEncoding, XorEncoding
+from deltastore.codecs.encodings import REMOVED_ENCODINGS, OverwriteEncoding, XorEncoding
 from deltastore.codecs.smallest import AutoEncoding
-from deltastore.codecs.sparse import SparseXorEncoding
 from deltastore.codecs.sparse2 import CompactSparseEncoding
 from deltastore.errors import ConfigError
 
 ENCODINGS: dict[str, Encoding] = {e.name: e for e in (XorEncoding(), OverwriteEncoding())}
 ENCODINGS.update(  # deltastore's own
-    {e.name: e for e in (SparseXorEncoding(), CompactSparseEncoding(), AutoEncoding())}
+    {e.name: e for e in (CompactSparseEncoding(), AutoEncoding())}
 )
 CHECKSUMS: dict[str, Checksum] = {
     c.name: c for c in (Xxh3Checksum(), Blake3Checksum(), Adler32Checksum())
@@ -32,10 +31,13 @@ def register_encoding(encoding: Encoding) -> None:
 
 
 def get_encoding(name: str) -> Encoding:
-    """The encoding registered as ``name``; :class:`ConfigError` lists the known ones."""
+    """The encoding registered as ``name``; :class:`ConfigError` lists the known ones, or says
+    what to do for a removed one."""
     try:
         return ENCODINGS[name]
     except KeyError:
+        if name in REMOVED_ENCODINGS:
+            raise ConfigError(f"delta encoding {name!r}: {REMOVED_ENCODINGS[name]}") from None
         raise ConfigError(
             f"unknown delta encoding {name!r}; known encodings: {', '.join(sorted(ENCODINGS))}"
         ) from None

@@ -2,8 +2,7 @@
 
 :meth:`Encoding.apply_batch` applies payloads one by one; ``sparse-v2`` and ``auto`` override it
 with :func:`apply_compiled`, one call of :mod:`deltastore.codecs.jit_apply` for the whole batch
-where numba is installed. Whatever that kernel does not apply itself (``auto``'s ``sparse-v1``
-payloads) is applied here one by one, and a payload it refuses is run through the encoding's own
+where numba is installed. A payload it refuses is run through the encoding's own
 :meth:`~Encoding.apply` on a copy of its tensor, so the error is worded exactly as on the
 per-tensor path (and nothing is written).
 """
@@ -36,21 +35,13 @@ def apply_compiled(
     if len(starts) and (int(starts.min()) < 0 or int((starts + sizes).max()) > target.size):
         # The kernel does not check indexes: a tensor outside the target is the caller's bug.
         raise ValueError(f"a tensor of {list(names)[:3]}... lies outside the target's bytes")
-    first = 0
-    while True:
-        index, status = kernels.apply_batch(
-            target, starts, sizes, payloads.data, payloads.offsets, first, tagged
-        )
-        if status == kernels.APPLIED:
-            return index, None
-        view = target[int(starts[index]) : int(starts[index]) + int(sizes[index])]
-        if status != kernels.ELSEWHERE:
-            return index, refusal(encoding, view, payloads[index], names[index])
-        try:
-            encoding.apply(view, payloads[index], tensor=names[index])
-        except FormatError as exc:
-            return index, exc
-        first = index + 1
+    index, status = kernels.apply_batch(
+        target, starts, sizes, payloads.data, payloads.offsets, 0, tagged
+    )
+    if status == kernels.APPLIED:
+        return index, None
+    view = target[int(starts[index]) : int(starts[index]) + int(sizes[index])]
+    return index, refusal(encoding, view, payloads[index], names[index])
 
 
 def refusal(encoding: Encoding, view: ByteArray, payload: memoryview, name: str) -> FormatError:

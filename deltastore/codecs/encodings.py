@@ -1,4 +1,4 @@
-"""The reference encodings: ``xor`` and ``overwrite``."""
+"""The reference encodings, ``xor`` and ``overwrite``, and the encodings removed since."""
 
 from __future__ import annotations
 
@@ -10,6 +10,13 @@ from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding
 from deltastore.errors import ConfigError, FormatError
 
 _U32_LIMIT = 2**32
+REMOVED_ENCODINGS = {
+    "sparse-v1": (
+        "sparse-v1 was removed (sparse-v2 replaced it); have the trainer publish a full "
+        "version (publish(..., full=True) or `deltastore publish --full`) and pull that"
+    ),
+}
+"""What to do about a version written with an encoding this deltastore no longer reads."""
 
 
 def _as_bytes(payload: bytes | memoryview) -> ByteArray:

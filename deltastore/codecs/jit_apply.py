@@ -26,19 +26,13 @@ from deltastore.codecs.jit_kernels import (
     _ones_to_the_end,
     _read_varint,
 )
-from deltastore.codecs.steps import MARK
+from deltastore.codecs.steps import MARK, TAG_COMPACT, TAG_XOR
 
 U64 = np.uint64
 APPLIED = 0
 """Every payload from ``first`` on was applied."""
 REFUSED = 1
 """The payload at the returned index does not fit its tensor (nothing of that tensor written)."""
-ELSEWHERE = 2
-"""The payload at the returned index is of an encoding these kernels do not apply (``auto``'s
-``sparse-v1``): the caller applies it, then goes on from the next index."""
-TAG_XOR = 0
-TAG_SPARSE = 1
-TAG_COMPACT = 2
 
 
 @numba.njit(cache=True, nogil=True)
@@ -206,8 +200,6 @@ def _apply_batch(target, starts, sizes, data, offsets, first, tagged):  # type: 
                 for b in range(raw.size):
                     target[start + b] ^= raw[b]
                 continue
-            if tag == TAG_SPARSE:
-                return i, ELSEWHERE
             if tag != TAG_COMPACT:
                 return i, REFUSED
         ok, itemsize, count, k, width, at = _header(raw, sizes[i])
@@ -235,8 +227,8 @@ def apply_batch(
     tagged: bool,
 ) -> tuple[int, int]:
     """(index, status): payloads ``data[offsets[i]:offsets[i+1]]`` from ``first`` on applied to
-    ``target[starts[i]:starts[i]+sizes[i]]`` in order until one is refused (:data:`REFUSED`)
-    or is not sparse-v2 or xor (:data:`ELSEWHERE`); (count, :data:`APPLIED`) when all were.
+    ``target[starts[i]:starts[i]+sizes[i]]`` in order until one is refused (:data:`REFUSED`);
+    (count, :data:`APPLIED`) when all were.
     ``tagged``: the payloads are ``auto``'s (a tag byte first)."""
     index, status = _apply_batch(target, starts, sizes, data, offsets, first, tagged)
     return int(index), int(status)

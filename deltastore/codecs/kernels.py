@@ -118,19 +118,6 @@ def decode_gaps(gaps: np.ndarray, nelements: int) -> Positions | None:
     return positions.astype(np.int64)
 
 
-def to_planes(values: np.ndarray) -> ByteArray:
-    """Byte planes: byte 0 of every value, then byte 1 of every value, ... (little-endian)."""
-    width = values.dtype.itemsize
-    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T).reshape(-1)
-
-
-def from_planes(planes: ByteArray, width: int) -> np.ndarray:
-    """Inverse of :func:`to_planes` for ``width``-byte unsigned little-endian values."""
-    count = planes.size // width
-    interleaved = np.ascontiguousarray(planes.reshape(width, count).T)
-    return interleaved.reshape(-1).view(ELEMENT_DTYPES[width])
-
-
 def rice_parameter(gaps: npt.NDArray[np.uint64]) -> int:
     """The Rice parameter ``k`` (bits kept verbatim per gap) for ``gaps``: of the two next to
     log2(mean * ln 2) (the optimum for geometric gaps), the one that codes them in fewer bits.
@@ -188,31 +175,3 @@ def _bits_to_fields(packed: ByteArray, k: int, count: int) -> np.ndarray:
     bits[:, per_value - k :] = np.unpackbits(packed, count=count * k).reshape(count, k)
     fields = np.packbits(bits, axis=1).reshape(-1).view(f">u{per_value // 8}")
     return fields.astype(np.uint64)
-
-
-def rice_encode(gaps: np.ndarray, k: int) -> tuple[ByteArray, int, ByteArray]:
-    """Rice code of ``gaps`` split in two bit streams (MSB first, zero-padded to bytes): unary
-    quotients (``gap >> k`` ones, then a zero) and ``k``-bit remainders. Returns (unary bytes,
-    unary length in bits, remainder bytes). Split, both streams decode without a bit loop."""
-    wide = gaps.astype(np.uint64, copy=False)
-    ends = np.cumsum((wide >> np.uint64(k)).view(np.int64) + 1) - 1  # each terminating zero
-    nbits = int(ends[-1]) + 1 if ends.size else 0
-    unary = np.ones(nbits, dtype=np.uint8)
-    unary[ends] = 0
-    return np.packbits(unary), nbits, _fields_to_bits(wide, k)
-
-
-def rice_decode(
-    unary: ByteArray, nbits: int, remainders: ByteArray, k: int, count: int
-) -> np.ndarray | None:
-    """Gaps (uint64) from :func:`rice_encode` streams; None if the streams do not hold exactly
-    ``count`` codes (sizes are the caller's to check: ``unary`` ≥ nbits/8, ``remainders`` ≥
-    count*k/8) or a quotient would overflow 64 bits."""
-    ends = np.flatnonzero(np.unpackbits(unary, count=nbits) == 0)
-    if ends.size != count or (count and int(ends[-1]) != nbits - 1):
-        return None
-    quotients = np.diff(ends, prepend=np.int64(-1)) - 1
-    if count and int(quotients.max()) >> (63 - k):
-        return None
-    gaps = quotients.astype(np.uint64) << np.uint64(k)
-    return gaps | _bits_to_fields(remainders, k, count)

@@ -1,28 +1,25 @@
-"""``auto``: per tensor, the smallest of ``xor``, ``sparse-v1`` and ``sparse-v2``, tagged.
+"""``auto``: per tensor, the smaller of ``xor`` and ``sparse-v2``, tagged.
 
 The index names ``auto`` as the version's delta encoding (a reference reader refuses it, as it
 does any name it does not know). Each tensor's payload starts with one tag byte saying which
 encoding follows; the rest is that encoding's payload, unchanged::
 
     0x00 ‖ xor payload        (new XOR old, the tensor's full size)
-    0x01 ‖ sparse-v1 payload  (see deltastore.codecs.sparse)
     0x02 ‖ sparse-v2 payload  (see deltastore.codecs.sparse2)
 
-So the choice travels with the bytes it describes: no side table in the index or the shard
-metadata, and a reader needs nothing but the payload. Every choice is self-inverse, so an
-``auto`` payload applied twice reverts, like ``xor``. A deltastore older than ``sparse-v2``
-refuses tag 2 with a message that says to upgrade.
+Tag 1 was the removed ``sparse-v1``: a payload carrying it is refused with what to do. So the
+choice travels with the bytes it describes: no side table in the index or the shard metadata,
+and a reader needs nothing but the payload. Every choice is self-inverse, so an ``auto`` payload
+applied twice reverts, like ``xor``. A deltastore older than ``sparse-v2`` refuses tag 2 with a
+message that says to upgrade.
 
 The choice: sparse-v2 is encoded first (one pass over each input). When its payload is at most
 1/16 of the tensor it is kept without trying anything else: at that density its bit-packed
-streams are smaller than a zstd-1 frame of a XOR array of zero runs, and smaller than
-sparse-v1's (same gaps, a 38-byte header and zstd'd XOR planes for values). Otherwise (a dense
-change, rare in a training step) the XOR is compressed with the store's zstd-1 and sparse-v1 is
-encoded too, and the smallest is kept: such a tensor costs two extra passes. Measured on bf16
-Adam-like steps sparse-v2 is the smallest up to about 30 % density; a tensor of random changes
-stays ``xor``. Building positions costs up to 24 bytes of memory per changed element while a
-tensor is encoded (position, step field, XOR value; the compiled encoder's growing buffers hold
-up to twice that for a moment).
+streams are smaller than a zstd-1 frame of a XOR array of zero runs. Otherwise (a dense change,
+rare in a training step) the XOR is compressed with the store's zstd-1 too and the smaller is
+kept: such a tensor costs two extra passes. Building positions costs up to 24 bytes of memory
+per changed element while a tensor is encoded (position, step field, XOR value; the compiled
+encoder's growing buffers hold up to twice that for a moment).
 """
 
 from __future__ import annotations
@@ -37,14 +34,11 @@ from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, FramedDelt
 from deltastore.codecs.batch import encode_framed_batch
 from deltastore.codecs.batch_apply import apply_compiled
 from deltastore.codecs.compression import compress
-from deltastore.codecs.encodings import XorEncoding
-from deltastore.codecs.sparse import SparseXorEncoding
+from deltastore.codecs.encodings import REMOVED_ENCODINGS, XorEncoding
 from deltastore.codecs.sparse2 import CompactSparseEncoding
+from deltastore.codecs.steps import TAG_COMPACT, TAG_SPARSE_V1, TAG_XOR
 from deltastore.errors import FormatError
 
-TAG_XOR = 0
-TAG_SPARSE = 1
-TAG_COMPACT = 2
 SPARSE_WITHOUT_COMPARING = 16
 """A sparse-v2 payload at most 1/16 of the tensor is kept without trying the others."""
 
@@ -57,7 +51,7 @@ def _tagged(tag: int, payload: bytes | memoryview) -> memoryview:
 
 
 class AutoEncoding(Encoding):
-    """Per tensor, whichever of ``xor``, ``sparse-v1`` and ``sparse-v2`` is smallest on the wire."""
+    """Per tensor, whichever of ``xor`` and ``sparse-v2`` is smaller on the wire."""
 
     name = "auto"
     idempotent = False
@@ -75,7 +69,6 @@ class AutoEncoding(Encoding):
     def __init__(self, *, use_jit: bool | None = None) -> None:
         """``use_jit`` as for :class:`CompactSparseEncoding`."""
         self.xor = XorEncoding()
-        self.sparse = SparseXorEncoding()
         self.compact = CompactSparseEncoding(use_jit=use_jit)
 
     def choose(
@@ -86,17 +79,12 @@ class AutoEncoding(Encoding):
         if len(compact.payload) * SPARSE_WITHOUT_COMPARING <= old.size:
             return TAG_COMPACT, compact
         dense = self.xor.encode(old, new)
-        sparse = self.sparse.encode(old, new, itemsize=itemsize)
-        sizes = {
-            TAG_COMPACT: len(compact.payload),
-            TAG_SPARSE: len(sparse.payload),
-            TAG_XOR: len(compress(dense.payload)),
-        }
-        tag = min(sizes, key=sizes.__getitem__)  # the first listed on a tie
-        return tag, {TAG_COMPACT: compact, TAG_SPARSE: sparse, TAG_XOR: dense}[tag]
+        if len(compact.payload) <= len(compress(dense.payload)):  # sparse-v2 on a tie
+            return TAG_COMPACT, compact
+        return TAG_XOR, dense
 
     def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
-        """Tagged payload of the smaller encoding; ``itemsize`` as for ``sparse-v1``."""
+        """Tagged payload of the smaller encoding; ``itemsize`` as for ``sparse-v2``."""
         tag, inner = self.choose(old, new, itemsize=itemsize)
         return EncodedDelta(_tagged(tag, inner.payload), inner.changed_bytes, inner.xor_changes)
 
@@ -117,11 +105,7 @@ class AutoEncoding(Encoding):
         )
 
     def max_payload_size(self, nbytes: int) -> int:
-        return 1 + max(
-            self.xor.max_payload_size(nbytes),
-            self.sparse.max_payload_size(nbytes),
-            self.compact.max_payload_size(nbytes),
-        )
+        return 1 + max(self.xor.max_payload_size(nbytes), self.compact.max_payload_size(nbytes))
 
     def apply(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
         raw = memoryview(payload).cast("B")
@@ -130,15 +114,17 @@ class AutoEncoding(Encoding):
         tag, inner = raw[0], raw[1:]
         if tag == TAG_COMPACT:
             self.compact.apply(target, inner, tensor=tensor)
-        elif tag == TAG_SPARSE:
-            self.sparse.apply(target, inner, tensor=tensor)
         elif tag == TAG_XOR:
             self.xor.apply(target, inner, tensor=tensor)
+        elif tag == TAG_SPARSE_V1:
+            raise FormatError(
+                f"auto payload of tensor {tensor!r} is coded with sparse-v1 (tag 1), which "
+                f"deltastore no longer reads; {REMOVED_ENCODINGS['sparse-v1']}"
+            )
         else:
             raise FormatError(
                 f"auto payload of tensor {tensor!r} names encoding tag {tag}, which this "
-                "deltastore does not know (0 = xor, 1 = sparse-v1, 2 = sparse-v2); upgrade "
-                "deltastore"
+                "deltastore does not know (0 = xor, 2 = sparse-v2); upgrade deltastore"
             )
 
     def apply_batch(
@@ -149,8 +135,7 @@ class AutoEncoding(Encoding):
         payloads: PayloadBatch,
         names: Sequence[str],
     ) -> tuple[int, FormatError | None]:
-        """One compiled call for the whole batch where numba is installed (``sparse-v2`` and
-        ``xor`` payloads in the kernel, ``sparse-v1`` ones one by one); else one by one."""
+        """One compiled call for the whole batch where numba is installed; else one by one."""
         compiled = jit.apply_kernels(self.compact.use_jit)
         if compiled is None:
             return super().apply_batch(target, starts, sizes, payloads, names)

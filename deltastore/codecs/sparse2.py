@@ -1,10 +1,9 @@
 """``sparse-v2``: deltastore's compact sparse encoding (varint header, Rice gaps, ulp steps).
 
-Made for small and medium tensors, where ``sparse-v1``'s 38-byte header and inner zstd frame
-cost more than the changes. The store wraps every payload in one zstd-1 frame as for any
-encoding; inside, nothing is compressed again (the streams are near their entropy already, so
-the outer frame stores them as they are). A reference reader does not know the name and refuses
-the version. Layout (bit streams MSB first)::
+A header of a few bytes, so it suits small tensors as well as large ones. The store wraps every
+payload in one zstd-1 frame as for any encoding; inside, nothing is compressed again (the
+streams are near their entropy already, so the outer frame stores them as they are). A
+reference reader does not know the name and refuses the version. Layout (bit streams MSB first)::
 
     byte 0      0x20 | log2(itemsize)      itemsize: element size, 1, 2, 4 or 8 bytes
     varint      nbytes                     the tensor's size in bytes

@@ -30,6 +30,12 @@ from deltastore.codecs.kernels import ELEMENT_DTYPES, LOG2, _fields_to_bits
 MARK = 0x20
 """High bits of a sparse-v2 payload's byte 0 (its low bits: ``LOG2`` of the element size): a
 payload that does not carry them is not one."""
+TAG_XOR = 0
+"""``auto``'s tag byte before an ``xor`` payload."""
+TAG_SPARSE_V1 = 1
+"""``auto``'s tag byte of the removed ``sparse-v1``: refused with what to do."""
+TAG_COMPACT = 2
+"""``auto``'s tag byte before a ``sparse-v2`` payload."""
 
 
 def changed_in_words(

@@ -18,8 +18,7 @@ from deltastore.codecs import compress, compression, decompress, jit
 from deltastore.codecs.base import PayloadBatch
 from deltastore.codecs.compression import decompress_many
 from deltastore.codecs.encodings import XorEncoding
-from deltastore.codecs.smallest import TAG_SPARSE, AutoEncoding
-from deltastore.codecs.sparse import SparseXorEncoding
+from deltastore.codecs.smallest import AutoEncoding
 from deltastore.codecs.sparse2 import CompactSparseEncoding
 from deltastore.codecs.steps import varint
 from deltastore.errors import FormatError
@@ -152,9 +151,9 @@ def test_corrupt_payloads_are_refused_or_applied_alike(
 
 
 @pytest.mark.parametrize("use_jit", [False, pytest.param(True, marks=needs_numba)])
-def test_auto_batches_mix_xor_sparse_v1_and_sparse_v2_payloads(use_jit: bool):
-    """``auto`` chooses per tensor: a batch holds xor (dense), sparse-v1 and sparse-v2 payloads;
-    the kernel hands sparse-v1 back to the encoding and goes on."""
+def test_auto_batches_mix_xor_and_sparse_v2_payloads(use_jit: bool):
+    """``auto`` chooses per tensor: a batch holds xor (dense) and sparse-v2 payloads; one
+    tagged with the removed sparse-v1 stops the batch with what to do, nothing of it written."""
     rng = np.random.default_rng(3)
     olds = [rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(3)]
     news = [rng.integers(0, 256, 4096, dtype=np.uint8), olds[1].copy(), olds[2].copy()]
@@ -162,15 +161,17 @@ def test_auto_batches_mix_xor_sparse_v1_and_sparse_v2_payloads(use_jit: bool):
     news[2][[5, 900]] ^= 0x10
     auto = AutoEncoding(use_jit=use_jit)
     payloads = [bytes(auto.encode(o, n, itemsize=2).payload) for o, n in zip(olds, news)]
-    sparse_v1 = bytes([TAG_SPARSE]) + bytes(
-        SparseXorEncoding().encode(olds[1], news[1], itemsize=2).payload
-    )
-    payloads[1] = sparse_v1
-    assert [p[0] for p in payloads] == [0, 1, 2]
+    assert [p[0] for p in payloads] == [0, 2, 2]
     target, starts = _laid_out(olds)
     sizes = np.full(3, 4096, np.int64)
     assert auto.apply_batch(target, starts, sizes, _batch(payloads), ["a", "b", "c"]) == (3, None)
     assert target.tobytes() == _laid_out(news)[0].tobytes()
+    retired = list(payloads)
+    retired[1] = b"\x01DSS" + bytes(40)
+    target, _ = _laid_out(olds)
+    done, error = auto.apply_batch(target, starts, sizes, _batch(retired), ["a", "b", "c"])
+    assert done == 1 and "'b'" in str(error) and "sparse-v1" in str(error)
+    assert target.tobytes() == _laid_out(news[:1] + olds[1:])[0].tobytes()
     valid = payloads[2]
     payloads[2] = valid[:1] + b"\x30" + valid[2:]
     target, _ = _laid_out(olds)

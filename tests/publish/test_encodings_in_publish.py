@@ -1,5 +1,5 @@
 """The publisher with deltastore's own encodings: the element size reaches the encoding from the
-base checkpoint's header, ``auto`` and ``sparse-v1`` round-trip through a store, and small
+base checkpoint's header, ``auto`` and ``sparse-v2`` round-trip through a store, and small
 tensors encoded several per pool task (with a tiny in-flight budget) neither hang nor mix up."""
 
 from __future__ import annotations
@@ -11,16 +11,18 @@ import pytest
 import torch
 
 import deltastore as ds
-from deltastore.codecs import ENCODINGS, ByteArray, EncodedDelta
-from deltastore.codecs.sparse import SparseXorEncoding
+from deltastore.codecs import ENCODINGS, ByteArray, EncodedDelta, Encoding
+from deltastore.codecs.sparse2 import CompactSparseEncoding
 from tests.conftest import checkpoint_bytes, make_checkpoint, perturb, raw_bytes
 
 
-class RecordingSparse(SparseXorEncoding):
-    """sparse-v1 under another name, recording the element size it was given per call."""
+class RecordingSparse(CompactSparseEncoding):
+    """sparse-v2 under another name, encoding one tensor at a time and recording the element
+    size it was given per call."""
 
     name = "test-recording-sparse"
     seen: list[int] = []
+    encode_framed = Encoding.encode_framed
 
     def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
         type(self).seen.append(itemsize)
@@ -65,7 +67,7 @@ def test_element_size_comes_from_the_base_header(
     assert pulled == {n: raw_bytes(t) for n, t in changed.items()}
 
 
-@pytest.mark.parametrize("encoding", ["auto", "sparse-v1"])
+@pytest.mark.parametrize("encoding", ["auto", "sparse-v2"])
 def test_own_encodings_round_trip_through_a_store(
     tmp_path: Path, base_dir: Path, small_model: dict[str, torch.Tensor], encoding: str
 ) -> None:

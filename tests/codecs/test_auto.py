@@ -1,37 +1,30 @@
-"""sparse-v1 and auto: bit-exact round trips over element sizes, sizes and densities.
+"""auto: bit-exact round trips over element sizes, sizes and densities, its choice, its
+refusals; and the removed sparse-v1 refused with what to do.
 
 Each case goes the whole way a payload travels: encode, one zstd-1 frame, decompress bounded by
 the encoding's ``max_payload_size``, apply in place. The expected bytes are the new bytes
-themselves; applying the payload a second time must give the old bytes back (both encodings
-XOR their values in).
+themselves; applying the payload a second time must give the old bytes back (``auto`` XORs or
+steps its values in).
 """
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import torch
-import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltastore.codecs import compress, decompress, get_encoding
-from deltastore.codecs.kernels import (
-    _CHUNK_WORDS,
-    decode_gaps,
-    encode_gaps,
-    itemsize_of_dtype,
-    rice_decode,
-    rice_encode,
-    rice_parameter,
-    to_planes,
-)
-from deltastore.codecs.smallest import TAG_COMPACT, TAG_SPARSE, TAG_XOR, AutoEncoding
-from deltastore.codecs.sparse import HEADER, SparseXorEncoding
+from deltastore.codecs import ENCODINGS, compress, decompress, get_encoding
+from deltastore.codecs.kernels import _CHUNK_WORDS, decode_gaps, encode_gaps, itemsize_of_dtype
+from deltastore.codecs.smallest import AutoEncoding
 from deltastore.codecs.sparse2 import CompactSparseEncoding
+from deltastore.codecs.steps import TAG_COMPACT, TAG_SPARSE_V1, TAG_XOR
+from deltastore.errors import ConfigError, DeltastoreError, FormatError
 from deltastore.publish.snapshot import tensor_bytes
 
-NEW_ENCODINGS = ["sparse-v1", "auto"]
 DENSITIES = [0.0, 0.001, 0.004, 0.05, 0.3, 0.9, 1.0]
 TORCH_DTYPES = [
     torch.bfloat16,
@@ -72,7 +65,6 @@ def changed_copy(old: np.ndarray, itemsize: int, density: float, seed: int) -> n
     return new
 
 
-@pytest.mark.parametrize("name", NEW_ENCODINGS)
 @settings(max_examples=120, deadline=None)
 @given(
     itemsize=st.sampled_from([1, 2, 3, 4, 8, 6]),
@@ -82,20 +74,19 @@ def changed_copy(old: np.ndarray, itemsize: int, density: float, seed: int) -> n
     tail=st.integers(0, 1),
 )
 def test_roundtrip_over_element_sizes_sizes_and_densities(
-    name: str, itemsize: int, elements: int, density: float, seed: int, tail: int
+    itemsize: int, elements: int, density: float, seed: int, tail: int
 ):
     """Odd element sizes (3, 6) and sizes that are not a whole number of elements (tail=1)
     fall back to bytes; every combination round-trips."""
     rng = np.random.default_rng(seed)
     old = rng.integers(0, 256, size=elements * itemsize + tail, dtype=np.uint8)
     new = changed_copy(old, itemsize, density, seed + 1)
-    roundtrip(name, old, new, itemsize)
+    roundtrip("auto", old, new, itemsize)
 
 
-@pytest.mark.parametrize("name", NEW_ENCODINGS)
 @pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
-def test_torch_views_with_their_element_size(name: str, dtype: torch.dtype, layout: str):
+def test_torch_views_with_their_element_size(dtype: torch.dtype, layout: str):
     """Tensors of every dtype, also as transposed and sliced views, go through the publisher's
     ``tensor_bytes`` and round-trip with their own element size."""
     generator = torch.Generator().manual_seed(7)
@@ -109,7 +100,7 @@ def test_torch_views_with_their_element_size(name: str, dtype: torch.dtype, layo
     }
     old = tensor_bytes("t", views[layout](parent))
     new = tensor_bytes("t", views[layout](changed))
-    roundtrip(name, old, new, parent.element_size())
+    roundtrip("auto", old, new, parent.element_size())
 
 
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
@@ -122,110 +113,25 @@ def test_changes_across_chunk_boundaries_and_the_tail(itemsize: int):
     edge = _CHUNK_WORDS * 8
     for byte in (0, edge - 1, edge, 2 * edge - 1, 2 * edge, nbytes - 1):
         new[byte] ^= 0x5A
-    payload = roundtrip("sparse-v1", old, new, itemsize)
-    positions, _ = SparseXorEncoding().decode(payload, nbytes, tensor="t")
+    payload = roundtrip("sparse-v2", old, new, itemsize)
+    positions, _, _ = CompactSparseEncoding().decode(payload, nbytes, tensor="t")
     expected = sorted(
         {b // itemsize for b in (0, edge - 1, edge, 2 * edge - 1, 2 * edge, nbytes - 1)}
     )
     assert positions.tolist() == expected
 
 
-def test_element_size_is_recorded_and_odd_sizes_fall_back_to_bytes():
-    old = np.zeros(24, dtype=np.uint8)
-    new = old.copy()
-    new[5] = 1
-    for asked, recorded in [(2, 2), (4, 4), (8, 8), (3, 1), (16, 1), (1, 1)]:
-        payload = bytes(SparseXorEncoding().encode(old, new, itemsize=asked).payload)
-        assert HEADER.unpack_from(payload)[1] == recorded
-    odd = np.zeros(9, dtype=np.uint8)
-    payload = bytes(SparseXorEncoding().encode(odd, odd, itemsize=2).payload)
-    assert HEADER.unpack_from(payload)[1] == 1
-
-
-def _read_rice(unary: bytes, nbits: int, remainders: bytes, k: int, count: int) -> list[int]:
-    """A plain bit-by-bit reader of the documented streams (independent of the kernels)."""
-    ubits = "".join(f"{b:08b}" for b in unary)[:nbits]
-    quotients = [len(run) for run in ubits.split("0")[:-1]]
-    rbits = "".join(f"{b:08b}" for b in remainders)
-    return [
-        (q << k) | int(rbits[i * k : (i + 1) * k] or "0", 2)
-        for i, q in enumerate(quotients[:count])
-    ]
-
-
-def test_payload_layout():
-    """Header, unary stream, remainder stream, values frame, exactly as the docs describe."""
-    old = np.zeros(2000, dtype=np.uint8)
-    new = old.copy()
-    new.view("<u2")[[3, 300, 301]] = [0x0102, 0x0304, 0x0506]
-    payload = bytes(SparseXorEncoding().encode(old, new, itemsize=2).payload)
-    magic, itemsize, k, coding, nbytes, count, unary_bits, values_len = HEADER.unpack_from(payload)
-    assert (magic, itemsize, coding, nbytes, count) == (b"DSS", 2, 0, 2000, 3)
-    unary_end = HEADER.size + (unary_bits + 7) // 8
-    values_start = unary_end + (3 * k + 7) // 8
-    assert len(payload) == values_start + values_len
-    gaps = _read_rice(
-        payload[HEADER.size : unary_end], unary_bits, payload[unary_end:values_start], k, 3
-    )
-    assert gaps == [3, 296, 0]
-    planes = zstandard.ZstdDecompressor().decompress(payload[values_start:])
-    assert planes == bytes([0x02, 0x04, 0x06, 0x01, 0x03, 0x05])
-
-
 @settings(max_examples=80, deadline=None)
 @given(gaps=st.lists(st.integers(0, 2**40), max_size=40), skew=st.booleans())
 def test_gap_coding_takes_positions_past_4_gib(gaps: list[int], skew: bool):
-    """Positions are u64: gaps beyond 2**32 Rice-code and decode back exactly, whatever k."""
+    """Positions are u64: gaps beyond 2**32 code and decode back exactly."""
     if skew:
         gaps = [*gaps, *([0] * 50)]  # mostly small gaps with a few huge ones
     positions = np.cumsum(np.array(gaps, dtype=np.int64) + 1) - 1
     coded = encode_gaps(positions)
     assert coded.tolist() == gaps
-    k = rice_parameter(coded)
-    unary, nbits, remainders = rice_encode(coded, k)
-    assert nbits <= 2 * len(gaps) + sum(g >> k for g in gaps)
-    back = rice_decode(unary, nbits, remainders, k, len(gaps))
-    assert back is not None and back.tolist() == gaps
-    assert _read_rice(unary.tobytes(), nbits, remainders.tobytes(), k, len(gaps)) == gaps
-    decoded = decode_gaps(back, int(positions[-1]) + 1 if gaps else 0)
+    decoded = decode_gaps(coded, int(positions[-1]) + 1 if gaps else 0)
     assert decoded is not None and decoded.tolist() == positions.tolist()
-
-
-def craft(nbytes: int, itemsize: int, positions: list[int], values: np.ndarray) -> bytes:
-    """A sparse-v1 payload built from its parts with the kernels (no tensor needed)."""
-    gaps = encode_gaps(np.array(positions, dtype=np.int64))
-    k = rice_parameter(gaps)
-    unary, nbits, remainders = rice_encode(gaps, k)
-    frame = compress(memoryview(to_planes(values))) if values.size else b""
-    header = HEADER.pack(b"DSS", itemsize, k, 0, nbytes, len(positions), nbits, len(frame))
-    return header + unary.tobytes() + remainders.tobytes() + frame
-
-
-def test_header_of_a_tensor_over_4_gib_without_allocating_it():
-    """A crafted payload for a 6 GiB tensor with changes past 2**32 decodes to u64 positions;
-    only the header's declared size is compared with the tensor's, nothing that large exists."""
-    nbytes = 6 << 30
-    positions = [5, 2**32 + 11, nbytes - 1]
-    payload = craft(nbytes, 1, positions, np.array([1, 2, 3], dtype=np.uint8))
-    decoded, got = SparseXorEncoding().decode(payload, nbytes, tensor="big")
-    assert decoded.tolist() == positions and got.tolist() == [1, 2, 3]
-    assert len(payload) < SparseXorEncoding().max_payload_size(nbytes)
-
-
-def test_a_real_tensor_over_4_gib_round_trips():
-    """4 GiB + 8 bytes of zero pages (calloc: untouched pages take no memory) with changes on
-    both sides of byte 2**32."""
-    nbytes = (1 << 32) + 8
-    old = np.zeros(nbytes, dtype=np.uint8)
-    new = np.zeros(nbytes, dtype=np.uint8)
-    for byte in (17, (1 << 32) - 1, (1 << 32) + 5):
-        new[byte] = 0x81
-    delta = SparseXorEncoding().encode(old, new, itemsize=1)
-    positions, _ = SparseXorEncoding().decode(delta.payload, nbytes, tensor="big")
-    assert positions.tolist() == [17, (1 << 32) - 1, (1 << 32) + 5]
-    old[[17, (1 << 32) - 1, (1 << 32) + 5]] = [1, 2, 3]  # apply XORs onto what is there
-    SparseXorEncoding().apply(old, delta.payload, tensor="big")
-    assert old[[17, (1 << 32) - 1, (1 << 32) + 5]].tolist() == [0x80, 0x83, 0x82]
 
 
 def test_auto_keeps_a_dense_tensor_as_xor_and_a_sparse_one_as_sparse():
@@ -237,13 +143,12 @@ def test_auto_keeps_a_dense_tensor_as_xor_and_a_sparse_one_as_sparse():
     assert bytes(auto.encode(old, dense, itemsize=2).payload)[0] == TAG_XOR
     sparse = changed_copy(old, 2, 0.004, 12)
     assert auto.choose(old, sparse, itemsize=2)[0] == TAG_COMPACT
-    # In between, it keeps whichever is smallest (sparse-v1 and sparse-v2 as their payloads).
+    # In between, it keeps whichever is smaller (sparse-v2 as its payload, xor as its frame).
     for density in (0.2, 0.3, 0.5):
         middle = changed_copy(old, 2, density, 13)
         tag, _ = auto.choose(old, middle, itemsize=2)
         sizes = {
             TAG_COMPACT: len(CompactSparseEncoding().encode(old, middle, itemsize=2).payload),
-            TAG_SPARSE: len(SparseXorEncoding().encode(old, middle, itemsize=2).payload),
             TAG_XOR: len(compress(np.bitwise_xor(old, middle))),
         }
         assert tag == min(sizes, key=sizes.__getitem__)
@@ -259,3 +164,57 @@ def test_itemsize_of_safetensors_dtypes():
         8,
     ]
     assert itemsize_of_dtype("NEW_DTYPE") == 1  # dtype-blind fallback
+
+
+def _payload(nbytes: int = 64, itemsize: int = 2, changed: tuple[int, ...] = (1, 5, 30)) -> bytes:
+    old = np.zeros(nbytes, dtype=np.uint8)
+    new = old.copy()
+    new.view(f"<u{itemsize}")[list(changed)] = 7
+    return bytes(CompactSparseEncoding().encode(old, new, itemsize=itemsize).payload)
+
+
+def _apply_error(payload: bytes, nbytes: int = 64, name: str = "auto") -> str:
+    target = np.zeros(nbytes, dtype=np.uint8)
+    with pytest.raises(FormatError) as info:
+        get_encoding(name).apply(target, payload, tensor="model.layers.3.mlp.up_proj.weight")
+    message = str(info.value)
+    assert "model.layers.3.mlp.up_proj.weight" in message
+    assert not target.any(), "a refused payload must not have written anything"
+    return message
+
+
+def test_auto_refuses_empty_payloads_and_unknown_tags():
+    assert "empty" in _apply_error(b"")
+    assert "tag 7" in _apply_error(b"\x07" + _payload())
+    # the inner payload is checked by its own encoding, still naming the tensor
+    assert "another checkpoint" in _apply_error(b"\x00" + bytes(63))
+    assert "truncated" in _apply_error(b"\x02\x21")
+
+
+def test_a_removed_sparse_v1_is_refused_with_what_to_do():
+    """sparse-v1 is gone: asking for it (a publisher's setting, a version's index) is a
+    ConfigError that says what to do, and an auto payload tagged with it a FormatError naming
+    the tensor, with nothing written."""
+    with pytest.raises(ConfigError, match=r"sparse-v1.*removed.*full=True") as info:
+        get_encoding("sparse-v1")
+    assert isinstance(info.value, DeltastoreError) and "sparse-v1" not in ENCODINGS
+    message = _apply_error(bytes([TAG_SPARSE_V1]) + b"DSS" + bytes(40))
+    assert "sparse-v1" in message and "publish a full version" in message
+
+
+def test_a_frame_declaring_more_than_the_bound_is_refused_before_allocating():
+    """The store's zstd frame declares its content size; it is held against max_payload_size."""
+    encoding = ENCODINGS["auto"]
+    bound = encoding.max_payload_size(1000)
+    frame = struct.pack("<I", 0xFD2FB528) + bytes([0xE0]) + struct.pack("<Q", bound + 1)
+    with pytest.raises(FormatError, match="refusing to allocate"):
+        decompress(frame + b"\x01\0\0", max_size=bound, what="payload of tensor 't'")
+    real = compress(b"\x02" + _payload(nbytes=1000, itemsize=4, changed=tuple(range(250))))
+    assert len(decompress(real, max_size=bound, what="t")) <= bound
+
+
+def test_auto_declares_its_semantics():
+    encoding = ENCODINGS["auto"]
+    assert encoding.idempotent is False  # XOR or steps values in: twice reverts
+    assert encoding.self_inverse is True
+    assert encoding.name == "auto"
