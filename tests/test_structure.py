@@ -29,6 +29,7 @@ LAYERS = {
     "pull": 3,
     "publish": 4,
     "replicate": 4,
+    "engines": 5,
     "testing": 5,
     "cli": 6,
 }

@@ -1,0 +1,169 @@
+"""The pause: staged patches written into the live tensors, all or nothing.
+
+Each patch is one ``index_copy_`` (or one ``copy_`` for a whole tensor) on the tensor's own
+device, with the positions and values moved there first. If anything fails part way (an
+exception from the device, a failed verification, a ``KeyboardInterrupt``), the old values are
+written back at the positions already written, newest first, and the error is raised: the live
+weights hold the old version again, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from deltastore.codecs import Digest
+from deltastore.engines.patches import TensorPatch
+from deltastore.engines.targets import Target, flat_bytes
+from deltastore.errors import IntegrityError, PutBackError
+
+HASH_CHUNK = 64 * 1024 * 1024
+"""Bytes of a device tensor copied to the host at a time by ``verify="full"``."""
+
+Placed = tuple[torch.Tensor | None, torch.Tensor]
+"""A written patch's positions and values as they sit on the target's device."""
+
+
+def write_patches(
+    patches: Sequence[TensorPatch],
+    targets: Mapping[str, Target],
+    *,
+    verify: str | None,
+    expected: Callable[[TensorPatch], Digest],
+    version: int,
+) -> None:
+    """Write every patch, then verify; on any failure put every written tensor back and raise
+    (:class:`IntegrityError` for a failed verification, :class:`PutBackError` when the put-back
+    itself fails: the live weights are then dirty)."""
+    written: list[TensorPatch] = []
+    placed: list[Placed] = []
+    try:
+        for patch in patches:
+            written.append(patch)  # before the write: a write torn by an error is put back too
+            placed.append(_write(targets[patch.name], patch))
+        _synchronize(targets[p.name] for p in written)
+        if verify == "patched":
+            _check_patched(written, placed, targets, version)
+        elif verify == "full":
+            _check_full(written, targets, expected, version)
+    except BaseException as exc:
+        _roll_back(written, targets, exc, version)
+        raise
+
+
+def _write(target: Target, patch: TensorPatch) -> Placed:
+    device = target.device
+    moving = device.type != "cpu"
+    new = patch.new.to(device, non_blocking=moving)
+    if patch.positions is None:
+        target.bytes.copy_(new, non_blocking=moving)
+        return None, new
+    positions = patch.positions.to(device, non_blocking=moving)
+    target.words.index_copy_(0, positions, new)
+    return positions, new
+
+
+def _synchronize(targets: Iterator[Target] | Sequence[Target]) -> None:
+    """Wait for the writes queued on CUDA devices (their errors surface here)."""
+    for device in {t.device for t in targets if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
+
+
+def _check_patched(
+    patches: Sequence[TensorPatch],
+    placed: Sequence[Placed],
+    targets: Mapping[str, Target],
+    version: int,
+) -> None:
+    """Read back the written positions and compare them with the staged values."""
+    bad = []
+    for patch, (positions, new) in zip(patches, placed, strict=True):
+        target = targets[patch.name]
+        if positions is None:
+            same = torch.equal(target.bytes, new)
+        else:
+            same = torch.equal(target.words.index_select(0, positions), new)
+        if not same:
+            bad.append(patch.name)
+    if bad:
+        raise IntegrityError(
+            f"v{version:06d}: tensors {bad[:5]} do not read back the values just written "
+            f"({len(bad)} in all); the commit was rolled back"
+        )
+
+
+def digest_of(tensor: torch.Tensor, digest: Digest) -> bool:
+    """Whether ``tensor``'s bytes hash to ``digest`` (device tensors copied in chunks)."""
+    hasher = digest.checksum.hasher()
+    flat = flat_bytes(tensor)
+    for start in range(0, flat.numel(), HASH_CHUNK):
+        piece = flat[start : start + HASH_CHUNK]
+        if piece.device.type != "cpu":
+            piece = piece.cpu()
+        hasher.update(memoryview(piece.numpy()))
+    return hasher.hexdigest() == digest.hex
+
+
+def _check_full(
+    patches: Sequence[TensorPatch],
+    targets: Mapping[str, Target],
+    expected: Callable[[TensorPatch], Digest],
+    version: int,
+) -> None:
+    """Hash every committed tensor against the version's digest of it."""
+    bad = [p.name for p in patches if not digest_of(targets[p.name].tensor, expected(p))]
+    if bad:
+        raise IntegrityError(
+            f"v{version:06d}: tensors {bad[:5]} do not match the version's digests after the "
+            f"commit ({len(bad)} in all); the commit was rolled back"
+        )
+
+
+def _roll_back(
+    written: Sequence[TensorPatch],
+    targets: Mapping[str, Target],
+    cause: BaseException,
+    version: int,
+) -> None:
+    caught: list[int] = []
+    try:
+        with _interrupts_deferred(caught):
+            for patch in reversed(written):
+                target = targets[patch.name]
+                old = patch.old.to(target.device)
+                if patch.positions is None:
+                    target.bytes.copy_(old)
+                else:
+                    positions = patch.positions.to(target.device)
+                    target.words.index_copy_(0, positions, old)
+            _synchronize(targets[p.name] for p in written)
+    except BaseException as exc:
+        raise PutBackError(
+            f"committing v{version:06d} failed ({cause!r}) and putting the live weights back "
+            f"failed too ({exc!r}): they are dirty. Reload the engine from the local checkpoint"
+        ) from cause
+    if caught and not isinstance(cause, KeyboardInterrupt):
+        raise KeyboardInterrupt from cause
+
+
+@contextlib.contextmanager
+def _interrupts_deferred(caught: list[int]) -> Iterator[None]:
+    """Hold Ctrl-C back while the old values go back (on the main thread, where it lands);
+    one that arrives meanwhile is recorded in ``caught`` and raised once they are back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def hold(signum: int, frame: Any) -> None:
+        caught.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
