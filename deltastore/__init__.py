@@ -9,69 +9,72 @@ the bytes that changed.
 >>> ds.pull_weights("/nvme/ckpt", "/shared/run1", 1, base_dir="/ckpt/hf")
 """
 
+from typing import Any
+
+from deltastore import errors as _errors
+from deltastore.codecs import register_encoding
 from deltastore.errors import (
     ApplyError,
     ConfigError,
     DeltastoreError,
     FormatError,
-    GroupPullError,
-    HookError,
-    InsecureKeyFileWarning,
     IntegrityError,
-    LockTimeoutError,
-    NameMismatchError,
-    OutOfOrderError,
     PublishError,
-    PutBackError,
-    SignatureError,
-    SnapshotError,
     StoreError,
-    StreamError,
-    TransientStoreError,
-    VersionConflictError,
     VersionNotFoundError,
 )
 from deltastore.format import VersionIndex
 from deltastore.progress import ProgressCallback
-from deltastore.publish import DeltaPublisher, PublishResult
+from deltastore.publish import DeltaPublisher, PublisherConfig, PublishResult
 from deltastore.pull import HostOutcome, PullResult, RepairSummary, pull_weights, verify_local
-from deltastore.replicate import replicate
+from deltastore.replicate import ReplicationReport, replicate
 from deltastore.storage import RetryPolicy, VersionStore
 
 __version__ = "0.1.0"
 
+# The verbs and the objects they work on, what they return, what users configure or extend,
+# the root of the error tree and the categories worth catching (every error class, these
+# included, lives in deltastore.errors).
 __all__ = [
     "ApplyError",
     "ConfigError",
     "DeltaPublisher",
     "DeltastoreError",
     "FormatError",
-    "GroupPullError",
-    "HookError",
     "HostOutcome",
-    "InsecureKeyFileWarning",
     "IntegrityError",
-    "LockTimeoutError",
-    "NameMismatchError",
-    "OutOfOrderError",
     "ProgressCallback",
     "PublishError",
     "PublishResult",
+    "PublisherConfig",
     "PullResult",
-    "PutBackError",
     "RepairSummary",
+    "ReplicationReport",
     "RetryPolicy",
-    "SignatureError",
-    "SnapshotError",
     "StoreError",
-    "StreamError",
-    "TransientStoreError",
-    "VersionConflictError",
     "VersionIndex",
     "VersionNotFoundError",
     "VersionStore",
     "__version__",
     "pull_weights",
+    "register_encoding",
     "replicate",
     "verify_local",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The other error classes were exported here before; they still resolve, with a warning,
+    # so code written against the old top level keeps running while it moves over.
+    found = getattr(_errors, name, None)
+    if isinstance(found, type) and issubclass(found, (DeltastoreError, Warning)):
+        import warnings
+
+        warnings.warn(
+            f"deltastore.{name} is no longer exported from the top level; import it from "
+            f"deltastore.errors (from deltastore.errors import {name})",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return found
+    raise AttributeError(f"module 'deltastore' has no attribute {name!r}")

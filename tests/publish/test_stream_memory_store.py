@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import deltastore as ds
+from deltastore.errors import StreamError
 from tests.conftest import make_checkpoint
 from tests.publish.harness import assert_checkpoint_equals, base_tensors, model_at
 
@@ -30,7 +31,7 @@ def test_resume_and_new_stream_on_a_memory_store(tmp_path: Path) -> None:
     assert [store.index(v).kind for v in (1, 2, 3)] == ["delta", "full", "delta"]
     stream = store.index(3).stream_id
 
-    with pytest.raises(ds.StreamError):
+    with pytest.raises(StreamError):
         ds.DeltaPublisher(url, base).seed()
 
     resumed = ds.DeltaPublisher(url, base, workers=2, resume=True)

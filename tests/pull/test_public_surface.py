@@ -1,5 +1,6 @@
 """One error tree and one public surface: every exception lives in deltastore.errors, and the
-top-level package exports what users catch or configure."""
+top-level package exports the verbs, what they return, what users configure and the error
+categories worth catching."""
 
 from __future__ import annotations
 
@@ -34,13 +35,36 @@ def test_every_exception_class_of_the_package_is_defined_in_errors():
     assert strays == []
 
 
-def test_the_top_level_exports_every_error_and_what_users_configure():
-    for name, obj in vars(errors).items():
-        if inspect.isclass(obj) and issubclass(obj, errors.DeltastoreError):
-            assert getattr(deltastore, name) is obj, name
-            assert name in deltastore.__all__
-    for name in ("RetryPolicy", "PullResult", "GroupPullError", "LockTimeoutError"):
-        assert name in deltastore.__all__
+def test_the_top_level_exports_the_verbs_results_configuration_and_error_categories():
+    verbs = ["DeltaPublisher", "VersionStore", "pull_weights", "replicate", "verify_local"]
+    results = ["HostOutcome", "PublishResult", "PullResult", "RepairSummary", "ReplicationReport"]
+    results += ["VersionIndex"]
+    configuration = ["ProgressCallback", "PublisherConfig", "RetryPolicy"]
+    extension = ["register_encoding", "__version__"]
+    categories = ["DeltastoreError", "ApplyError", "ConfigError", "FormatError", "IntegrityError"]
+    categories += ["PublishError", "StoreError", "VersionNotFoundError"]
+    expected = [*verbs, *results, *configuration, *extension, *categories]
+    assert sorted(deltastore.__all__) == sorted(expected)
+    for name in deltastore.__all__:
+        obj = getattr(deltastore, name)
+        if inspect.isclass(obj) and issubclass(obj, BaseException):
+            assert getattr(errors, name) is obj, name
+
+
+def test_every_other_error_resolves_from_the_top_level_with_a_warning_naming_its_home():
+    others = [
+        name
+        for name, obj in vars(errors).items()
+        if inspect.isclass(obj)
+        and issubclass(obj, (errors.DeltastoreError, Warning))
+        and name not in deltastore.__all__
+    ]
+    assert "TransientStoreError" in others and "GroupPullError" in others
+    for name in others:
+        with pytest.warns(DeprecationWarning, match=f"from deltastore.errors import {name}"):
+            assert getattr(deltastore, name) is getattr(errors, name)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        deltastore.no_such_name  # noqa: B018
 
 
 def test_a_group_outside_torch_distributed_is_a_config_error():
