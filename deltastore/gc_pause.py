@@ -2,11 +2,10 @@
 
 A publish of many tensors makes a few long-lived objects per tensor (results, placements,
 index entries); every few thousand of them the collector runs a full collection, which walks
-every tracked object of the process (a trainer holds millions). Measured on 8,000 tensors of
-64 KB: about 170 collections in one publish, 0.2-1.2 s of its 2-4 s, nearly all of it full
-collections. A one-step pull of the same model made about 360 collections (0.5-0.9 s of a
-2-3 s pull): header entries, payload references, histories, frames and undo records per tensor.
-Neither makes garbage cycles worth collecting meanwhile, so the collector is paused while they
+every tracked object of the process (a trainer holds millions). A pull makes as many per tensor
+(header entries, payload references, histories, frames and undo records); on a model of
+thousands of small tensors both spent a large share of their time in full collections
+(docs/benchmarks.md, *Batched apply and the paused collector*). Neither makes garbage cycles worth collecting meanwhile, so the collector is paused while they
 run and resumed after (reference counting still frees everything else). One module for both
 sides, so a publish and a pull in one process share the pause and only the last resumes it.
 """

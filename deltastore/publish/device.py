@@ -282,8 +282,8 @@ def plain_host_view(tensor: Any) -> ByteArray | None:
     built from its data pointer; None for anything else (the general path handles it).
 
     No torch operator is dispatched: each one releases and retakes the GIL, and while the
-    encode pool runs, retaking it costs the producer far more than the operator (measured on
-    8,000 tensors of 64 KB: 75 us per ``reshape`` under load against 2.5 us alone). The view
+    encode pool runs, retaking it costs the producer far more than the operator (figures in
+    docs/benchmarks.md, *Many small tensors*). The view
     keeps the tensor alive. Complex tensors (maybe conjugate views), negative views, quantized
     and sparse tensors and subclasses (their bytes may not be their values) are left to the
     general path.
@@ -312,8 +312,8 @@ def plain_host_view(tensor: Any) -> ByteArray | None:
 def _is_negative_view(torch: Any, tensor: Any) -> bool:
     """True for a lazily negated view (its memory is minus its value), read from the tensor's
     dispatch keys: ``is_neg()`` is a dispatched operator that releases the GIL, and under a
-    busy encode pool it took 100 us a call to get it back (profiled on 8,000 tensors of 64 KB:
-    0.86 s of a 2.4 s diff)."""
+    busy encode pool getting it back cost more than the rest of the staging
+    (docs/benchmarks.md, *Many small tensors*)."""
     keys = getattr(torch._C, "_dispatch_keys", None)
     if keys is None:  # pragma: no cover - a torch without it
         return bool(tensor.is_neg())

@@ -148,9 +148,8 @@ def word_changes(old: ByteArray, new: ByteArray, changed_bytes: int) -> XorChang
     is not a whole number of words.
 
     Kept until the commit, it lets the snapshot advance by XORing a few words in instead of
-    decompressing and applying the payload again: measured on 64 KB at 0.4 % density, 9 us to
-    build here and 2 us to apply, against 28 us to decompress and apply (1 MB: 82 + 9 against
-    177 us). Derived from the bytes, not the payload, so it holds for every encoding.
+    decompressing and applying the payload again, several times cheaper for sparse steps
+    (docs/benchmarks.md, *The publish pipeline around the codec*). Derived from the bytes, not the payload, so it holds for every encoding.
     """
     if old.size % 8 or WORD_CHANGE_BYTES * changed_bytes > old.size // 8:
         return None

@@ -81,8 +81,8 @@ class RankSnapshot:
     def pool(self) -> cf.ThreadPoolExecutor:
         """The rank's ``workers`` threads, all started at once (by ``seed()``) and kept for
         every publish: started per publish, each start waited for the GIL while the first
-        thread encoded (5-16 ms of a 180 ms publish of 522 MB). A process forked since gets
-        its own."""
+        thread encoded (docs/benchmarks.md, *The publish pipeline around the codec*). A
+        process forked since gets its own."""
         if self._pool is None or self._pool[0] != os.getpid():
             pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="deltastore-publish")
             started = threading.Barrier(self.workers + 1)

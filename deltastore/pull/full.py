@@ -40,8 +40,8 @@ def flushed_behind(path: str, every_s: float = FLUSH_BEHIND_S) -> Iterator[None]
     """Flush ``path`` to disk every ``every_s`` seconds while the block writes it.
 
     A download writes into the page cache at network speed and the fsync after it used to write
-    everything back at disk speed, one after the other (a 176 MB shard from a local S3 server:
-    a 1.1 s GET, then a 0.26 s fsync). Flushing behind overlaps the two. A file that does not
+    everything back at disk speed, one after the other (docs/benchmarks.md, *Pull*). Flushing
+    behind overlaps the two. A file that does not
     exist yet (or was replaced by a retry) is simply flushed on the next round.
     """
     done = threading.Event()
