@@ -1,7 +1,11 @@
-"""Shared fixtures: small HF safetensors checkpoints built from real files.
+"""Shared fixtures: small HF safetensors checkpoints built from real files, and runs of
+versions published from them.
 
 ``make_checkpoint(directory, tensors, shards=1)`` writes a checkpoint the way HF tools do
-(``safetensors.torch.save_file`` per shard, plus ``model.safetensors.index.json`` when sharded).
+(``safetensors.torch.save_file`` per shard, plus ``model.safetensors.index.json`` when sharded);
+every test that needs a checkpoint on disk writes it with this. ``publish_run(store, base,
+models)`` seeds a real ``DeltaPublisher`` and publishes each model in turn: the one way the
+tests fill a store with a run of versions.
 ``small_model`` is a handful of tiny tensors covering every dtype deltastore must treat
 byte-blindly (bf16, fp16, fp32, float8_e4m3fn, int8, bool) including a 0-d and an empty one;
 ``base_dir`` is a temp directory holding it as a two-shard checkpoint. ``checkpoint_bytes`` and
@@ -22,14 +26,17 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 import json
 import signal
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import deltastore as ds
 from deltastore.testing.servers import GCSServer, S3Server, start_fake_gcs, start_moto_s3
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -42,7 +49,11 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 def make_checkpoint(
-    directory: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], shards: int = 1
+    directory: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    shards: int = 1,
+    *,
+    extra_files: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``tensors`` as an HF safetensors checkpoint in ``directory`` and return its path.
 
@@ -50,9 +61,12 @@ def make_checkpoint(
     tensors are dealt round-robin (in name order) into ``model-0000i-of-0000n.safetensors``
     files (1-based, HF style) and an index maps each name to its file. Tensors are made
     contiguous and cloned so that views of one storage can be saved together.
+    ``extra_files`` (file name → text, e.g. a ``config.json``) are written beside them.
     """
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
+    for name, text in (extra_files or {}).items():
+        (root / name).write_text(text)
     names = sorted(tensors)
     if shards <= 1:
         save_file(
@@ -71,6 +85,35 @@ def make_checkpoint(
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (root / INDEX_NAME).write_text(json.dumps(index, indent=2))
     return root
+
+
+@dataclass
+class PublishedRun:
+    """What :func:`publish_run` published: the publisher (still open) and each version's model."""
+
+    publisher: ds.DeltaPublisher
+    models: dict[int, Mapping[str, torch.Tensor]] = field(default_factory=dict)
+
+
+def publish_run(
+    store: ds.VersionStore | str | os.PathLike[str],
+    base_dir: str | os.PathLike[str],
+    models: Iterable[Mapping[str, torch.Tensor]],
+    *,
+    full_at: Collection[int] = (),
+    **options: Any,
+) -> PublishedRun:
+    """Seed a ``DeltaPublisher(store, base_dir, **options)`` and publish each of ``models`` as
+    the next version, a full one when its number is in ``full_at``. ``models`` may be a
+    generator: each model is made only once the previous version is published."""
+    target = store if isinstance(store, ds.VersionStore) else os.fspath(store)
+    publisher = ds.DeltaPublisher(target, os.fspath(base_dir), **options)
+    publisher.seed()
+    run = PublishedRun(publisher)
+    for model in models:
+        result = publisher.publish(model.items(), full=publisher.next_version in full_at)
+        run.models[result.version] = model
+    return run
 
 
 def raw_bytes(tensor: torch.Tensor) -> bytes:

@@ -7,20 +7,20 @@ compare a pulled checkpoint with what the trainer had, independently of the publ
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
-from deltastore import DeltaPublisher, VersionStore
+from deltastore import VersionStore
 from deltastore.format.checkpoint import scan_checkpoint
+from tests.conftest import make_checkpoint, publish_run
 
 INDEX_NAME = "model.safetensors.index.json"
+_CONFIG = '{"model_type": "toy"}'
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int8)
 
 
@@ -38,18 +38,8 @@ def many_tensors(count: int, seed: int = 0, elements: int = 2048) -> dict[str, t
 
 
 def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], shards: int = 2) -> Path:
-    """An HF checkpoint: ``shards`` safetensors files and an index."""
-    directory.mkdir(parents=True, exist_ok=True)
-    names = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        file_name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        group = {n: tensors[n].contiguous().clone() for n in names[s::shards]}
-        save_file(group, str(directory / file_name))
-        weight_map.update(dict.fromkeys(group, file_name))
-    (directory / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (directory / "config.json").write_text('{"model_type": "toy"}')
-    return directory
+    """An HF checkpoint: ``shards`` safetensors files, an index and a ``config.json``."""
+    return make_checkpoint(directory, tensors, shards, extra_files={"config.json": _CONFIG})
 
 
 def evolve(
@@ -96,20 +86,27 @@ def publish_versions(
     start: dict[str, torch.Tensor] | None = None,
 ) -> Published:
     """Publish ``count`` versions from ``start`` (default ``base``); ``full_at`` are full."""
-    publisher = DeltaPublisher(
-        str(store_dir), str(base_dir), encoding=encoding, workers=2, new_stream=new_stream
-    )
-    publisher.seed()
     rng = np.random.default_rng(seed)
-    current = dict(start if start is not None else base)
-    published = Published(store_dir, base_dir, stream_id=publisher.stream_id)
+
+    def models() -> Iterator[dict[str, torch.Tensor]]:
+        current = dict(start if start is not None else base)
+        for _ in range(count):
+            current = evolve(current, rng, fraction, density)
+            yield current
+
+    run = publish_run(
+        store_dir,
+        base_dir,
+        models(),
+        full_at=set(full_at),
+        encoding=encoding,
+        workers=2,
+        new_stream=new_stream,
+    )
+    published = Published(store_dir, base_dir, stream_id=run.publisher.stream_id)
     if start is None:
         published.states[0] = dict(base)
-    full = set(full_at)
-    for _ in range(count):
-        current = evolve(current, rng, fraction, density)
-        result = publisher.publish(current.items(), full=publisher.next_version in full)
-        published.states[result.version] = current
+    published.states.update(run.models)
     return published
 
 

@@ -2,26 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 import deltastore as ds
 from deltastore.format.names import INDEX_NAME
 from deltastore.replicate.plan import same_content
 from deltastore.storage import VersionStore
+from tests import conftest
 from tests.storage.models import assert_model, local_tensors, model_at
 
 
 def publish_run(
-    store: VersionStore, base: Path, kinds: dict[int, str], *, encoding: str = "xor"
+    store: VersionStore,
+    base: Path,
+    kinds: dict[int, str],
+    *,
+    encoding: str = "xor",
+    model: Callable[[int], dict[str, torch.Tensor]] = model_at,
 ) -> None:
-    """Publish ``model_at(step)`` for each step of ``kinds`` (``full`` or ``delta``)."""
-    publisher = ds.DeltaPublisher(store, base, resume=bool(store.versions()), encoding=encoding)
-    publisher.seed()
-    for step, kind in kinds.items():
-        assert publisher.publish(model_at(step).items(), full=kind == "full").version == step
+    """Publish ``model(step)`` (default ``model_at``) as version ``step`` for each step of
+    ``kinds`` (``full`` or ``delta``), resuming the run already in ``store`` if any."""
+    full = [step for step, kind in kinds.items() if kind == "full"]
+    models = (model(step) for step in kinds)
+    resume = bool(store.versions())
+    run = conftest.publish_run(store, base, models, full_at=full, resume=resume, encoding=encoding)
+    assert list(run.models) == list(kinds)
 
 
 def assert_replica(src: VersionStore, dst: VersionStore, versions: list[int]) -> None:
@@ -66,12 +74,8 @@ def big_model_at(step: int, megabytes: int = 4) -> dict[str, torch.Tensor]:
 
 def publish_big_run(store: VersionStore, base: Path, kinds: dict[int, str]) -> None:
     """Publish ``big_model_at(step)`` for each step of ``kinds``; writes the base to ``base``."""
-    base.mkdir(parents=True, exist_ok=True)
-    save_file(big_model_at(0), str(base / "model.safetensors"))
-    publisher = ds.DeltaPublisher(store, base)
-    publisher.seed()
-    for step, kind in kinds.items():
-        assert publisher.publish(big_model_at(step).items(), full=kind == "full").version == step
+    conftest.make_checkpoint(base, big_model_at(0))
+    publish_run(store, base, kinds, model=big_model_at)
 
 
 def assert_big_model(directory: Path, step: int) -> None:

@@ -1,11 +1,13 @@
-"""A tiny model that changes a little at each step, written with safetensors.torch.save_file."""
+"""A tiny model that changes a little at each step, and its base checkpoint on disk."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from tests.conftest import make_checkpoint
 
 
 def model_at(step: int) -> dict[str, torch.Tensor]:
@@ -26,9 +28,7 @@ def model_at(step: int) -> dict[str, torch.Tensor]:
 
 def write_base(directory: Path) -> Path:
     """The base checkpoint (step 0) as one ``model.safetensors`` in ``directory``."""
-    directory.mkdir(parents=True)
-    save_file(model_at(0), str(directory / "model.safetensors"))
-    return directory
+    return make_checkpoint(directory, model_at(0))
 
 
 def local_tensors(directory: Path) -> dict[str, torch.Tensor]:
