@@ -149,7 +149,8 @@ def word_changes(old: ByteArray, new: ByteArray, changed_bytes: int) -> XorChang
 
     Kept until the commit, it lets the snapshot advance by XORing a few words in instead of
     decompressing and applying the payload again, several times cheaper for sparse steps
-    (docs/benchmarks.md, *The publish pipeline around the codec*). Derived from the bytes, not the payload, so it holds for every encoding.
+    (docs/benchmarks.md, *The publish pipeline around the codec*). Derived from the bytes, not
+    the payload, so it holds for every encoding.
     """
     if old.size % 8 or WORD_CHANGE_BYTES * changed_bytes > old.size // 8:
         return None
