@@ -112,6 +112,17 @@ class SignatureError(IntegrityError):
     replayed under another version or stream), or it is signed by a key that is not trusted."""
 
 
+class EngineSyncError(DeltastoreError):
+    """Bringing an inference engine to a version failed. The message names the engine, the
+    step (pull, pause, reload, resume) and the state the engine was left in."""
+
+
+class EngineLeftPausedError(EngineSyncError):
+    """An engine's reload failed, and so did the one retry from the verified checkpoint: the
+    engine is left paused (never resumed on partly updated weights) until an operator or the
+    next sync reloads it."""
+
+
 class InsecureKeyFileWarning(UserWarning):
     """A private key file is readable or writable by users other than its owner (a warning,
     not an error: ``chmod 600`` the file)."""

@@ -1,4 +1,5 @@
-"""Client of ``deltastore serve`` (or any reference ``/pull_weights`` endpoint).
+"""Client of ``deltastore serve`` (or any reference ``/pull_weights`` endpoint), and the one
+small JSON-over-HTTP call (:func:`call`) every other deltastore client uses (the engine sync).
 
 :func:`pull_all` asks many hosts to pull one version concurrently and returns each host's typed
 reply; an unreachable host or a reply that is not ``{success, message}`` becomes a failed
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import http.client as http_client
+import json
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from deltastore.errors import ConfigError, FormatError, StoreError
 from deltastore.pull.protocol import CheckpointStatus, PullReply, PullRequest
@@ -56,42 +59,99 @@ def _headers(token: str | None) -> dict[str, str]:
     return headers
 
 
-def pull_one(
-    endpoint: str, request: PullRequest, *, token: str | None = None, timeout_s: float = 3600.0
-) -> EndpointReply:
-    """POST one pull request; never raises for a failed or unreachable host."""
-    url = normalize_endpoint(endpoint)
-    started = time.perf_counter()
-    http = urllib.request.Request(
-        f"{url}/pull_weights", data=request.to_json(), headers=_headers(token), method="POST"
-    )
+@dataclass(frozen=True)
+class HttpReply:
+    """What one HTTP call to an engine or a ``deltastore serve`` answered."""
+
+    url: str
+    """The URL called (without the query)."""
     status: int | None
+    """HTTP status; None when the endpoint could not be reached."""
+    body: bytes
+    """The reply's body; for an unreachable endpoint, why it could not be reached."""
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    def json(self) -> Any:
+        """The body parsed as JSON; None when it is not JSON."""
+        try:
+            return json.loads(self.body)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return None
+
+    def message(self) -> str:
+        """A short reason: the JSON reply's ``message`` or ``error`` (vLLM's
+        ``{"error": {"message": ...}}`` too), else the start of the body."""
+        body = self.json()
+        if isinstance(body, dict):
+            error = body.get("error")
+            if isinstance(error, dict) and isinstance(error.get("message"), str):
+                return str(error["message"])
+            for key in ("message", "error", "detail"):
+                if isinstance(body.get(key), str):
+                    return str(body[key])
+        return self.body.decode("utf-8", "replace").strip()[:300]
+
+    def describe(self) -> str:
+        status = self.status if self.status is not None else "unreachable"
+        return f"{self.url} [{status}]: {self.message()}"
+
+
+def call(
+    endpoint: str,
+    path: str,
+    body: Mapping[str, Any] | None = None,
+    *,
+    method: str = "POST",
+    query: Mapping[str, str] | None = None,
+    token: str | None = None,
+    timeout_s: float = 600.0,
+) -> HttpReply:
+    """One JSON call (``body`` sent as JSON when given); never raises for an HTTP error or an
+    unreachable host: the reply says so."""
+    url = f"{normalize_endpoint(endpoint)}{path}"
+    full = f"{url}?{urllib.parse.urlencode(dict(query))}" if query else url
+    data = json.dumps(dict(body)).encode() if body is not None else None
+    started = time.perf_counter()
+    http = urllib.request.Request(full, data=data, headers=_headers(token), method=method)
     try:
         with urllib.request.urlopen(http, timeout=timeout_s) as response:
-            status, body = response.status, response.read()
+            status, raw = response.status, response.read()
     except urllib.error.HTTPError as exc:
         try:
-            status, body = exc.code, exc.read()
+            status, raw = exc.code, exc.read()
         except (http_client.HTTPException, OSError) as cut:
-            status, body = exc.code, f"(reply cut short: {cut!r})".encode()
+            status, raw = exc.code, f"(reply cut short: {cut!r})".encode()
     except (urllib.error.URLError, OSError, http_client.HTTPException) as exc:
         # HTTPException: a peer that does not speak HTTP or hangs up mid-reply.
         reason = getattr(exc, "reason", exc)
         if isinstance(exc, http_client.HTTPException):
             reason = f"no valid HTTP reply ({exc!r})"
-        return EndpointReply(
-            url,
-            PullReply(False, f"{url} is unreachable: {reason}"),
-            None,
-            time.perf_counter() - started,
-        )
+        message = f"{url} is unreachable: {reason}"
+        return HttpReply(url, None, message.encode(), time.perf_counter() - started)
+    return HttpReply(url, status, raw, time.perf_counter() - started)
+
+
+def pull_one(
+    endpoint: str, request: PullRequest, *, token: str | None = None, timeout_s: float = 3600.0
+) -> EndpointReply:
+    """POST one pull request; never raises for a failed or unreachable host."""
+    url = normalize_endpoint(endpoint)
+    sent = json.loads(request.to_json())
+    answer = call(url, "/pull_weights", sent, token=token, timeout_s=timeout_s)
+    status, body = answer.status, answer.body
+    if status is None:
+        return EndpointReply(url, PullReply(False, body.decode()), None, answer.seconds)
     try:
         reply = PullReply.from_json(body)
     except FormatError as exc:
         reply = PullReply(False, f"HTTP {status} from {url}: {exc}")
     if reply.success and status != 200:
         reply = PullReply(False, f"HTTP {status} from {url} with success=true: {reply.message}")
-    return EndpointReply(url, reply, status, time.perf_counter() - started)
+    return EndpointReply(url, reply, status, answer.seconds)
 
 
 def pull_all(
@@ -156,4 +216,12 @@ def fetch_state(
         raise StoreError(f"{url} is unreachable: {getattr(exc, 'reason', exc)!r}") from None
 
 
-__all__ = ["EndpointReply", "fetch_state", "normalize_endpoint", "pull_all", "pull_one"]
+__all__ = [
+    "EndpointReply",
+    "HttpReply",
+    "call",
+    "fetch_state",
+    "normalize_endpoint",
+    "pull_all",
+    "pull_one",
+]

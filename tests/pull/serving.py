@@ -1,5 +1,6 @@
-"""A real ``deltastore serve`` (its aiohttp app, bound to 127.0.0.1) run in a thread of the
-test process, so a test can read its metrics object too."""
+"""Servers run in a thread of the test process, on 127.0.0.1: any aiohttp app
+(:func:`serving`), and a real ``deltastore serve`` (:func:`running_server`) whose metrics
+object a test can read too."""
 
 from __future__ import annotations
 
@@ -14,26 +15,18 @@ from aiohttp import web
 from deltastore.pull.server import PullServer, ServerConfig
 
 
-@dataclass
-class Running:
-    url: str
-    server: PullServer
-
-
 @contextmanager
-def running_server(config: ServerConfig) -> Iterator[Running]:
-    """Serve ``config`` (any port: 0 is picked) until the block ends."""
-    config = replace(config, host="127.0.0.1", port=0)
-    server = PullServer(config)
+def serving(app: web.Application) -> Iterator[str]:
+    """Serve ``app`` on 127.0.0.1 (a free port) until the block ends; yields its URL."""
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     stop = asyncio.Event()
     found: list[str] = []
 
     async def main() -> None:
-        runner = web.AppRunner(server.app(), access_log=None)
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, config.host, config.port)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         host, port = runner.addresses[0][:2]
         found.append(f"http://{host}:{port}")
@@ -45,8 +38,22 @@ def running_server(config: ServerConfig) -> Iterator[Running]:
     thread.start()
     assert ready.wait(30), "the server did not start"
     try:
-        yield Running(found[0], server)
+        yield found[0]
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(30)
         loop.close()
+
+
+@dataclass
+class Running:
+    url: str
+    server: PullServer
+
+
+@contextmanager
+def running_server(config: ServerConfig) -> Iterator[Running]:
+    """A ``deltastore serve`` of ``config`` (bound to 127.0.0.1, a free port)."""
+    server = PullServer(replace(config, host="127.0.0.1", port=0))
+    with serving(server.app()) as url:
+        yield Running(url, server)
