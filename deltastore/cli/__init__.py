@@ -52,6 +52,7 @@ COMMAND_MODULES = (
     "inspect",
     "bench",
     "serve",
+    "sync",
     "replicate",
     "keygen",
 )

@@ -62,7 +62,10 @@ class VllmDriver:
         timeout_s: float,
     ) -> None:
         self.url, self.token, self.pause_mode, self.timeout_s = url, token, pause_mode, timeout_s
-        self.init_info = {k: v for k, v in init_info.items() if v is not None}
+        # Unset keys take the backend's defaults; engine_version None (unknown) must be sent.
+        self.init_info = {
+            k: v for k, v in init_info.items() if v is not None or k == "engine_version"
+        }
         self.initialised = False
 
     def _post(self, path: str, body: Mapping[str, Any] | None = None, **kw: Any) -> HttpReply:
