@@ -88,6 +88,28 @@ class StagedUpdate:
     owner: object = field(default=None, repr=False)
     token: object = field(default=None, repr=False)
 
+    # The pull's figures under the names of PullResult and deltastore serve's /metrics.
+    @property
+    def wire_bytes(self) -> int:
+        return self.pull.bytes_read
+
+    @property
+    def bytes_reconstructed(self) -> int:
+        return self.pull.bytes_reconstructed
+
+    @property
+    def tensors_skipped(self) -> int:
+        return self.pull.tensors_skipped
+
+    @property
+    def reseeds(self) -> int:
+        return self.pull.reseeds
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """The pull's phases, and ``patches``: the rest of the stage (building the patches)."""
+        return {**self.pull.phase_seconds, "patches": max(0.0, self.seconds - self.pull.seconds)}
+
 
 @dataclass(frozen=True)
 class CommitResult:
@@ -101,6 +123,8 @@ class CommitResult:
     elements: int
     verified: str | None
     """``"patched"`` or ``"full"`` when that verification ran and passed, else None."""
+    bytes_written: int = 0
+    """Bytes written into the live weights (``loader=`` mode: handed to the loader)."""
 
 
 class LiveWeights:
@@ -346,12 +370,16 @@ class LiveWeights:
             )  # fmt: skip
             verified = verify if staged.patches else None
         self._version, self._stream, self._latest = staged.version, staged.stream_id, None
+        written = sum(t.numel() * t.element_size() for _, t in staged.loads) + sum(
+            p.new.numel() * p.new.element_size() for p in staged.patches
+        )
         return CommitResult(
             staged.version,
             time.perf_counter() - started,
             staged.tensors,
             staged.elements,
             verified,
+            bytes_written=written,
         )
 
     def _refuse_stale(self, staged: StagedUpdate) -> None:
