@@ -178,6 +178,74 @@ def _encode(
     return [(item.name, e) for item, e in zip(batch, encoded, strict=True)]
 
 
+class _EncodeWindow:
+    """The encodes of one diff: the open batch, at most ``2 * workers`` submitted batches in
+    flight (the producer waits on the oldest), and their results taken from the front."""
+
+    def __init__(
+        self,
+        executor: cf.Executor,
+        settings: DiffSettings,
+        spool: PayloadSpool,
+        metrics: dict[str, float],
+        batch_limit: int,
+    ) -> None:
+        self.executor = executor
+        self.settings = settings
+        self.spool = spool
+        self.metrics = metrics
+        self.batch_limit = batch_limit
+        self.result = DiffResult()
+        self.lock = threading.Lock()
+        self.pending: deque[cf.Future[list[tuple[str, Encoded | None]]]] = deque()
+        self.batch: list[_Item] = []
+        self.batch_bytes = 0
+
+    def make_room(self, charge: int) -> None:
+        """Submit the open batch if ``charge`` more bytes would overflow it: the unsubmitted
+        batch holds budget nobody releases, so it must leave room for the next tensor, or
+        staging it would wait forever."""
+        if self.batch and self.batch_bytes + charge > self.batch_limit:
+            self.submit()
+
+    def add(self, item: _Item, charge: int) -> None:
+        self.batch.append(item)
+        self.batch_bytes += charge
+        if self.batch_bytes >= self.batch_limit or len(self.batch) >= BATCH_TENSORS:
+            self.submit()
+
+    def submit(self) -> None:
+        args = (self.settings, self.spool, self.metrics, self.lock, self.batch)
+        self.pending.append(self.executor.submit(_encode, *args))
+        self.batch, self.batch_bytes = [], 0
+        window = 2 * self.settings.workers
+        while self.pending and (len(self.pending) > window or self.pending[0].done()):
+            self._take_oldest()
+
+    def finish(self) -> DiffResult:
+        """Submit the open batch and wait for every result."""
+        if self.batch:
+            self.submit()
+        while self.pending:
+            self._take_oldest()
+        return self.result
+
+    def abandon(self) -> None:
+        """Release the open batch, cancel what has not started and wait for what has (a kept
+        pool is not shut down: its running encodes end here)."""
+        for item in self.batch:
+            item.staged.release()
+        for future in self.pending:
+            future.cancel()
+        cf.wait(self.pending)
+
+    def _take_oldest(self) -> None:
+        for name, encoded in self.pending.popleft().result():
+            self.result.passed[name] = encoded
+            if encoded is not None:
+                self.result.encoded[name] = encoded
+
+
 def diff_tensors(
     named_tensors: NamedTensors,
     sources: Mapping[str, TensorSource],
@@ -196,27 +264,12 @@ def diff_tensors(
     :class:`PublishError` naming a tensor passed twice, unknown to the base, or of another
     size, dtype or shape.
     """
-    # long because the open batch, the bounded window of futures and the pool share one
-    # scope and one clean-up path; split apart they would hand state between five helpers.
-    result = DiffResult()
     stager = HostStager(
         settings.max_inflight_bytes,
         pin_memory=settings.pin_memory,
         stage_host_tensors=settings.stage_host_tensors,
     )
-    lock = threading.Lock()
-    window = 2 * settings.workers
-    pending: deque[cf.Future[list[tuple[str, Encoded | None]]]] = deque()
-
-    def take_oldest() -> None:
-        for name, encoded in pending.popleft().result():
-            result.passed[name] = encoded
-            if encoded is not None:
-                result.encoded[name] = encoded
-
     seen: set[str] = set()
-    batch: list[_Item] = []
-    batch_bytes = 0
     batch_limit = min(BATCH_BYTES, settings.max_inflight_bytes // 2)
     started = time.perf_counter()
     # A kept pool (the publisher's) outlives this call; one made here is shut down after it.
@@ -225,37 +278,17 @@ def diff_tensors(
         if pool is not None
         else cf.ThreadPoolExecutor(settings.workers, thread_name_prefix="deltastore-encode")
     ) as executor:
-
-        def submit() -> None:
-            nonlocal batch, batch_bytes
-            pending.append(executor.submit(_encode, settings, spool, metrics, lock, batch))
-            batch, batch_bytes = [], 0
-            while pending and (len(pending) > window or pending[0].done()):
-                take_oldest()
-
+        window = _EncodeWindow(executor, settings, spool, metrics, batch_limit)
         try:
             for name, tensor in named_pairs(named_tensors):
                 nbytes, itemsize = _check_tensor(name, tensor, sources, seen, settings)
-                # The unsubmitted batch holds budget nobody releases: it must leave room for
-                # the next tensor, or staging it would wait forever.
                 charge = stager.charge_for(tensor, nbytes)
-                if batch and batch_bytes + charge > batch_limit:
-                    submit()
+                window.make_room(charge)
                 old, staged = _load_and_stage(name, tensor, old_bytes, stager, metrics)
-                batch.append(_Item(name, old, staged, itemsize))
-                batch_bytes += charge
-                if batch_bytes >= batch_limit or len(batch) >= BATCH_TENSORS:
-                    submit()
-            if batch:
-                submit()
-            while pending:
-                take_oldest()
+                window.add(_Item(name, old, staged, itemsize), charge)
+            result = window.finish()
         except BaseException:
-            for item in batch:
-                item.staged.release()
-            for future in pending:
-                future.cancel()
-            cf.wait(pending)  # a kept pool is not shut down: the running encodes end here
+            window.abandon()
             raise
         finally:
             stager.close()

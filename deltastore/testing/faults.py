@@ -185,89 +185,98 @@ class FaultProxy:
         return None
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        # long because it is a class body: the handler is defined here to close over this
-        # proxy (http.server builds one handler per request); each method is short.
-        proxy = self
+        # http.server builds one handler per request from a class: this one knows its proxy.
+        return type("Handler", (_ProxyHandler,), {"proxy": self})
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: object) -> None:
-                pass  # quiet: tests read proxy.injected instead
+class _ProxyHandler(BaseHTTPRequestHandler):
+    """One request through a :class:`FaultProxy`: answered by a fault, or forwarded."""
 
-            def _body(self) -> bytes:
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    chunks: list[bytes] = []
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                        if size == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            return b"".join(chunks)
-                        chunks.append(self.rfile.read(size))
-                        self.rfile.readline()
-                length = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(length) if length else b""
+    protocol_version = "HTTP/1.1"
+    proxy: FaultProxy
 
-            def _forward(
-                self, body: bytes, strip: tuple[str, ...] = ()
-            ) -> tuple[int, list[tuple[str, str]], bytes]:
-                conn = http.client.HTTPConnection(*proxy._upstream, timeout=120)
-                skip = _HOP_BY_HOP | {h.lower() for h in strip}
-                try:
-                    headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
-                    if body or self.command in ("PUT", "POST", "PATCH"):
-                        headers["Content-Length"] = str(len(body))
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    response = conn.getresponse()
-                    data = response.read()
-                    return response.status, response.getheaders(), data
-                finally:
-                    conn.close()
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # quiet: tests read proxy.injected instead
 
-            def _drop(self) -> None:
-                self.close_connection = True
-                try:
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            chunks: list[bytes] = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return b"".join(chunks)
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
 
-            def _handle(self) -> None:
-                body = self._body()
-                target = urllib.parse.unquote(self.path)
-                fault = proxy._take(self.command, target, body)
-                if fault is not None and fault.action == "status":
-                    self.send_response(fault.status)
-                    self.send_header("Content-Type", fault.content_type)
-                    self.send_header("Content-Length", str(len(fault.body)))
-                    self.end_headers()
-                    self.wfile.write(fault.body)
-                    return
-                if fault is not None and fault.action == "stall":
-                    time.sleep(fault.stall_s)
-                    self._drop()
-                    return
-                if fault is not None and fault.before is not None:
-                    fault.before()
-                status, headers, data = self._forward(body, fault.drop_headers if fault else ())
-                if fault is not None and fault.action == "drop-response":
-                    self._drop()
-                    return
-                self.send_response(status)
-                upstream_length = None
-                for key, value in headers:
-                    if key.lower() == "content-length":
-                        upstream_length = value
-                    elif key.lower() not in _HOP_BY_HOP and key.lower() not in ("date", "server"):
-                        self.send_header(key, value)
-                no_body = self.command == "HEAD" or status in (204, 304) or status < 200
-                length = upstream_length if no_body and upstream_length else str(len(data))
-                if not (status in (204, 304) or status < 200):
-                    self.send_header("Content-Length", length)
-                self.end_headers()
-                if not no_body:
-                    self.wfile.write(data)
+    def _forward(
+        self, body: bytes, strip: tuple[str, ...] = ()
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
+        conn = http.client.HTTPConnection(*self.proxy._upstream, timeout=120)
+        skip = _HOP_BY_HOP | {h.lower() for h in strip}
+        try:
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+            if body or self.command in ("PUT", "POST", "PATCH"):
+                headers["Content-Length"] = str(len(body))
+            conn.request(self.command, self.path, body=body, headers=headers)
+            response = conn.getresponse()
+            data = response.read()
+            return response.status, response.getheaders(), data
+        finally:
+            conn.close()
 
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
+    def _drop(self) -> None:
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
-        return Handler
+    def _answer(self, fault: Fault) -> None:
+        """Answer with the fault's status and body instead of forwarding."""
+        self.send_response(fault.status)
+        self.send_header("Content-Type", fault.content_type)
+        self.send_header("Content-Length", str(len(fault.body)))
+        self.end_headers()
+        self.wfile.write(fault.body)
+
+    def _relay(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+        """Send the upstream's response on, with this connection's own framing headers."""
+        self.send_response(status)
+        upstream_length = None
+        for key, value in headers:
+            if key.lower() == "content-length":
+                upstream_length = value
+            elif key.lower() not in _HOP_BY_HOP and key.lower() not in ("date", "server"):
+                self.send_header(key, value)
+        no_body = self.command == "HEAD" or status in (204, 304) or status < 200
+        length = upstream_length if no_body and upstream_length else str(len(data))
+        if not (status in (204, 304) or status < 200):
+            self.send_header("Content-Length", length)
+        self.end_headers()
+        if not no_body:
+            self.wfile.write(data)
+
+    def _handle(self) -> None:
+        body = self._body()
+        target = urllib.parse.unquote(self.path)
+        fault = self.proxy._take(self.command, target, body)
+        if fault is not None and fault.action == "status":
+            self._answer(fault)
+            return
+        if fault is not None and fault.action == "stall":
+            time.sleep(fault.stall_s)
+            self._drop()
+            return
+        if fault is not None and fault.before is not None:
+            fault.before()
+        status, headers, data = self._forward(body, fault.drop_headers if fault else ())
+        if fault is not None and fault.action == "drop-response":
+            self._drop()
+            return
+        self._relay(status, headers, data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
