@@ -13,6 +13,7 @@ import argparse
 import difflib
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -97,6 +98,15 @@ def _log_level(verbose: int) -> int:
     return logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
 
 
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit finds no broken pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (captured): nothing to flush
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failed, 2 usage, 130 interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -118,6 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("deltastore: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of our output went away (`| head`): stop writing, quietly, with the
+        # status rich's tables exit with in the same case (Python's documented convention).
+        _drop_stdout()
+        return EXIT_ERROR
     except (DeltastoreError, OSError) as exc:
         if args.debug:
             raise

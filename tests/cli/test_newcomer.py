@@ -206,3 +206,20 @@ def test_demo_size_means_what_it_says(tmp_path: Path) -> None:
     out = deltastore("demo", "--size", "8", "--steps", "1", "--workdir", str(tmp_path / "d"))
     model_mb = float(out.stdout.split(" MB")[0].rsplit(" ", 1)[1])
     assert 7 <= model_mb <= 9.5, out.stdout
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(store3, json_flag: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """`deltastore ls STORE --json | head -1`: the pipe closes before the output is written."""
+    store, _ = store3
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltastore.cli", "ls", store, *json_flag],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before a byte was read
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=180) == 1
+    assert stderr == "", stderr
