@@ -302,21 +302,29 @@ def tensor_bytes(name: str, tensor: Any) -> ByteArray:
 
 
 def check_layout(name: str, tensor: Any, nbytes: int, base: TensorSource) -> None:
-    """Refuse a tensor whose byte size, dtype or shape differs from the base's."""
+    """Refuse a tensor whose dtype, shape or byte size differs from the base's.
+
+    The dtype is checked first: a model trained in another precision than its base (fp32
+    weights, a bf16 checkpoint) is the commonest mistake, and its size differs too.
+    """
+    dtype = safetensors_dtype_of(tensor)
+    # Raw uint8 byte arrays are accepted for any dtype: they are the dtype-blind path.
+    typed = dtype is not None and dtype != "U8"
+    if typed and dtype != base.dtype:
+        torch_name = next((t for t, st in _TORCH_DTYPES.items() if st == base.dtype), None)
+        cast = f" (`tensor.to(torch.{torch_name})`)" if torch_name else ""
+        raise PublishError(
+            f"tensor {name!r} is {dtype}, the base stores it as {base.dtype}; cast it "
+            f"first{cast}"
+        )
+    # torch.Size is a tuple: compared as it is, converted only for the message.
+    shape = getattr(tensor, "shape", ())
+    if typed and shape != base.shape:
+        raise PublishError(
+            f"tensor {name!r} has shape {list(shape)}, the base has {list(base.shape)}"
+        )
     if nbytes != base.nbytes:
         raise PublishError(
             f"tensor {name!r} has {nbytes} bytes, the base has {base.nbytes} "
             f"({base.dtype}{list(base.shape)}); a delta needs equal sizes"
-        )
-    dtype = safetensors_dtype_of(tensor)
-    # Raw uint8 byte arrays are accepted for any dtype: they are the dtype-blind path.
-    if dtype is not None and dtype != "U8" and dtype != base.dtype:
-        raise PublishError(
-            f"tensor {name!r} is {dtype}, the base stores it as {base.dtype}; cast it first"
-        )
-    # torch.Size is a tuple: compared as it is, converted only for the message.
-    shape = getattr(tensor, "shape", ())
-    if dtype is not None and dtype != "U8" and shape != base.shape:
-        raise PublishError(
-            f"tensor {name!r} has shape {list(shape)}, the base has {list(base.shape)}"
         )

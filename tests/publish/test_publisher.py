@@ -153,6 +153,22 @@ def test_bad_tensors_are_refused_by_name_and_nothing_moves(
     }
 
 
+def test_a_model_in_another_precision_than_its_base_gets_the_cast_hint(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    """The README's sketch on an fp32 model whose base is bf16: the size differs too, but the
+    dtype is what the user got wrong, and the message says how to cast."""
+    publisher = _publisher(tmp_path, base_dir)
+    name = "model.embed_tokens.weight"  # BF16 in the base
+    fp32 = torch.nn.Parameter(small_model[name].float())
+    with pytest.raises(PublishError, match=r"is F32, the base stores it as BF16") as caught:
+        publisher.publish([(name, fp32)])
+    assert "tensor.to(torch.bfloat16)" in str(caught.value)
+    assert "equal sizes" not in str(caught.value)
+    result = publisher.publish([(name, fp32.to(torch.bfloat16))])  # the README's cast
+    assert result.version == 1
+
+
 def test_a_tensor_passed_twice_is_refused(tmp_path: Path, base_dir: Path, small_model: Model):
     publisher = _publisher(tmp_path, base_dir)
     name = "model.norm.eps"
