@@ -18,9 +18,10 @@ from deltastore.cli.common import (
 from deltastore.cli.ls import list_versions
 from deltastore.cli.pull import parse_target, resolve_target
 from deltastore.codecs.compression import decompress
-from deltastore.errors import ConfigError
+from deltastore.errors import ConfigError, VersionNotFoundError
 from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.storage import VersionStore
+from deltastore.storage.listing import require_store
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -160,7 +161,11 @@ def run(args: argparse.Namespace) -> int:
     version = resolve_target(store, args.version)
     store.refresh(version)
     with phase(args, f"reading weight_v{version:06d}"):
-        info = describe(store, version, args.base)
+        try:
+            info = describe(store, version, args.base)
+        except VersionNotFoundError:
+            require_store(store)  # a mistyped URL, not a pruned version
+            raise
     if args.plot:
         from deltastore.cli.plots import plot_version
 

@@ -16,8 +16,9 @@ from deltastore.cli.common import (
     phase,
     print_json,
 )
-from deltastore.errors import ConfigError, DeltastoreError
-from deltastore.storage import StoreListing, VersionStore
+from deltastore.errors import DeltastoreError
+from deltastore.storage import VersionStore
+from deltastore.storage.listing import require_store
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -33,22 +34,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
-
-
-def require_store(store: VersionStore, listing: StoreListing) -> None:
-    """Raise :class:`ConfigError` when nothing under the store's root was written by a
-    publisher: a missing path, or a model directory passed where a store was meant."""
-    if listing.files or listing.claims or listing.aborted or listing.other:
-        return
-    root = store.root.rstrip("/")
-    checkpoint = store.fs.glob(f"{root}/*.safetensors") if store.fs.exists(root) else []
-    if checkpoint:
-        raise ConfigError(
-            f"{store.url} holds a checkpoint ({len(checkpoint)} .safetensors file(s)) but no "
-            "published versions: it is a model directory, not a store; pass the URL that "
-            "`deltastore publish --store` wrote weight_v*/ into"
-        )
-    raise ConfigError(f"no store at {store.url}: nothing was ever published there; check the URL")
 
 
 def version_row(store: VersionStore, version: int) -> dict[str, object]:

@@ -13,6 +13,7 @@ from deltastore.cli.common import (
     print_json,
 )
 from deltastore.storage import VersionStore
+from deltastore.storage.listing import require_store
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,6 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     store = VersionStore(args.url, parse_storage_options(args.storage_option))
+    require_store(store)
     what = f"pruning {store.url}" + ("" if args.yes else " (dry run)")
     with byte_progress(args, what) as progress:
         report = store.prune(

@@ -314,8 +314,7 @@ def check_layout(name: str, tensor: Any, nbytes: int, base: TensorSource) -> Non
         torch_name = next((t for t, st in _TORCH_DTYPES.items() if st == base.dtype), None)
         cast = f" (`tensor.to(torch.{torch_name})`)" if torch_name else ""
         raise PublishError(
-            f"tensor {name!r} is {dtype}, the base stores it as {base.dtype}; cast it "
-            f"first{cast}"
+            f"tensor {name!r} is {dtype}, the base stores it as {base.dtype}; cast it first{cast}"
         )
     # torch.Size is a tuple: compared as it is, converted only for the message.
     shape = getattr(tensor, "shape", ())

@@ -34,6 +34,7 @@ from deltastore.pull.source import (
     StoreSpec,
     each_store,
     make_source,
+    require_stores,
     source_of,
 )
 from deltastore.pull.stats import ApplyStats
@@ -149,6 +150,8 @@ def _re_resolve(
     """
     store.refresh()
     committed = store.versions()
+    if not committed:
+        require_stores(store)  # a mistyped URL: say so, not "the latest version is v000000"
     if target_version not in committed:
         latest = committed[-1] if committed else 0
         if target_version > latest:
@@ -308,6 +311,14 @@ def _pull_here(
             f"local checkpoint {local.dir} is the base model path; pass a host-local copy dir"
         )
     source.check_apart_from(local.dir)
+    # The arguments are checked before the host dir, its lock or its state are created.
+    if base is not None and not os.path.isdir(base):
+        raise ConfigError(
+            f"base_dir {base} does not exist; pass the checkpoint dir of the base model the "
+            "trainer was seeded from"
+        )
+    if target_version > 0:
+        source.check_local_roots()
     os.makedirs(local.dir, exist_ok=True)
     stats = ApplyStats(progress=progress)
     run = _PullRun(source, local, base, workers, stats, time.perf_counter())

@@ -8,9 +8,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deltastore.errors import ConfigError
+from deltastore.errors import ConfigError, StoreError
 from deltastore.pull.nearest import NearestStores
 from deltastore.storage import VersionStore
+from deltastore.storage.listing import require_store
 
 PreRead = Callable[[str, int], None]
 StoreSpec = VersionStore | str | os.PathLike[str]
@@ -34,6 +35,29 @@ def open_store(
 def each_store(store: VersionStore) -> tuple[VersionStore, ...]:
     """The stores a pull reads: those of a :class:`NearestStores`, else ``store`` itself."""
     return store.stores if isinstance(store, NearestStores) else (store,)
+
+
+def require_stores(store: VersionStore) -> None:
+    """Raise the no-store :class:`ConfigError` when none of the stores a pull reads holds
+    anything a publisher wrote (see :func:`~deltastore.storage.listing.require_store`).
+
+    A store that cannot be listed right now is not taken for absent: its own error shows
+    where it is read.
+    """
+    errors: list[ConfigError] = []
+    for one in each_store(store):
+        try:
+            require_store(one)
+            return
+        except ConfigError as exc:
+            errors.append(exc)
+        except StoreError:
+            return
+    if len(errors) == 1:
+        raise errors[0]
+    raise ConfigError(
+        f"no store at any of {store.url}: nothing was ever published there; check the store URLs"
+    )
 
 
 def source_of(store: VersionStore, version: int) -> str:
@@ -63,25 +87,28 @@ class PullSource:
         """``target`` as a version number: ``"latest"`` is the newest committed version.
 
         Raises :class:`ConfigError` for anything else that is not a non-negative int, and for
-        ``"latest"`` on a store root that does not exist (a mistyped path must not
-        read as an empty store and reset the host to the base).
+        ``"latest"`` where no store is (:func:`require_stores`: a mistyped URL must not read as
+        an empty store and reset the host to the base).
         """
         if target == "latest":
             self.store.refresh()
             latest = self.store.latest()
-            if latest == 0 and all(
-                not s.is_remote and not s.fs.exists(s.root) for s in each_store(self.store)
-            ):
-                raise ConfigError(
-                    f"no store at {self.store.url}: nothing was ever published there; check "
-                    "the store URL"
-                )
+            if latest == 0:
+                require_stores(self.store)
             return latest
         if isinstance(target, bool) or not isinstance(target, int):
             raise ConfigError(f"target version {target!r} is neither a version number nor 'latest'")
         if target < 0:
             raise ConfigError(f"target version {target} is negative")
         return target
+
+    def check_local_roots(self) -> None:
+        """Raise the no-store :class:`ConfigError` when every store is a local path that does
+        not exist (a free check, before a pull touches the host; remote stores and other
+        absent stores are found when the pull reads them)."""
+        stores = each_store(self.store)
+        if all(s.is_local and not os.path.isdir(s.root) for s in stores):
+            require_stores(self.store)
 
     def check_apart_from(self, local_dir: str) -> None:
         """Refuse a local checkpoint dir that is, is inside, or contains a local store's root.

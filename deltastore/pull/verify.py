@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from deltastore.codecs import Checksum, Digest, get_checksum
-from deltastore.errors import ConfigError, IntegrityError, NameMismatchError
+from deltastore.errors import ConfigError, IntegrityError, NameMismatchError, VersionNotFoundError
 from deltastore.format.checkpoint import CheckpointTensor, read_tensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
@@ -17,7 +17,7 @@ from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.pull.chain import Chain, resolve_chain
 from deltastore.pull.history import check_digest, recorded_digests
 from deltastore.pull.local import LocalCheckpoint
-from deltastore.pull.source import open_store
+from deltastore.pull.source import open_store, require_stores
 from deltastore.storage import VersionStore
 from deltastore.trust import SignatureRecord, TrustedKey, verify_index
 from deltastore.trust.keys import TrustedKeys, load_trusted
@@ -208,9 +208,14 @@ def verify_local(
         raise ConfigError(f"version {version} is negative; versions are 0 (the base) and up")
     store.refresh()
     base = os.fspath(base_dir) if base_dir is not None else None
-    if keys is not None and version > 0:
-        chain = resolve_chain(store, version)
-        start = [chain.start_index] if chain.start_index is not None else []
-        verify_signatures(store, [*start, *chain.deltas], keys)
-    verify_checkpoint(store, local.dir, version, base, workers, progress)
+    try:
+        if keys is not None and version > 0:
+            chain = resolve_chain(store, version)
+            start = [chain.start_index] if chain.start_index is not None else []
+            verify_signatures(store, [*start, *chain.deltas], keys)
+        verify_checkpoint(store, local.dir, version, base, workers, progress)
+    except VersionNotFoundError:
+        if not store.versions():
+            require_stores(store)  # a mistyped URL, not a pruned version
+        raise
     return version

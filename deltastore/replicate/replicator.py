@@ -33,6 +33,7 @@ from deltastore.replicate.report import (
 )
 from deltastore.replicate.version import VersionCopier
 from deltastore.storage import VersionStore, is_transient
+from deltastore.storage.listing import no_store_error
 
 log = logging.getLogger("deltastore.replicate")
 
@@ -212,7 +213,7 @@ def replicate(
         raise ConfigError(f"source and destination are the same store ({src_store.url})")
     if src_store.is_local and not os.path.isdir(src_store.root):
         # A mistyped path must not read as an empty source and report success.
-        raise ConfigError(f"no store at {src_store.url}: nothing was ever published there")
+        raise no_store_error(src_store.url)
     replicator = Replicator(
         src_store,
         dst_store,

@@ -7,9 +7,13 @@ import dataclasses
 import datetime as _dt
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from deltastore.errors import ConfigError
 from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
+
+if TYPE_CHECKING:
+    from deltastore.storage.store import VersionStore
 
 log = logging.getLogger("deltastore.storage")
 
@@ -65,6 +69,36 @@ class StoreListing:
     def committed(self) -> list[int]:
         """Committed versions, ascending."""
         return sorted(v for v in self.indexes if v not in self.aborted)
+
+    @property
+    def holds_nothing(self) -> bool:
+        """Nothing under the root was written by a publisher (no store is there)."""
+        return not (self.indexes or self.files or self.claims or self.aborted or self.other)
+
+
+def no_store_error(url: str) -> ConfigError:
+    """The one error for a URL where no store is: every command and call says it so."""
+    return ConfigError(f"no store at {url}: nothing was ever published there; check the store URL")
+
+
+def require_store(store: VersionStore, listing: StoreListing | None = None) -> None:
+    """Raise :class:`ConfigError` when nothing under ``store``'s root was written by a
+    publisher: a missing or mistyped path, or a model directory passed where a store was meant.
+
+    ``listing``: the store's listing when the caller has one (else it is listed here).
+    """
+    listing = store.listing() if listing is None else listing
+    if not listing.holds_nothing:
+        return
+    root = store.root.rstrip("/")
+    checkpoint = store.fs.glob(f"{root}/*.safetensors") if store.fs.exists(root) else []
+    if checkpoint:
+        raise ConfigError(
+            f"{store.url} holds a checkpoint ({len(checkpoint)} .safetensors file(s)) but no "
+            "published versions: it is a model directory, not a store; pass the URL that "
+            "`deltastore publish --store` wrote weight_v*/ into"
+        )
+    raise no_store_error(store.url)
 
 
 def _internal(rel: str, path: str, entry: FileEntry, listing: StoreListing) -> None:

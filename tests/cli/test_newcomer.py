@@ -223,3 +223,44 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(store3, json_flag: lis
     stderr = proc.stderr.read()
     assert proc.wait(timeout=180) == 1
     assert stderr == "", stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["pull", "--version", "latest"],
+        ["pull", "--version", "3"],
+        ["verify", "--version", "3"],
+        ["ls"],
+        ["inspect", "3"],
+        ["prune", "--keep", "2"],
+        ["replicate"],
+    ],
+    ids=lambda c: "-".join(c),
+)
+def test_a_mistyped_store_gets_one_message_everywhere(
+    tmp_path: Path, store3, command: list[str]
+) -> None:  # type: ignore[no-untyped-def]
+    _, ckpts = store3
+    typo, host = str(tmp_path / "sotre"), tmp_path / "host"
+    name, *rest = command
+    if name in ("pull", "verify"):
+        args = [name, "--store", typo, "--local", str(host), "--base", str(ckpts[0]), *rest]
+    elif name == "replicate":
+        args = [name, typo, str(tmp_path / "replica")]
+    else:
+        args = [name, typo, *rest]
+    _one_line_error(
+        deltastore(*args, check=False),
+        f"no store at {typo}: nothing was ever published there; check the store URL",
+    )
+    assert not host.exists(), "nothing is created on the host for a pull that cannot run"
+
+
+def test_a_pull_with_a_missing_base_creates_nothing_on_the_host(tmp_path: Path, store3) -> None:  # type: ignore[no-untyped-def]
+    store, _ = store3
+    host = tmp_path / "host"
+    proc = deltastore("pull", "--store", store, "--local", str(host), "--base",
+                      str(tmp_path / "no-base"), "--version", "3", check=False)  # fmt: skip
+    _one_line_error(proc, "no-base does not exist")
+    assert not host.exists()

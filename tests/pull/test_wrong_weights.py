@@ -244,6 +244,19 @@ def test_pull_accepts_latest(tmp_path: Path, base_dir: Path, small_model: Model)
         ds.pull_weights(tmp_path / "h2", store, "newest", base_dir=base_dir)  # type: ignore[arg-type]
 
 
+def test_a_mistyped_object_store_prefix_is_no_store_for_pull_and_verify(
+    tmp_path: Path, base_dir: Path, s3_server, s3_url: str
+):
+    """An S3 prefix where nothing was published: the same message as a mistyped path, not
+    "v000003 is not published, the latest is v000000" nor "missing or pruned"."""
+    store = ds.VersionStore(s3_url + "-typo", s3_server.storage_options)
+    for target in (3, "latest"):
+        with pytest.raises(ConfigError, match=r"no store at s3://.*nothing was ever published"):
+            ds.pull_weights(tmp_path / "host", store, target, base_dir=base_dir)
+    with pytest.raises(ConfigError, match=r"no store at s3://.*nothing was ever published"):
+        ds.verify_local(tmp_path / "host", store, 3, base_dir=base_dir)
+
+
 def test_the_callers_store_is_not_modified(tmp_path: Path, base_dir: Path, small_model: Model):
     store = ds.VersionStore(tmp_path / "store")
     _publish(store, base_dir, small_model, "d")
