@@ -7,13 +7,10 @@ import dataclasses
 import datetime as _dt
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from deltastore.errors import ConfigError
 from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
-
-if TYPE_CHECKING:
-    from deltastore.storage.store import VersionStore
 
 log = logging.getLogger("deltastore.storage")
 
@@ -81,7 +78,19 @@ def no_store_error(url: str) -> ConfigError:
     return ConfigError(f"no store at {url}: nothing was ever published there; check the store URL")
 
 
-def require_store(store: VersionStore, listing: StoreListing | None = None) -> None:
+class _ListedStore(Protocol):
+    """What :func:`require_store` reads of a ``VersionStore`` (which imports this module)."""
+
+    url: str
+    root: str
+
+    @property
+    def fs(self) -> Any: ...
+
+    def listing(self) -> StoreListing: ...
+
+
+def require_store(store: _ListedStore, listing: StoreListing | None = None) -> None:
     """Raise :class:`ConfigError` when nothing under ``store``'s root was written by a
     publisher: a missing or mistyped path, or a model directory passed where a store was meant.
 
