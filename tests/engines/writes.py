@@ -1,29 +1,38 @@
-"""Counting and failing the writes a commit makes, with torch's own function mode."""
+"""Counting and failing the writes a commit makes into the live tensors.
+
+Every write of a commit (and of its rollback) goes through ``deltastore.engines.commit.
+put_words``, one call per tensor; :class:`Writes` wraps it for the length of a ``with`` block:
+it counts the calls, and the ``fail_at``-th raises ``error`` (a device failure, a Ctrl-C)
+before writing. The other calls write for real.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from torch.overrides import TorchFunctionMode
+import pytest
 
-WRITES = {"index_copy_", "copy_", "index_put_", "__setitem__"}
+from deltastore.engines import commit
 
 
-class Writes(TorchFunctionMode):
-    """Counts in-place writes into tensors; the ``fail_at``-th one raises ``error`` instead."""
-
+class Writes:
     def __init__(self, fail_at: int | None = None, error: BaseException | None = None) -> None:
-        super().__init__()
         self.count = 0
         self.fail_at = fail_at
         self.error = error or RuntimeError("injected device failure")
+        self._patch = pytest.MonkeyPatch()
 
-    def __torch_function__(
-        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
-        if getattr(func, "__name__", "") in WRITES:
+    def __enter__(self) -> Writes:
+        real = commit.put_words
+
+        def put_words(*args: Any) -> None:
             self.count += 1
             if self.count == self.fail_at:
                 raise self.error
-        return func(*args, **(kwargs or {}))
+            real(*args)
+
+        self._patch.setattr(commit, "put_words", put_words)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._patch.undo()
