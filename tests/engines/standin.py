@@ -3,14 +3,14 @@ sglang and vLLM, with real weights behind them and faults to inject.
 
 They are stand-ins, not the engines. Their shapes follow:
 
-- sglang 0.5.23 (PyPI wheel, ``sglang/srt/entrypoints/http_server.py`` and
+- sglang 0.5.23 (release wheel, ``sglang/srt/entrypoints/http_server.py`` and
   ``managers/io_struct.py``): ``/pause_generation {"mode"}``, ``/flush_cache`` (200, 400 when
   it cannot flush), ``/update_weights_from_disk {"model_path", "weight_version", ...}`` →
   ``{success, message, num_paused_requests}`` with 200/400, ``/continue_generation {}``; and
   ``/pull_weights {local_checkpoint_dir, source_dir, target_version}`` → ``{success, message}``
   of sgl-project/sglang PR #30366 (the sglang-miles branch, read at commit a0a0fb8b16a4):
   one call fans out to every host of the engine and succeeds only if every host did.
-- vLLM 0.33.0 (PyPI wheel, ``vllm/entrypoints/rl/online/api_router.py`` and
+- vLLM 0.33.0 (release wheel, ``vllm/entrypoints/rl/online/api_router.py`` and
   ``vllm/v1/worker/gpu_worker.py``): ``/init_weight_transfer_engine {"init_info"}``,
   ``/start_weight_update``, ``/update_weights {"update_info"}``, ``/finish_weight_update
   {"weight_version"}``, ``/pause?mode=``, ``/resume``; worker errors answer

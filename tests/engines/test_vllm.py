@@ -261,3 +261,21 @@ def test_the_vllm_subclass_registers_where_vllm_is_installed():
     cls = WeightTransferEngineFactory._registry[BACKEND]()
     assert issubclass(cls, WeightTransferEngine) and cls is backend.engine_class()
     assert cls.init_info_cls is backend.DeltastoreInitInfo
+
+
+def test_workers_of_one_host_share_one_pull(tmp_path: Path):
+    """Two workers (tensor-parallel ranks of one host) stage at once: one pulls under the
+    host's lock, the other finds the checkpoint there; both models get the version."""
+    import concurrent.futures as cf
+
+    run = TrainingRun.start(tmp_path / "run")
+    engines = [VllmStyleModel(engine_model(run.config, run.states[0])) for _ in range(2)]
+    receivers = [_receiver(run, tmp_path, e) for e in engines]
+    version = run.step()
+    with cf.ThreadPoolExecutor(2) as pool:
+        staged = list(pool.map(lambda r: r.stage(version), receivers))
+    actions = sorted(s.pull.action for s in staged if s is not None)
+    assert actions == ["noop", "reseeded"]  # the first seeds the host's dir and applies v1
+    for receiver, engine in zip(receivers, engines):
+        receiver.commit(version)
+        assert live_bytes(engine.model) == {n: raw(t) for n, t in run.states[version].items()}
