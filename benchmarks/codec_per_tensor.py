@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from deltastore.cli.bench_models import moe_model, simulated_step
-from deltastore.codecs import Encoding, compress, decompress, get_encoding, jit
-from deltastore.codecs.smallest import AutoEncoding
-from deltastore.codecs.sparse2 import CompactSparseEncoding
+from deltastore.codecs import Encoding, compress, decompress, get_encoding, sparse
+from deltastore.codecs.auto import AutoEncoding
+from deltastore.codecs.sparse import CompactSparseEncoding
 
 Pair = tuple[np.ndarray, np.ndarray]
 
@@ -39,7 +39,7 @@ def paths() -> dict[str, Callable[[np.ndarray, np.ndarray], bytes]]:
         "reference": lambda old, new: compress(np.bitwise_xor(old, new)),
     }
     for label, use_jit in (("numpy", False), ("numba", True)):
-        if use_jit and jit._load() is None:
+        if use_jit and sparse.compiled_backend(None) is None:
             continue
         compact, auto = CompactSparseEncoding(use_jit=use_jit), AutoEncoding(use_jit=use_jit)
         found[f"sparse-v2 {label}"] = lambda o, n, e=compact: compress(
@@ -61,7 +61,7 @@ def appliers() -> dict[str, Callable[[np.ndarray, bytes], None]]:
 
     found = {"reference": through(get_encoding("xor"))}
     for label, use_jit in (("numpy", False), ("numba", True)):
-        if not use_jit or jit._load() is not None:
+        if not use_jit or sparse.compiled_backend(None) is not None:
             found[f"sparse-v2 {label}"] = through(CompactSparseEncoding(use_jit=use_jit))
             found[f"auto {label}"] = through(AutoEncoding(use_jit=use_jit))
     return found

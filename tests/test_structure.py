@@ -38,7 +38,10 @@ LAYERS = {
 API (``deltastore/__init__.py``), and the CLI's ``emulate`` starts the testing servers."""
 
 # Files other branches are changing right now; the coordinator empties these after merging.
-MODULE_SIZE_ALLOWED: dict[str, str] = {}
+MODULE_SIZE_ALLOWED: dict[str, str] = {
+    "codecs/numba_backend.py": "issue 21: one module for every numba kernel (cache keyed per file)",
+    "codecs/numpy_backend.py": "issue 21: one backend per technology; the line cap goes (part 6)",
+}
 FUNCTION_LENGTH_ALLOWED: dict[str, str] = {
     "pull/pull.py:pull_weights": "being changed on branch pullperf (pull speed, nearest copy)",
 }

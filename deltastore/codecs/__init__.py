@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from deltastore.codecs.base import ByteArray, Checksum, Digest, EncodedDelta, Encoding, Hasher
+from deltastore.codecs.auto import AutoEncoding
+from deltastore.codecs.base import (
+    ByteArray,
+    Checksum,
+    Digest,
+    EncodedDelta,
+    Encoding,
+    FramedDelta,
+    Hasher,
+    XorChanges,
+)
 from deltastore.codecs.checksums import Adler32Checksum, Blake3Checksum, Xxh3Checksum
 from deltastore.codecs.compression import COMPRESSION_NAME, compress, decompress
 from deltastore.codecs.encodings import REMOVED_ENCODINGS, OverwriteEncoding, XorEncoding
-from deltastore.codecs.smallest import AutoEncoding
-from deltastore.codecs.sparse2 import CompactSparseEncoding
+from deltastore.codecs.sparse import CompactSparseEncoding, apply_changes, warm_up
+from deltastore.codecs.sparse_format import itemsize_of_dtype
 from deltastore.errors import ConfigError
 
 ENCODINGS: dict[str, Encoding] = {e.name: e for e in (XorEncoding(), OverwriteEncoding())}
@@ -65,16 +75,23 @@ __all__ = [
     "CHECKSUMS",
     "COMPRESSION_NAME",
     "ENCODINGS",
+    "AutoEncoding",
     "ByteArray",
     "Checksum",
+    "CompactSparseEncoding",
     "Digest",
     "EncodedDelta",
     "Encoding",
+    "FramedDelta",
     "Hasher",
+    "XorChanges",
+    "apply_changes",
     "check_compression",
     "compress",
     "decompress",
     "get_checksum",
     "get_encoding",
+    "itemsize_of_dtype",
     "register_encoding",
+    "warm_up",
 ]

@@ -16,7 +16,6 @@ from typing import ClassVar, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from deltastore.codecs import jit
 from deltastore.codecs.compression import PayloadBatch, compress
 from deltastore.errors import FormatError
 
@@ -36,13 +35,10 @@ class EncodedDelta:
     decoding the payload again. None where the encoding has none (then the payload is applied)."""
 
 
-COMPILED_XOR_CHANGES = 256
-"""Fewer changes than this are XORed in by numpy (a compiled call's fixed cost is more)."""
-
-
 @dataclass(frozen=True)
 class XorChanges:
-    """Changed elements of a tensor: ``elements[positions] ^= values`` turns old into new."""
+    """Changed elements of a tensor: ``elements[positions] ^= values`` turns old into new
+    (:func:`deltastore.codecs.apply_changes` does it)."""
 
     positions: npt.NDArray[np.int64]
     """Ascending element indices."""
@@ -53,18 +49,6 @@ class XorChanges:
     def nbytes(self) -> int:
         """Memory held (bytes)."""
         return int(self.positions.nbytes + self.values.nbytes)
-
-    def apply(self, target: ByteArray) -> None:
-        """XOR the values into the writable 1-D uint8 ``target`` in place (compiled where the
-        ``fast`` extra is installed: :func:`deltastore.codecs.jit_kernels.xor_at`)."""
-        if not self.positions.size:
-            return
-        elements = target.view(self.values.dtype)
-        compiled = jit.kernels(None) if self.positions.size >= COMPILED_XOR_CHANGES else None
-        if compiled is not None:
-            compiled.xor_at(elements, self.positions, self.values)
-        else:
-            elements[self.positions] ^= self.values
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from deltastore.codecs import ByteArray, Checksum, Encoding
-from deltastore.codecs.base import XorChanges
-from deltastore.codecs.kernels import itemsize_of_dtype
+from deltastore.codecs import ByteArray, Checksum, Encoding, XorChanges, itemsize_of_dtype
 from deltastore.errors import PublishError
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.device import HostStager, Staged, StagerStats

@@ -9,8 +9,7 @@ import os
 import threading
 from dataclasses import dataclass, replace
 
-from deltastore.codecs import ByteArray, Encoding, decompress
-from deltastore.codecs.base import XorChanges
+from deltastore.codecs import ByteArray, Encoding, XorChanges, apply_changes, decompress
 from deltastore.errors import PublishError
 from deltastore.publish.lineage import apply_lineage, rebuild_lineage
 from deltastore.publish.messages import Layout, Placement
@@ -160,7 +159,7 @@ class RankSnapshot:
             for entry in batch:
                 target = self.snapshot.load(entry.name)
                 if entry.changes is not None:
-                    entry.changes.apply(target)
+                    apply_changes(target, entry.changes)
                 else:
                     apply_payload(encoding, entry.name, target, entry, spool)
 

@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore.codecs import ENCODINGS, compress, decompress, get_encoding
-from deltastore.codecs.kernels import _CHUNK_WORDS, decode_gaps, encode_gaps, itemsize_of_dtype
-from deltastore.codecs.smallest import AutoEncoding
-from deltastore.codecs.sparse2 import CompactSparseEncoding
-from deltastore.codecs.steps import TAG_COMPACT, TAG_SPARSE_V1, TAG_XOR
+from deltastore.codecs.auto import AutoEncoding
+from deltastore.codecs.numpy_backend import CHUNK_WORDS, decode_gaps, encode_gaps
+from deltastore.codecs.sparse import CompactSparseEncoding
+from deltastore.codecs.sparse_format import TAG_COMPACT, TAG_SPARSE_V1, TAG_XOR, itemsize_of_dtype
 from deltastore.errors import ConfigError, DeltastoreError, FormatError
 from deltastore.publish.snapshot import tensor_bytes
 
@@ -107,10 +107,10 @@ def test_torch_views_with_their_element_size(dtype: torch.dtype, layout: str):
 def test_changes_across_chunk_boundaries_and_the_tail(itemsize: int):
     """Changes right at the kernel's chunk edges and in the last, partial word are found."""
     partial_word = (8 - itemsize) % 8  # whole elements that do not fill a last word
-    nbytes = 2 * _CHUNK_WORDS * 8 + 24 + partial_word
+    nbytes = 2 * CHUNK_WORDS * 8 + 24 + partial_word
     old = np.random.default_rng(3).integers(0, 256, size=nbytes, dtype=np.uint8)
     new = old.copy()
-    edge = _CHUNK_WORDS * 8
+    edge = CHUNK_WORDS * 8
     for byte in (0, edge - 1, edge, 2 * edge - 1, 2 * edge, nbytes - 1):
         new[byte] ^= 0x5A
     payload = roundtrip("sparse-v2", old, new, itemsize)

@@ -1,6 +1,6 @@
 """Applying many payloads in one call: ``Encoding.apply_batch`` and ``decompress_many``.
 
-The compiled batch kernel (:mod:`deltastore.codecs.jit_apply`, numba) and the numpy path one
+The compiled batch kernel (:mod:`deltastore.codecs.numba_backend`) and the numpy path one
 tensor at a time must give the same bytes for every valid payload, and refuse the same corrupt
 payloads with the same message, writing nothing of the refused tensor; a batch stops at the
 first refused payload with the ones before it applied and the ones after it untouched.
@@ -8,23 +8,24 @@ first refused payload with the ones before it applied and the ones after it unto
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltastore.codecs import compress, compression, decompress, jit
-from deltastore.codecs.base import PayloadBatch
-from deltastore.codecs.compression import decompress_many
+from deltastore.codecs import compress, compression, decompress, sparse
+from deltastore.codecs.auto import AutoEncoding
+from deltastore.codecs.compression import PayloadBatch, decompress_many
 from deltastore.codecs.encodings import XorEncoding
-from deltastore.codecs.smallest import AutoEncoding
-from deltastore.codecs.sparse2 import CompactSparseEncoding
-from deltastore.codecs.steps import varint
+from deltastore.codecs.sparse import CompactSparseEncoding
+from deltastore.codecs.sparse_format import varint
 from deltastore.errors import FormatError
-from tests.codecs.test_sparse2 import stepped
+from tests.codecs.test_sparse import stepped
 
-HAVE_NUMBA = jit._load("jit_kernels") is not None
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 needs_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")
 PAIRS = [
     (CompactSparseEncoding(use_jit=False), CompactSparseEncoding(use_jit=True)),
@@ -201,8 +202,8 @@ def test_a_tensor_outside_the_target_is_refused_before_the_kernel():
 
 def test_no_jit_applyes_apply_one_by_one(monkeypatch: pytest.MonkeyPatch):
     """DELTASTORE_NO_JIT keeps the batch on numpy (the base class's loop), with the same bytes."""
-    monkeypatch.setenv(jit.NO_JIT_VARIABLE, "1")
-    assert jit.apply_kernels(None) is None
+    monkeypatch.setenv(sparse.NO_JIT_VARIABLE, "1")
+    assert sparse.compiled_backend(None) is None
     olds, news = _tensors(11, 5, 2)
     auto = AutoEncoding()
     payloads = [bytes(auto.encode(o, n, itemsize=2).payload) for o, n in zip(olds, news)]
@@ -299,7 +300,7 @@ def _crafted(
     count: int | None = None,
     padding: int = 0,
 ) -> bytes:
-    """A sparse-v2 payload written field by field from the layout in ``codecs/sparse2.py``, so
+    """A sparse-v2 payload written field by field from the layout in ``codecs/sparse_format.py``, so
     a test can put any field at the edge of what is valid."""
     bits = itemsize * 8
     log2 = {1: 0, 2: 1, 4: 2, 8: 3}[itemsize]

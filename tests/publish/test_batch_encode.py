@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import deltastore as ds
-from deltastore.codecs import jit
+from deltastore.codecs import sparse
+from deltastore.codecs.auto import AutoEncoding
 from deltastore.codecs.base import Encoding
-from deltastore.codecs.smallest import AutoEncoding
-from deltastore.codecs.sparse2 import CompactSparseEncoding
+from deltastore.codecs.sparse import CompactSparseEncoding
 from deltastore.publish.device import plain_host_view
 from tests.conftest import checkpoint_bytes, make_checkpoint, raw_bytes
 
@@ -73,9 +73,9 @@ def test_compiled_and_numpy_publishes_pull_to_the_same_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, encoding: str
 ):
     base = make_checkpoint(tmp_path / "base", many_small(0))
-    monkeypatch.setenv(jit.NO_JIT_VARIABLE, "1")
+    monkeypatch.setenv(sparse.NO_JIT_VARIABLE, "1")
     numpy_wires, numpy_host = publish_three(tmp_path, base, encoding, "numpy")
-    monkeypatch.setenv(jit.NO_JIT_VARIABLE, "0")
+    monkeypatch.setenv(sparse.NO_JIT_VARIABLE, "0")
     wires, host = publish_three(tmp_path, base, encoding, "default")
     assert wires == numpy_wires  # ±1-ulp payloads: the same frames, byte for byte
     assert checkpoint_bytes(host) == checkpoint_bytes(numpy_host)

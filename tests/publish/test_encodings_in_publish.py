@@ -12,7 +12,7 @@ import torch
 
 import deltastore as ds
 from deltastore.codecs import ENCODINGS, ByteArray, EncodedDelta, Encoding
-from deltastore.codecs.sparse2 import CompactSparseEncoding
+from deltastore.codecs.sparse import CompactSparseEncoding
 from tests.conftest import checkpoint_bytes, make_checkpoint, perturb, raw_bytes
 
 

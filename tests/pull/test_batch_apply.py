@@ -12,6 +12,7 @@ paused while a pull runs.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 from pathlib import Path
 
@@ -19,14 +20,14 @@ import pytest
 import torch
 
 import deltastore as ds
-from deltastore.codecs import compress, decompress, jit
-from deltastore.codecs.smallest import AutoEncoding
+from deltastore.codecs import compress, decompress, sparse
+from deltastore.codecs.auto import AutoEncoding
 from deltastore.errors import FormatError, IntegrityError
 from deltastore.pull.batches import Window
 from tests.conftest import checkpoint_bytes, make_checkpoint, raw_bytes
 
 Model = dict[str, torch.Tensor]
-HAVE_NUMBA = jit._load("jit_kernels") is not None
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 PATHS = [
     "numpy",
     pytest.param("compiled", marks=pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")),
@@ -48,7 +49,7 @@ def _experts(count: int, step: int) -> Model:
 def published(tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """(store, base dir, host at v0): v1 (every tensor changed) published with ``auto``."""
     if request.param == "numpy":
-        monkeypatch.setenv(jit.NO_JIT_VARIABLE, "1")
+        monkeypatch.setenv(sparse.NO_JIT_VARIABLE, "1")
     base = make_checkpoint(tmp_path / "base", _experts(40, 0))
     store = ds.VersionStore(tmp_path / "store")
     publisher = ds.DeltaPublisher(store, base, encoding="auto")
@@ -141,7 +142,7 @@ def test_a_one_step_pull_makes_one_codec_call_per_task(published, monkeypatch):
     ds.pull_weights(host, store, 1, base_dir=base, workers=2)
     assert calls["batch"] == 1
     # numpy: the base class's loop applies one by one inside that one call
-    assert calls["one"] == (0 if jit.apply_kernels(None) is not None else 40)
+    assert calls["one"] == (0 if sparse.compiled_backend(None) is not None else 40)
     assert _state(host) == "000001"
     assert ds.verify_local(host, store, version=1, base_dir=base) == 1
     assert checkpoint_bytes(host) == {n: raw_bytes(t) for n, t in _experts(40, 1).items()}

@@ -15,15 +15,24 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltastore.codecs import batch_numpy
-from deltastore.codecs.batch_numpy import ALONE_BYTES, GROUP_BYTES, encode_group, groups
-from deltastore.codecs.byte_writer import ByteWriter, varint_lengths
-from deltastore.codecs.kernels import PACK_IN_WORDS, _fields_to_bits
-from deltastore.codecs.smallest import AutoEncoding
-from deltastore.codecs.sparse2 import CompactSparseEncoding, encode_numpy
-from deltastore.codecs.steps import unary_stream, varint
+from deltastore.codecs import numpy_backend
+from deltastore.codecs.auto import AutoEncoding
+from deltastore.codecs.numpy_backend import (
+    ALONE_BYTES,
+    GROUP_BYTES,
+    PACK_IN_WORDS,
+    ByteWriter,
+    encode_group,
+    fields_to_bits,
+    groups,
+    unary_stream,
+    varint_lengths,
+)
+from deltastore.codecs.numpy_backend import encode as encode_numpy
+from deltastore.codecs.sparse import CompactSparseEncoding
+from deltastore.codecs.sparse_format import varint
 from tests.codecs.test_batch import check_like_alone
-from tests.codecs.test_sparse2 import DENSITIES, stepped
+from tests.codecs.test_sparse import DENSITIES, stepped
 
 
 @settings(max_examples=120, deadline=None)
@@ -45,11 +54,12 @@ def test_group_payloads_are_the_per_tensor_encoders_bytes(
         if got is None:
             assert not changes.positions.size
             continue
-        assert got.payload == payload
-        assert got.changed_bytes == int(np.count_nonzero(old != new))
-        assert np.array_equal(got.changes.positions, changes.positions)
-        assert got.changes.values.dtype == changes.values.dtype
-        assert np.array_equal(got.changes.values, changes.values)
+        got_payload, changed_bytes, got_changes = got
+        assert got_payload == payload
+        assert changed_bytes == int(np.count_nonzero(old != new))
+        assert np.array_equal(got_changes.positions, changes.positions)
+        assert got_changes.values.dtype == changes.values.dtype
+        assert np.array_equal(got_changes.values, changes.values)
 
 
 def test_wide_patches_of_eight_byte_elements():
@@ -65,7 +75,7 @@ def test_wide_patches_of_eight_byte_elements():
     width_at = 1 + len(varint(old.size)) + len(varint(changes.positions.size)) + 1
     assert payload[0] == 0x23 and payload[width_at] == 1  # ±1 steps: fields of one bit
     (got,) = encode_group([old], [new], 8)
-    assert got is not None and got.payload == payload
+    assert got is not None and got[0] == payload
 
 
 def bit_string(values: list[int], widths: list[int]) -> str:
@@ -155,8 +165,7 @@ def test_numpy_batch_encodes_without_the_per_tensor_encoder(kind, monkeypatch):
         raise AssertionError("encoded one tensor at a time")
 
     monkeypatch.setattr(encoding, "encode", refuse)
-    monkeypatch.setattr("deltastore.codecs.sparse2.encode_numpy", refuse)
-    monkeypatch.setattr(batch_numpy, "encode_numpy", refuse, raising=False)
+    monkeypatch.setattr("deltastore.codecs.numpy_backend.encode", refuse)
     framed = encoding.encode_framed(olds, news, [2] * len(olds))
     assert [f.changed_bytes for f in framed] == [e.changed_bytes for e in expected]
     assert [zstandard.ZstdDecompressor().decompress(f.frame) for f in framed] == [
@@ -181,12 +190,12 @@ def test_numpy_batch_with_a_large_and_an_odd_tensor_gives_what_each_alone_gives(
     seed=st.integers(0, 2**32 - 1),
 )
 def test_low_bits_packed_in_words_match_the_bit_by_bit_packing(k: int, count: int, seed: int):
-    """``_fields_to_bits`` packs large arrays a group of values to a 64-bit word (k = 1..7,
+    """``fields_to_bits`` packs large arrays a group of values to a 64-bit word (k = 1..7,
     10, 12, 20, 24, 28, 40, 44 ...): the same bytes as spreading every bit out."""
     values = np.random.default_rng(seed).integers(0, 2**64, size=count, dtype=np.uint64)
     expected = "".join(format(int(v) & ((1 << k) - 1), f"0{k}b") if k else "" for v in values)
     expected += "0" * (-len(expected) % 8)
-    packed = _fields_to_bits(values, k)
+    packed = fields_to_bits(values, k)
     assert "".join(format(b, "08b") for b in packed.tobytes()) == expected
     assert packed.flags.c_contiguous  # callers hand its memoryview to bytes.join
 
@@ -203,19 +212,19 @@ def test_a_dense_group_is_coded_in_parts_with_bounded_memory():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    kept = sum(len(p.payload) + p.changes.nbytes for p in payloads if p is not None)
+    kept = sum(len(p[0]) + p[2].nbytes for p in payloads if p is not None)
     assert peak - kept < 64 * 1024**2
     for i in (0, 17, 31):
         got = payloads[i]
-        assert got is not None and got.payload == encode_numpy(olds[i], news[i], 1)[0]
+        assert got is not None and got[0] == encode_numpy(olds[i], news[i], 1)[0]
 
 
 def test_group_split_points_keep_every_payload(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(batch_numpy, "GROUP_CHANGES", 50)
+    monkeypatch.setattr(numpy_backend, "GROUP_CHANGES", 50)
     rng = np.random.default_rng(10)
     olds = [rng.integers(0, 256, size=8 * n, dtype=np.uint8) for n in (3, 400, 0, 90, 1, 257)]
     news = [stepped(old, 2, 0.2, i, 3) for i, old in enumerate(olds)]
     for old, new, got in zip(olds, news, encode_group(olds, news, 2), strict=True):
         payload, changes = encode_numpy(old, new, 2)
         assert (got is None) == (not changes.positions.size)
-        assert got is None or got.payload == payload
+        assert got is None or got[0] == payload

@@ -8,18 +8,20 @@ the old bytes back (sparse-v2 is self-inverse).
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltastore.codecs import compress, decompress, jit
-from deltastore.codecs.sparse2 import CompactSparseEncoding
+from deltastore.codecs import apply_changes, compress, decompress, sparse
+from deltastore.codecs.sparse import CompactSparseEncoding
 from deltastore.errors import ConfigError, FormatError
 from deltastore.publish.snapshot import tensor_bytes
 
-HAVE_NUMBA = jit._load("jit_kernels") is not None
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not HAVE_NUMBA, reason="no numba"))]
 NUMPY = CompactSparseEncoding(use_jit=False)
 DECODERS = [NUMPY, *([CompactSparseEncoding(use_jit=True)] if HAVE_NUMBA else [])]
@@ -50,7 +52,7 @@ def roundtrip(old: np.ndarray, new: np.ndarray, itemsize: int) -> bytes:
         assert target.tobytes() == old.tobytes()
     if delta.xor_changes is not None:  # what the publisher applies to its snapshot
         snapshot = old.copy()
-        delta.xor_changes.apply(snapshot)
+        apply_changes(snapshot, delta.xor_changes)
         assert snapshot.tobytes() == new.tobytes()
     return payload
 
@@ -222,14 +224,14 @@ def test_a_real_tensor_over_4_gib_round_trips():
 def test_the_fast_extra_is_optional(monkeypatch: pytest.MonkeyPatch):
     """DELTASTORE_NO_JIT keeps the default encoder on numpy; asking for numba without it is a
     clear ConfigError."""
-    monkeypatch.setenv(jit.NO_JIT_VARIABLE, "1")
-    assert jit.kernels(None) is None
-    monkeypatch.setenv(jit.NO_JIT_VARIABLE, "0")
-    assert (jit.kernels(None) is not None) == HAVE_NUMBA
-    monkeypatch.setitem(jit._loaded, "jit_kernels", None)
-    assert jit.kernels(None) is None
+    monkeypatch.setenv(sparse.NO_JIT_VARIABLE, "1")
+    assert sparse.compiled_backend(None) is None
+    monkeypatch.setenv(sparse.NO_JIT_VARIABLE, "0")
+    assert (sparse.compiled_backend(None) is not None) == HAVE_NUMBA
+    monkeypatch.setattr(sparse, "_compiled", [None])
+    assert sparse.compiled_backend(None) is None
     with pytest.raises(ConfigError, match="deltastore\\[fast\\]"):
-        jit.kernels(True)
+        sparse.compiled_backend(True)
 
 
 def _payload() -> bytes:
@@ -323,9 +325,10 @@ def test_read_only_unaligned_memory_maps(tmp_path, use_jit: bool):
 @pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 def test_compiled_xor_changes_match_numpy_and_refuse_outside_positions(itemsize: int):
-    """The snapshot advance (:meth:`XorChanges.apply`, compiled from 256 changes on) gives
+    """The snapshot advance (:func:`apply_changes`, compiled from 256 changes on) gives
     numpy's bytes, and a position past the tensor raises before any element is changed."""
-    from deltastore.codecs.base import COMPILED_XOR_CHANGES, XorChanges
+    from deltastore.codecs import XorChanges, apply_changes
+    from deltastore.codecs.sparse import COMPILED_XOR_CHANGES
 
     rng = np.random.default_rng(itemsize)
     dtype = np.dtype(f"<u{itemsize}")
@@ -334,7 +337,7 @@ def test_compiled_xor_changes_match_numpy_and_refuse_outside_positions(itemsize:
     values = rng.integers(1, 2 ** (8 * itemsize) - 1, size=positions.size, dtype=np.uint64)
     changes = XorChanges(positions.astype(np.int64), values.astype(dtype))
     compiled, by_numpy = old.copy(), old.copy()
-    changes.apply(compiled)
+    apply_changes(compiled, changes)
     by_numpy.view(dtype)[positions] ^= values.astype(dtype)
     assert compiled.tobytes() == by_numpy.tobytes() != old.tobytes()
     outside = XorChanges(
@@ -343,5 +346,13 @@ def test_compiled_xor_changes_match_numpy_and_refuse_outside_positions(itemsize:
     target = old.copy()
     # numpy's own message under DELTASTORE_NO_JIT=1
     with pytest.raises(IndexError, match=r"outside the 4096 elements|out of bounds"):
-        outside.apply(target)
+        apply_changes(target, outside)
     assert target.tobytes() == old.tobytes()
+
+
+def test_warm_up_loads_the_compiled_kernels_where_they_are_used(monkeypatch: pytest.MonkeyPatch):
+    """``warm_up`` says whether the compiled backend is in use, and is a no-op for numpy."""
+    monkeypatch.setenv(sparse.NO_JIT_VARIABLE, "1")
+    assert sparse.warm_up() is False
+    monkeypatch.setenv(sparse.NO_JIT_VARIABLE, "0")
+    assert sparse.warm_up() is HAVE_NUMBA

@@ -5,7 +5,7 @@ does any name it does not know). Each tensor's payload starts with one tag byte 
 encoding follows; the rest is that encoding's payload, unchanged::
 
     0x00 ‖ xor payload        (new XOR old, the tensor's full size)
-    0x02 ‖ sparse-v2 payload  (see deltastore.codecs.sparse2)
+    0x02 ‖ sparse-v2 payload  (see deltastore.codecs.sparse_format)
 
 Tag 1 was the removed ``sparse-v1``: a payload carrying it is refused with what to do. So the
 choice travels with the bytes it describes: no side table in the index or the shard metadata,
@@ -29,14 +29,11 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from deltastore.codecs import jit
 from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, FramedDelta, PayloadBatch
-from deltastore.codecs.batch import encode_framed_batch
-from deltastore.codecs.batch_apply import apply_compiled
 from deltastore.codecs.compression import compress
 from deltastore.codecs.encodings import REMOVED_ENCODINGS, XorEncoding
-from deltastore.codecs.sparse2 import CompactSparseEncoding
-from deltastore.codecs.steps import TAG_COMPACT, TAG_SPARSE_V1, TAG_XOR
+from deltastore.codecs.sparse import CompactSparseEncoding, apply_batch, encode_framed_batch
+from deltastore.codecs.sparse_format import TAG_COMPACT, TAG_SPARSE_V1, TAG_XOR
 from deltastore.errors import FormatError
 
 SPARSE_WITHOUT_COMPARING = 16
@@ -58,7 +55,7 @@ class AutoEncoding(Encoding):
     checks_before_writing = True
     """Every bound of a payload is checked before the target is written."""
     applies_in_batches = True
-    """With numba, one compiled call per batch (:mod:`deltastore.codecs.jit_apply`)."""
+    """With numba, one compiled call per batch."""
     self_inverse = True
     """Values are XORed in: applying a payload to its own result restores the bytes."""
     foldable = False
@@ -92,7 +89,7 @@ class AutoEncoding(Encoding):
         self, olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsizes: Sequence[int]
     ) -> list[FramedDelta]:
         """As :meth:`Encoding.encode_framed`: where numba is available, a batch's sparse-v2
-        payloads in one compiled call (:mod:`deltastore.codecs.batch`), and only a tensor whose
+        payloads in one backend call, and only a tensor whose
         payload is over 1/16 of it encoded again alone to compare the others."""
         return encode_framed_batch(
             self,
@@ -136,7 +133,6 @@ class AutoEncoding(Encoding):
         names: Sequence[str],
     ) -> tuple[int, FormatError | None]:
         """One compiled call for the whole batch where numba is installed; else one by one."""
-        compiled = jit.apply_kernels(self.compact.use_jit)
-        if compiled is None:
-            return super().apply_batch(target, starts, sizes, payloads, names)
-        return apply_compiled(self, compiled, target, starts, sizes, payloads, names, tagged=True)
+        return apply_batch(
+            self, self.compact.use_jit, target, starts, sizes, payloads, names, tagged=True
+        )

@@ -1,0 +1,858 @@
+"""The numba backend of ``sparse-v2`` (the ``fast`` extra; the format is
+:mod:`~deltastore.codecs.sparse_format`): every compiled kernel, in one module, so numba's
+on-disk cache (keyed on a kernel's own file) never runs a kernel compiled against an older
+version of one it calls.
+
+Imported only by :func:`deltastore.codecs.sparse.backend`. Encoding finds the changed elements
+in one pass over both tensors (32 words of 8 bytes compared at a time into a mask of those that
+differ, each 32 KB chunk's changes recorded while it is still in cache), codes their steps,
+chooses ``k`` and ``w`` as the numpy backend does and writes the payload: one writer, called
+once per tensor, whether alone or in a batch. A batch is one call without the GIL (addresses of
+each tensor's bytes, so no per-tensor Python object crosses into numba) that writes every
+payload already in its zstd frame. The frame is written by hand: a payload is near its entropy,
+so zstd-1 stores it as raw blocks anyway, and the frame here is the one zstd writes then (single
+segment, content size, raw blocks of at most 128 KiB, no checksum).
+
+Decoding reads every stream of a payload into two buffers and checks it before the target is
+touched (one decoder, for one tensor or a batch); a batch of payloads is applied in one call
+that stops at the first that does not fit. Elements are read and written byte by byte,
+little-endian, so a tensor at any offset of a file works. Arithmetic is on uint64 throughout
+(numba turns mixed signed and unsigned integers into floats).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from deltastore.codecs.base import ByteArray, FramedDelta, XorChanges
+from deltastore.codecs.compression import compress
+from deltastore.codecs.sparse_format import (
+    ELEMENT_DTYPES,
+    LOG2,
+    MARK,
+    PATCHES_BAD,
+    POSITIONS_BAD,
+    TAG_COMPACT,
+    TAG_XOR,
+    Positions,
+    element_size,
+)
+
+U64 = np.uint64
+BLOCK = 128 * 1024
+"""Largest zstd block (bytes of content)."""
+FRAMED = 0
+"""Kind of a tensor whose bytes in the batch are its whole zstd frame."""
+CONTENT = 1
+"""Kind of a tensor whose bytes are its (tagged) payload, for the caller to compress."""
+DENSE = 2
+"""Kind of a tensor whose payload is over the dense ratio: nothing is written."""
+HEADER = 4 + 1 + 8
+"""Most bytes of a frame before its first block: magic, descriptor, content size."""
+APPLIED = 0
+"""Every payload from ``first`` on was applied."""
+REFUSED = 1
+"""The payload at the returned index does not fit its tensor (nothing of that tensor written)."""
+
+
+# ------------------------------------------------------------------ finding changes
+@numba.njit(cache=True, nogil=True, inline="always")
+def _record(positions, xored, fields, j, i, a, b, mask, half):  # type: ignore[no-untyped-def]
+    """Store element ``i`` (old ``a``, new ``b``) as change ``j``."""
+    positions[j] = i
+    xored[j] = a ^ b
+    a64 = U64(a)
+    b64 = U64(b)
+    diff = (b64 - a64) & mask
+    if diff > half:
+        magnitude = (a64 - b64) & mask
+        low = b64
+    else:
+        magnitude = diff
+        low = a64
+    lowest = magnitude & (~magnitude + U64(1))
+    flag = U64(1) if low & lowest else U64(0)
+    fields[j] = ((magnitude - U64(1)) << U64(1)) | flag
+
+
+def _trailing_zeros_of(typingctx, value):  # type: ignore[no-untyped-def]
+    """Zero bits below the lowest one bit of ``value`` (one instruction: LLVM's cttz)."""
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+
+    return value(value), codegen
+
+
+_trailing_zeros: Any = intrinsic(_trailing_zeros_of)
+
+WORDS_PER_BLOCK = 32
+"""8-byte words summarised by one bit mask (a uint32) of those that differ."""
+BLOCKS_PER_CHUNK = 128
+"""Blocks compared before their changes are recorded: 32 KB of each tensor, still in cache."""
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _lanes(x, bits):  # type: ignore[no-untyped-def]
+    """The lowest bit of each ``bits``-wide lane of ``x`` that is not zero, the others clear.
+    Folding right by 1, 2, 4, ... (``bits`` - 1 in all) never carries into a lower lane."""
+    x |= x >> U64(1)
+    x |= x >> U64(2)
+    x |= x >> U64(4)
+    if bits >= 16:
+        x |= x >> U64(8)
+    if bits >= 32:
+        x |= x >> U64(16)
+    if bits >= 64:
+        x |= x >> U64(32)
+    if bits == 8:
+        return x & U64(0x0101010101010101)
+    if bits == 16:
+        return x & U64(0x0001000100010001)
+    if bits == 32:
+        return x & U64(0x0000000100000001)
+    return x & U64(1)
+
+
+@numba.njit(cache=True, nogil=True)
+def _block_masks(old_words, new_words, first, last, masks):  # type: ignore[no-untyped-def]
+    """Fill ``masks`` with the differing-word masks of blocks ``first``..``last``; returns how
+    many words differ. The fixed-size compare loop compiles to vector instructions."""
+    one = np.uint32(1)
+    for block in range(first, last):
+        base = block * WORDS_PER_BLOCK
+        mask = np.uint32(0)
+        for k in range(WORDS_PER_BLOCK):
+            mask |= np.uint32(old_words[base + k] != new_words[base + k]) << np.uint32(k)
+        masks[block - first] = mask
+    differing = 0
+    for block in range(last - first):
+        mask = masks[block]
+        while mask:
+            differing += 1
+            mask &= mask - one
+    return differing
+
+
+@numba.njit(cache=True, nogil=True)
+def _record_blocks(old_words, new_words, old, new, bits, masks, first, last, out, j):  # type: ignore[no-untyped-def]
+    """Record every changed element of blocks ``first``..``last`` from ``j`` on in ``out``
+    (positions, XOR values, step fields); returns the next free index. Set bits are visited
+    with cttz, so an unchanged word or element costs no (mispredicted) branch."""
+    positions, xored, fields = out
+    per_word = 64 // bits
+    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - bits)
+    half = U64(1) << U64(bits - 1)
+    for block in range(first, last):
+        words = masks[block - first]
+        while words:
+            w = block * WORDS_PER_BLOCK + _trailing_zeros(words)
+            words &= words - np.uint32(1)
+            lanes = _lanes(old_words[w] ^ new_words[w], bits)
+            while lanes:
+                i = w * per_word + _trailing_zeros(lanes) // bits
+                lanes &= lanes - U64(1)
+                _record(positions, xored, fields, j, i, old[i], new[i], mask, half)
+                j += 1
+    return j
+
+
+@numba.njit(cache=True, nogil=True)
+def _grown(out, used, capacity):  # type: ignore[no-untyped-def]
+    """``out``'s three arrays with room for ``capacity`` changes, the first ``used`` kept."""
+    positions, xored, fields = out
+    wider = (np.empty(capacity, np.int64), np.empty(capacity, xored.dtype),
+             np.empty(capacity, np.uint64))  # fmt: skip
+    wider[0][:used] = positions[:used]
+    wider[1][:used] = xored[:used]
+    wider[2][:used] = fields[:used]
+    return wider
+
+
+@numba.njit(cache=True, nogil=True)
+def _changes(old_words, new_words, old, new, bits):  # type: ignore[no-untyped-def]
+    """Positions, XOR values and step fields of the changed elements, in one pass over both
+    tensors: each 32 KB chunk is compared as 8-byte words (masks of the differing ones), then
+    its changes are recorded while it is still in cache (reading the tensors twice, count
+    then record, missed the cache on every changed block)."""
+    per_word = 64 // bits
+    blocks = old_words.size // WORDS_PER_BLOCK
+    capacity = max(256, old.size // 64)
+    out = (np.empty(capacity, np.int64), np.empty(capacity, old.dtype),
+           np.empty(capacity, np.uint64))  # fmt: skip
+    masks = np.empty(BLOCKS_PER_CHUNK, np.uint32)
+    j = 0
+    for first in range(0, blocks, BLOCKS_PER_CHUNK):
+        last = min(first + BLOCKS_PER_CHUNK, blocks)
+        needed = j + _block_masks(old_words, new_words, first, last, masks) * per_word
+        if needed > capacity:  # doubled, but never past one change per element left
+            at_most = j + old.size - first * WORDS_PER_BLOCK * per_word
+            capacity = min(max(2 * capacity, needed), at_most)
+            out = _grown(out, j, capacity)
+        j = _record_blocks(old_words, new_words, old, new, bits, masks, first, last, out, j)
+    start = blocks * WORDS_PER_BLOCK * per_word  # the last elements, under a block
+    if j + old.size - start > capacity:
+        capacity = j + old.size - start
+        out = _grown(out, j, capacity)
+    positions, xored, fields = out
+    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - bits)
+    half = U64(1) << U64(bits - 1)
+    for i in range(start, old.size):
+        if old[i] != new[i]:
+            _record(positions, xored, fields, j, i, old[i], new[i], mask, half)
+            j += 1
+    return positions[:j], xored[:j], fields[:j]
+
+
+# ------------------------------------------------------------------ writing a payload
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bit_length(value):  # type: ignore[no-untyped-def]
+    length = 0
+    while value:
+        value >>= U64(1)
+        length += 1
+    return length
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put(out, at, acc, held, value, width):  # type: ignore[no-untyped-def]
+    """Append the low ``width`` (≤ 32) bits of ``value``, MSB first; whole bytes go out."""
+    acc = (acc << U64(width)) | value
+    held += width
+    while held >= 8:
+        held -= 8
+        out[at] = np.uint8((acc >> U64(held)) & U64(0xFF))
+        at += 1
+    return at, acc, held
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_wide(out, at, acc, held, value, width):  # type: ignore[no-untyped-def]
+    if width > 32:
+        at, acc, held = _put(out, at, acc, held, value >> U64(32), width - 32)
+        return _put(out, at, acc, held, value & U64(0xFFFFFFFF), 32)
+    return _put(out, at, acc, held, value, width)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _flush(out, at, acc, held, ones):  # type: ignore[no-untyped-def]
+    """Pad the last partial byte with zeros (or ones) and write it."""
+    if held:
+        pad = U64((1 << (8 - held)) - 1) if ones else U64(0)
+        at, acc, held = _put(out, at, acc, held, pad, 8 - held)
+    return at
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _varint(out, at, value):  # type: ignore[no-untyped-def]
+    while value >= 0x80:
+        out[at] = np.uint8((value & 0x7F) | 0x80)
+        value >>= 7
+        at += 1
+    out[at] = np.uint8(value)
+    return at + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _rice_k(positions):  # type: ignore[no-untyped-def]
+    count = positions.size
+    total = positions[count - 1] + 1 - count
+    low = max(_bit_length(U64(int(total / count * 0.6931))) - 1, 0)
+    high = min(low + 1, 63)
+    low_cost = count * low
+    high_cost = count * high
+    previous = -1
+    for i in range(count):
+        gap = positions[i] - previous - 1
+        previous = positions[i]
+        low_cost += gap >> low
+        high_cost += gap >> high
+    return low if low_cost <= high_cost else high
+
+
+@numba.njit(cache=True, nogil=True)
+def _width(fields, bits):  # type: ignore[no-untyped-def]
+    """As :func:`deltastore.codecs.numpy_backend.field_widths`."""
+    histogram = np.zeros(65, np.int64)
+    for f in fields:
+        histogram[_bit_length(f)] += 1
+    count = fields.size
+    index_width = _bit_length(U64(count - 1))
+    best, best_cost, narrower = 0, 0, 0
+    for w in range(bits + 1):
+        narrower += histogram[w]
+        cost = count * w + (count - narrower) * (index_width + bits - w)
+        if w == 0 or cost < best_cost:  # the narrowest wins a tie
+            best, best_cost = w, cost
+    return best
+
+
+@numba.njit(cache=True, nogil=True)
+def _write(old_words, new_words, old, new, bits, mark, nbytes):  # type: ignore[no-untyped-def]
+    """The whole payload (see :mod:`deltastore.codecs.sparse_format`), positions and XOR
+    values."""
+    positions, xored, fields = _changes(old_words, new_words, old, new, bits)
+    count = positions.size
+    head = np.empty(21, np.uint8)
+    head[0] = mark
+    head_size = _varint(head, _varint(head, 1, nbytes), count)
+    if count == 0:
+        return head[:head_size].copy(), positions, xored
+    k = _rice_k(positions)
+    width = _width(fields, bits)
+    index_width = _bit_length(U64(count - 1))
+    patches = 0
+    for f in fields:
+        patches += _bit_length(f) > width
+    unary_bits = count
+    previous = -1
+    for i in range(count):
+        unary_bits += (positions[i] - previous - 1) >> k
+        previous = positions[i]
+    size = head_size + 2 + (count * k + 7) // 8 + (count * width + 7) // 8 + 10
+    size += (patches * (index_width + bits - width) + 7) // 8 + (unary_bits + 7) // 8
+    out = np.empty(size, np.uint8)
+    out[:head_size] = head[:head_size]
+    out[head_size] = k
+    out[head_size + 1] = width
+    at, acc, held = head_size + 2, U64(0), 0
+    remainder = U64((1 << k) - 1)
+    previous = -1
+    for i in range(count):
+        gap = U64(positions[i] - previous - 1)
+        previous = positions[i]
+        at, acc, held = _put_wide(out, at, acc, held, gap & remainder, k)
+    at = _flush(out, at, acc, held, False)
+    held = 0
+    low = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - width) if width else U64(0)
+    for f in fields:
+        at, acc, held = _put_wide(out, at, acc, held, f & low, width)
+    at = _flush(out, at, acc, held, False)
+    held = 0
+    at = _varint(out, at, patches)
+    if patches:
+        for j in range(count):
+            if _bit_length(fields[j]) > width:
+                at, acc, held = _put_wide(out, at, acc, held, U64(j), index_width)
+                at, acc, held = _put_wide(out, at, acc, held, fields[j] >> U64(width), bits - width)
+        at = _flush(out, at, acc, held, False)
+        held = 0
+    previous = -1
+    for i in range(count):
+        quotient = (positions[i] - previous - 1) >> k
+        previous = positions[i]
+        while quotient >= 32:
+            at, acc, held = _put(out, at, acc, held, U64(0xFFFFFFFF), 32)
+            quotient -= 32
+        at, acc, held = _put(out, at, acc, held, U64(((1 << quotient) - 1) << 1), quotient + 1)
+    at = _flush(out, at, acc, held, True)
+    return out[:at], positions, xored
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _next_position(previous, quotient, low, k, nelements):  # type: ignore[no-untyped-def]
+    """(the position a gap of ``quotient`` << k | ``low`` leads to after ``previous``, ok): not
+    ok when the gap overflows 63 bits or the position is not below ``nelements``."""
+    if quotient >> (63 - k) or quotient << k >= nelements:
+        return previous, False
+    gap = (quotient << k) | np.int64(low)
+    if gap >= nelements - previous - 1:
+        return previous, False
+    return previous + gap + 1, True
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _ones_to_the_end(raw, bit, end):  # type: ignore[no-untyped-def]
+    """True when the bits from ``bit`` to ``end`` are fewer than 8 and all ones (the padding
+    after a unary stream)."""
+    if end - bit >= 8:
+        return False
+    while bit < end:
+        if not (raw[bit >> 3] >> (7 - (bit & 7))) & 1:
+            return False
+        bit += 1
+    return True
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _read_varint(raw, at):  # type: ignore[no-untyped-def]
+    """(value, offset after it, ok) of the LEB128 at ``at``, as ``sparse_format.read_varint``:
+    not ok when truncated or over 64 bits."""
+    value = U64(0)
+    shift = 0
+    while at < raw.size and shift < 64:
+        byte = U64(raw[at])
+        if shift == 63 and (byte & U64(0x7F)) > U64(1):
+            return value, at, False
+        value |= (byte & U64(0x7F)) << U64(shift)
+        at += 1
+        if not byte & U64(0x80):
+            return value, at, True
+        shift += 7
+    return value, at, False
+
+
+@numba.njit(cache=True, nogil=True)
+def _xor_at(elements, positions, values):  # type: ignore[no-untyped-def]
+    for j in range(positions.size):
+        if positions[j] < 0 or positions[j] >= elements.size:
+            return False
+    for j in range(positions.size):
+        elements[positions[j]] ^= values[j]
+    return True
+
+
+# ------------------------------------------------------------------ a batch
+def _pointer_of(typingctx, address):  # type: ignore[no-untyped-def]
+    """The integer ``address`` as a ``void*`` (what :func:`numba.carray` takes)."""
+    signature = types.voidptr(types.int64)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+
+    return signature, codegen
+
+
+_pointer: Any = intrinsic(_pointer_of)
+"""Called in kernels as ``_pointer(address)`` (numba passes the typing context itself)."""
+
+
+@numba.njit(cache=True, nogil=True)
+def _one(old_at, new_at, nbytes, size):  # type: ignore[no-untyped-def]
+    """(payload, positions, XOR values as uint64) of one tensor of ``size``-byte elements."""
+    whole = nbytes // 8
+    old_words = numba.carray(_pointer(old_at), whole, np.uint64)
+    new_words = numba.carray(_pointer(new_at), whole, np.uint64)
+    count = nbytes // size
+    if size == 8:
+        payload, positions, xored = _write(
+            old_words, new_words, numba.carray(_pointer(old_at), count, np.uint64),
+            numba.carray(_pointer(new_at), count, np.uint64), 64, MARK | 3, nbytes,
+        )  # fmt: skip
+        return payload, positions, xored.astype(np.uint64)
+    if size == 4:
+        payload, positions, xored = _write(
+            old_words, new_words, numba.carray(_pointer(old_at), count, np.uint32),
+            numba.carray(_pointer(new_at), count, np.uint32), 32, MARK | 2, nbytes,
+        )  # fmt: skip
+        return payload, positions, xored.astype(np.uint64)
+    if size == 2:
+        payload, positions, xored = _write(
+            old_words, new_words, numba.carray(_pointer(old_at), count, np.uint16),
+            numba.carray(_pointer(new_at), count, np.uint16), 16, MARK | 1, nbytes,
+        )  # fmt: skip
+        return payload, positions, xored.astype(np.uint64)
+    payload, positions, xored = _write(
+        old_words, new_words, numba.carray(_pointer(old_at), count, np.uint8),
+        numba.carray(_pointer(new_at), count, np.uint8), 8, MARK, nbytes,
+    )  # fmt: skip
+    return payload, positions, xored.astype(np.uint64)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _frame_header(out, at, size):  # type: ignore[no-untyped-def]
+    """zstd's frame header for ``size`` bytes of content (as zstd-1 writes it)."""
+    out[at : at + 4] = np.array([0x28, 0xB5, 0x2F, 0xFD], np.uint8)
+    if size < 256:
+        code, width, stored = 0, 1, size
+    elif size < 65536 + 256:
+        code, width, stored = 1, 2, size - 256
+    elif size < 0xFFFFFFFF:
+        code, width, stored = 2, 4, size
+    else:
+        code, width, stored = 3, 8, size
+    out[at + 4] = np.uint8((code << 6) | 0x20)  # single segment, no checksum, no dictionary
+    for i in range(width):
+        out[at + 5 + i] = np.uint8((stored >> (8 * i)) & 0xFF)
+    return at + 5 + width
+
+
+@numba.njit(cache=True, nogil=True)
+def _framed(payload, tag):  # type: ignore[no-untyped-def]
+    """``payload`` (after the byte ``tag`` when it is ≥ 0) in a zstd frame of raw blocks."""
+    size = payload.size + (1 if tag >= 0 else 0)
+    blocks = max(1, (size + BLOCK - 1) // BLOCK)
+    out = np.empty(HEADER + 3 * blocks + size, np.uint8)
+    at = _frame_header(out, 0, size)
+    done = 0
+    for b in range(blocks):
+        length = min(BLOCK, size - done)
+        last = 1 if b == blocks - 1 else 0
+        word = last | (length << 3)  # block type 0: raw
+        out[at], out[at + 1], out[at + 2] = word & 0xFF, (word >> 8) & 0xFF, word >> 16
+        at += 3
+        start, end = done, done + length
+        if start == 0 and tag >= 0:
+            out[at] = tag
+            at += 1
+            start = 1
+        shift = 1 if tag >= 0 else 0
+        out[at : at + end - start] = payload[start - shift : end - shift]
+        at += end - start
+        done += length
+    return out[:at]
+
+
+@numba.njit(cache=True, nogil=True)
+def _changed_bytes(xored):  # type: ignore[no-untyped-def]
+    changed = 0
+    for value in xored:
+        while value:
+            changed += (value & U64(0xFF)) != U64(0)
+            value >>= U64(8)
+    return changed
+
+
+@numba.njit(cache=True, nogil=True)
+def _compressible(payload):  # type: ignore[no-untyped-def]
+    """True when zstd might store ``payload`` in fewer bytes than it has: its byte entropy plus
+    half a byte per distinct byte value (about what a Huffman table costs) is under 103 % of
+    it. Calibrated on sparse-v2 payloads: ±1-ulp steps come out at 117-120 % (zstd stores them
+    raw), skewed steps zstd shrinks by 3-9 % at 96-100 %."""
+    counts = np.zeros(256, np.int64)
+    for byte in payload:
+        counts[byte] += 1
+    bits = 0.0
+    distinct = 0
+    for count in counts:
+        if count:
+            bits += count * np.log2(payload.size / count)
+            distinct += 1
+    return bits / 8 + distinct / 2 < 1.03 * payload.size
+
+
+@numba.njit(cache=True, nogil=True)
+def _encode_batch(old_at, new_at, nbytes, sizes, tag, dense_ratio):  # type: ignore[no-untyped-def]
+    """Every tensor of the batch: see :func:`encode_batch` (returns its arrays)."""
+    # long because the two passes (encode each, then pack the batch's buffers) share the
+    # per-tensor lists; apart they would pass five lists between two kernels.
+    n = nbytes.size
+    frames = numba.typed.List()
+    positions = numba.typed.List()
+    values = numba.typed.List()
+    changed = np.zeros(n, np.int64)
+    kinds = np.zeros(n, np.int8)
+    for i in range(n):
+        payload, where, xored = _one(old_at[i], new_at[i], nbytes[i], sizes[i])
+        changed[i] = _changed_bytes(xored)
+        if not changed[i]:
+            frames.append(np.empty(0, np.uint8))
+        elif dense_ratio and payload.size * dense_ratio > nbytes[i]:
+            kinds[i] = DENSE
+            frames.append(np.empty(0, np.uint8))
+        elif _compressible(payload):
+            kinds[i] = CONTENT
+            content = np.empty(payload.size + (1 if tag >= 0 else 0), np.uint8)
+            content[content.size - payload.size :] = payload
+            if tag >= 0:
+                content[0] = tag
+            frames.append(content)
+        else:
+            frames.append(_framed(payload, tag))
+        positions.append(where)
+        values.append(xored)
+    frame_at = np.zeros(n + 1, np.int64)
+    change_at = np.zeros(n + 1, np.int64)
+    value_at = np.zeros(n + 1, np.int64)
+    for i in range(n):
+        frame_at[i + 1] = frame_at[i] + frames[i].size
+        change_at[i + 1] = change_at[i] + positions[i].size
+        # Each tensor's values start 8-byte aligned, so the caller views them in their dtype.
+        value_at[i + 1] = value_at[i] + (positions[i].size * sizes[i] + 7) // 8 * 8
+    frame_bytes = np.empty(frame_at[n], np.uint8)
+    all_positions = np.empty(change_at[n], np.int64)
+    value_bytes = np.empty(value_at[n], np.uint8)
+    for i in range(n):
+        frame_bytes[frame_at[i] : frame_at[i + 1]] = frames[i]
+        all_positions[change_at[i] : change_at[i + 1]] = positions[i]
+        at = value_at[i]
+        for value in values[i]:  # little-endian, ``sizes[i]`` bytes each
+            for byte in range(sizes[i]):
+                value_bytes[at] = np.uint8((value >> U64(8 * byte)) & U64(0xFF))
+                at += 1
+    return frame_bytes, frame_at, changed, kinds, all_positions, change_at, value_bytes, value_at
+
+
+# ------------------------------------------------------------------ decoding and applying
+@numba.njit(cache=True, nogil=True)
+def _header(raw, nbytes):  # type: ignore[no-untyped-def]
+    """(ok, itemsize, count, k, width, offset of the remainders): the checks of
+    :func:`~deltastore.codecs.sparse_format.read_header`."""
+    if raw.size == 0 or (raw[0] & 0xFC) != MARK:
+        return False, 1, 0, 0, 0, 0
+    itemsize = 1 << (raw[0] & 3)
+    declared, at, ok = _read_varint(raw, 1)
+    if not ok:
+        return False, 1, 0, 0, 0, 0
+    counted, at, ok = _read_varint(raw, at)
+    if not ok or declared != U64(nbytes):
+        return False, 1, 0, 0, 0, 0
+    if nbytes % itemsize or counted > U64(nbytes // itemsize):
+        return False, 1, 0, 0, 0, 0
+    count = np.int64(counted)
+    if count == 0:
+        return at == raw.size, itemsize, 0, 0, 0, at
+    if at + 2 > raw.size:
+        return False, 1, 0, 0, 0, 0
+    k = np.int64(raw[at])
+    width = np.int64(raw[at + 1])
+    nelements = nbytes // itemsize
+    if k > min(63, _bit_length(U64(nelements)) + 1) or width > itemsize * 8:
+        return False, 1, 0, 0, 0, 0
+    at += 2
+    if at + (count * k + 7) // 8 + (count * width + 7) // 8 > raw.size:
+        return False, 1, 0, 0, 0, 0
+    return True, itemsize, count, k, width, at
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _window(raw, bit):  # type: ignore[no-untyped-def]
+    """The bits from bit offset ``bit`` on, MSB first, in a u64 whose first 57 are valid (zeros
+    past the buffer's end): one load per byte instead of a loop per field."""
+    at = bit >> 3
+    window = U64(0)
+    if at + 8 <= raw.size:
+        for i in range(8):
+            window = (window << U64(8)) | U64(raw[at + i])
+    else:
+        for i in range(8):
+            window <<= U64(8)
+            if at + i < raw.size:
+                window |= U64(raw[at + i])
+    return window << U64(bit & 7)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _get(raw, bit, width):  # type: ignore[no-untyped-def]
+    """(the ``width``-bit field (≤ 64) at bit offset ``bit``, MSB first; the offset after it),
+    (the caller has checked the field lies inside ``raw``)."""
+    if width == 0:
+        return U64(0), bit
+    if width <= 56:
+        return _window(raw, bit) >> U64(64 - width), bit + width
+    high = _window(raw, bit) >> U64(96 - width)  # the first width - 32 bits
+    low = _window(raw, bit + width - 32) >> U64(32)
+    return (high << U64(32)) | low, bit + width
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _quotient(raw, bit, end):  # type: ignore[no-untyped-def]
+    """(one bits from ``bit`` up to the next zero, the offset after that zero, ok): not ok when
+    the stream (``end`` bits) ends first."""
+    quotient = 0
+    while True:
+        valid = min(57, end - bit)
+        if valid <= 0:
+            return quotient, bit, False
+        window = _window(raw, bit)
+        ones = 0
+        while ones < valid and (window >> U64(63 - ones)) & U64(1):
+            ones += 1
+        if ones < valid:
+            return quotient + ones, bit + ones + 1, True
+        quotient += ones
+        bit += ones
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _step(current, field, mask):  # type: ignore[no-untyped-def]
+    """The other side of the pair ``field`` codes, from ``current``."""
+    magnitude = (field >> U64(1)) + U64(1)
+    lowest = magnitude & (~magnitude + U64(1))
+    if ((current & lowest) != 0) == ((field & U64(1)) != 0):
+        return (current + magnitude) & mask
+    return (current - magnitude) & mask
+
+
+@numba.njit(cache=True, nogil=True)
+def _decode_into(  # type: ignore[no-untyped-def]
+    raw, at, count, k, width, itemsize, nelements, positions, fields
+):
+    """Read the streams into ``positions[:count]`` and ``fields[:count]``; False when the
+    patches are not ascending below ``count`` or the gaps do not give ascending positions
+    inside ``nelements`` with fewer than 8 padding bits, all ones: the status of
+    :meth:`SparseBackend.decode`."""
+    field_bit = (at + (count * k + 7) // 8) * 8
+    for j in range(count):
+        fields[j], field_bit = _get(raw, field_bit, width)
+    declared, patch_at, ok = _read_varint(raw, (field_bit + 7) // 8)
+    bits = itemsize * 8
+    if not ok or declared > U64(count) or (width == bits and declared):
+        return PATCHES_BAD
+    patches = np.int64(declared)
+    index_width = _bit_length(U64(count - 1))
+    if patch_at + (patches * (index_width + bits - width) + 7) // 8 > raw.size:
+        return PATCHES_BAD
+    bit = patch_at * 8
+    previous = np.int64(-1)
+    for _ in range(patches):
+        index, bit = _get(raw, bit, index_width)
+        high, bit = _get(raw, bit, bits - width)
+        if np.int64(index) <= previous or index >= U64(count):
+            return PATCHES_BAD
+        previous = np.int64(index)
+        fields[previous] |= high << U64(width)
+    end = raw.size * 8
+    bit = (bit + 7) // 8 * 8
+    low_bit = at * 8
+    position = -1
+    for j in range(count):
+        low, low_bit = _get(raw, low_bit, k)
+        quotient, bit, ok = _quotient(raw, bit, end)
+        if not ok:
+            return POSITIONS_BAD
+        position, ok = _next_position(position, quotient, low, k, nelements)
+        if not ok:
+            return POSITIONS_BAD
+        positions[j] = position
+    return 0 if _ones_to_the_end(raw, bit, end) else POSITIONS_BAD
+
+
+@numba.njit(cache=True, nogil=True)
+def _apply_steps(target, start, itemsize, positions, fields, count):  # type: ignore[no-untyped-def]
+    """Move each element ``positions[j]`` of the tensor at byte ``start`` by its step."""
+    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - itemsize * 8)
+    for j in range(count):
+        byte = start + positions[j] * itemsize
+        current = U64(0)
+        for b in range(itemsize):
+            current |= U64(target[byte + b]) << U64(8 * b)
+        moved = _step(current, fields[j], mask)
+        for b in range(itemsize):
+            target[byte + b] = np.uint8((moved >> U64(8 * b)) & U64(0xFF))
+
+
+@numba.njit(cache=True, nogil=True)
+def _apply_batch(target, starts, sizes, data, offsets, first, tagged):  # type: ignore[no-untyped-def]
+    """(index, status) after applying payloads ``first``.. in order (see the module's notes)."""
+    positions = np.empty(0, np.int64)
+    fields = np.empty(0, np.uint64)
+    for i in range(first, starts.size):
+        raw = data[offsets[i] : offsets[i + 1]]
+        if tagged:
+            if raw.size == 0:
+                return i, REFUSED
+            tag = raw[0]
+            raw = raw[1:]
+            if tag == TAG_XOR:
+                if raw.size != sizes[i]:
+                    return i, REFUSED
+                start = starts[i]
+                for b in range(raw.size):
+                    target[start + b] ^= raw[b]
+                continue
+            if tag != TAG_COMPACT:
+                return i, REFUSED
+        ok, itemsize, count, k, width, at = _header(raw, sizes[i])
+        if not ok:
+            return i, REFUSED
+        if count == 0:  # (the header check refused any bytes after it)
+            continue
+        if positions.size < count:  # buffers reused across the batch, grown as needed
+            positions = np.empty(max(count, 2 * positions.size), np.int64)
+            fields = np.empty(positions.size, np.uint64)
+        nelements = sizes[i] // itemsize
+        if _decode_into(raw, at, count, k, width, itemsize, nelements, positions, fields):
+            return i, REFUSED
+        _apply_steps(target, starts[i], itemsize, positions, fields, count)
+    return starts.size, APPLIED
+
+
+# ------------------------------------------------------------------ the backend's interface
+def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[memoryview, XorChanges]:
+    """The payload turning ``old`` into ``new`` and the changes (see :class:`SparseBackend`)."""
+    dtype = ELEMENT_DTYPES[itemsize]
+    whole = old.size // 8 * 8
+    out, positions, xored = _write(
+        old[:whole].view(np.uint64),
+        new[:whole].view(np.uint64),
+        old.view(dtype),
+        new.view(dtype),
+        itemsize * 8,
+        MARK | LOG2[itemsize],
+        old.size,
+    )
+    return memoryview(out), XorChanges(positions, xored)
+
+
+def encode_framed(
+    olds: Sequence[ByteArray],
+    news: Sequence[ByteArray],
+    itemsizes: Sequence[int],
+    *,
+    tag: int,
+    dense_ratio: int,
+) -> list[FramedDelta | None]:
+    """A batch's frames in one call without the GIL (see :class:`SparseBackend`)."""
+    old_at = np.array([old.ctypes.data for old in olds], dtype=np.int64)
+    new_at = np.array([new.ctypes.data for new in news], dtype=np.int64)
+    sizes = [element_size(old.size, s) for old, s in zip(olds, itemsizes, strict=True)]
+    nbytes = np.array([old.size for old in olds], dtype=np.int64)
+    out = _encode_batch(
+        old_at, new_at, nbytes, np.array(sizes, np.int64), np.int64(tag), np.int64(dense_ratio)
+    )
+    frame_bytes, frame_at, changed, kinds, positions, change_at, value_bytes, value_at = out
+    frame_at, changed, kinds = frame_at.tolist(), changed.tolist(), kinds.tolist()
+    change_at, value_at = change_at.tolist(), value_at.tolist()
+    framed: list[FramedDelta | None] = []
+    for i, size in enumerate(sizes):
+        if not changed[i]:
+            framed.append(FramedDelta(b"", 0))
+            continue
+        if kinds[i] == DENSE:
+            framed.append(None)
+            continue
+        raw = frame_bytes[frame_at[i] : frame_at[i + 1]]
+        frame = compress(raw) if kinds[i] == CONTENT else raw.tobytes()
+        count = change_at[i + 1] - change_at[i]
+        values = value_bytes[value_at[i] : value_at[i] + count * size].view(ELEMENT_DTYPES[size])
+        changes = XorChanges(positions[change_at[i] : change_at[i + 1]], values)
+        framed.append(FramedDelta(frame, changed[i], changes))
+    return framed
+
+
+def decode(
+    raw: ByteArray, at: int, count: int, k: int, width: int, itemsize: int, nelements: int
+) -> tuple[int, Positions, np.ndarray]:
+    """The streams' positions and step fields (see :class:`SparseBackend`)."""
+    positions = np.empty(count, np.int64)
+    fields = np.empty(count, np.uint64)
+    status = _decode_into(raw, at, count, k, width, itemsize, nelements, positions, fields)
+    return int(status), positions, fields
+
+
+def apply_steps(target: ByteArray, itemsize: int, positions: Positions, fields: np.ndarray) -> None:
+    """Move the ``itemsize``-byte elements ``positions`` of ``target`` by their steps."""
+    _apply_steps(target, 0, itemsize, positions, fields, positions.size)
+
+
+def xor_at(elements: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+    """``elements[positions] ^= values`` in one pass without the GIL: numpy's fancy-index
+    update gathers, then scatters, with a cache miss each time on a large cold tensor. Raises
+    IndexError for a position outside ``elements``."""
+    if not _xor_at(elements, positions, values):
+        raise IndexError(f"a position is outside the {elements.size} elements")
+
+
+def apply_batch(
+    target: np.ndarray,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    data: np.ndarray,
+    offsets: np.ndarray,
+    first: int,
+    tagged: bool,
+) -> tuple[int, int]:
+    """(index, status): payloads ``data[offsets[i]:offsets[i+1]]`` from ``first`` on applied to
+    ``target[starts[i]:starts[i]+sizes[i]]`` in order until one is refused (:data:`REFUSED`);
+    (count, :data:`APPLIED`) when all were.
+    ``tagged``: the payloads are ``auto``'s (a tag byte first)."""
+    index, status = _apply_batch(target, starts, sizes, data, offsets, first, tagged)
+    return int(index), int(status)
