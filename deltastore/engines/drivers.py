@@ -149,9 +149,10 @@ class SglangDriver:
         self._post("/pause_generation", {"mode": self.pause_mode} if self.pause_mode else {})
         try:
             self._post("/flush_cache")
-        except EngineSyncError:
+        except EngineSyncError as exc:
             self.resume()  # nothing was reloaded: serve on at the old version
-            raise
+            message = f"the cache flush failed ({exc}); the engine was resumed"
+            raise EngineSyncError(message) from None
 
     def reload(self, version: int, *, retry: bool) -> None:
         if retry:  # verify every host's checkpoint again (a no-op pull checks the files)

@@ -230,3 +230,15 @@ def test_bad_settings_are_refused(run: Run):
         EngineSync("sglang", "http://x", [str(run.store_dir), "s3://b/r"], "/ckpt")
     with pytest.raises(ds.ConfigError, match="version"):
         EngineSync("sglang", "http://x", str(run.store_dir), "/ckpt").sync(-1)
+
+
+def test_a_failed_flush_resumes_the_engine_unreloaded(run: Run):
+    engine = SglangStandIn(run.base_dir)
+    engine.state.fail_flush = True
+    with serving(engine.app()) as url:
+        sync = _sync(run, url)
+        with pytest.raises(EngineSyncError, match=r"flush failed.*resumed"):
+            sync.sync(1)
+    assert engine.state.calls == [*FULL_CYCLE[:3], "/continue_generation"]
+    assert not engine.state.paused and run.matches(engine.state.weights[0], 0)
+    assert sync.version == 0
