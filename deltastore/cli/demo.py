@@ -209,8 +209,15 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"seeded snapshot in {seed_s:.2f} s; hosts hold the base (v0)")
 
         table = Table(title=f"deltastore demo: {args.encoding} + {args.checksum}, zstd-1")
-        for column in ("version", "density", "wire MB", "wire % of full", "publish s",
-                       "pull s host0", "pull s host1"):  # fmt: skip
+        for column in (
+            "version",
+            "density",
+            "wire MB",
+            "wire % of full",
+            "publish s",
+            "pull s host0",
+            "pull s host1",
+        ):
             table.add_column(column, justify="right")
         advance = stack.enter_context(
             step_progress(args, "train, publish, pull x2, verify", args.steps)

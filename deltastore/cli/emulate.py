@@ -89,12 +89,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     with running_emulator(args.kind, args.bucket) as emulator:
         print(f"# {args.kind} emulator at {emulator.endpoint_url}; bucket {emulator.url}")
-        print("# paste these lines into another shell, then use URLs like "
-              f"{emulator.url}/run1:")  # fmt: skip
+        print(f"# paste these lines into another shell, then use URLs like {emulator.url}/run1:")
         for key, value in emulator.env.items():
             print(f"export {key}={value}")
-        print("# Ctrl-C stops the emulator (its data lives in memory and goes with it)",
-              flush=True)  # fmt: skip
+        print("# Ctrl-C stops the emulator (its data lives in memory and goes with it)", flush=True)
         try:
             while True:
                 time.sleep(3600)

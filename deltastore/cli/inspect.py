@@ -45,8 +45,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
-def tensor_density(store: VersionStore, version: int, shard: str, entry: object,
-                   encoding: str | None, size: int | None) -> float | None:  # fmt: skip
+def tensor_density(
+    store: VersionStore,
+    version: int,
+    shard: str,
+    entry: object,
+    encoding: str | None,
+    size: int | None,
+) -> float | None:
     """Changed bytes / tensor bytes of one payload (None when the tensor size is unknown:
     an overwrite payload without --base, or a full version)."""
     from deltastore.format.safetensors_io import TensorEntry
@@ -137,8 +143,10 @@ def _print_history(url: str, rows: list[dict[str, object]]) -> None:
             print(f"  {row['version']:06d} corrupt index: {row['error']}")
             continue
         density = "-" if row["density"] is None else f"{row['density']:.4%}"
-        print(f"  {row['version']:06d} {row['kind']:<6} density {density:>9} "
-              f"{row['wire_bytes']:>14,} wire bytes")  # fmt: skip
+        print(
+            f"  {row['version']:06d} {row['kind']:<6} density {density:>9} "
+            f"{row['wire_bytes']:>14,} wire bytes"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

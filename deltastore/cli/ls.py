@@ -45,8 +45,15 @@ def version_row(store: VersionStore, version: int) -> dict[str, object]:
         if wire is None:  # a foreign publisher: count the shard files
             wire = sum(store.file_size(version, shard) for shard in index.shards())
     except DeltastoreError as exc:
-        return {"version": version, "kind": "corrupt", "base_version": None, "encoding": None,
-                "tensors": None, "wire_bytes": None, "error": str(exc)}  # fmt: skip
+        return {
+            "version": version,
+            "kind": "corrupt",
+            "base_version": None,
+            "encoding": None,
+            "tensors": None,
+            "wire_bytes": None,
+            "error": str(exc),
+        }
     return {
         "version": version,
         "kind": index.kind,
@@ -72,8 +79,9 @@ def run(args: argparse.Namespace) -> int:
         rows = list_versions(store)
     corrupt = [row for row in rows if row["kind"] == "corrupt"]
     for row in corrupt:
-        print(f"deltastore ls: warning: weight_v{row['version']:06d}: {row['error']}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"deltastore ls: warning: weight_v{row['version']:06d}: {row['error']}", file=sys.stderr
+        )
     if args.json:
         print_json({"url": store.url, "versions": rows})
         return 0

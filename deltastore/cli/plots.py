@@ -67,8 +67,15 @@ def plot_history(rows: Sequence[dict[str, object]], path: str, *, title: str) ->
         ax_wire.set_ylim(0, 1.2 * max(positive))
     for row, version, wire in zip(healthy, versions, wire_mb):
         label = f"full\n{wire:.3g}" if row["kind"] == "full" else f"{wire:.3g}"
-        ax_wire.annotate(label, (version, wire), textcoords="offset points", xytext=(0, 2),
-                         ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax_wire.annotate(
+            label,
+            (version, wire),
+            textcoords="offset points",
+            xytext=(0, 2),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax_wire.set_title(f"{title}: {len(healthy)} version(s)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

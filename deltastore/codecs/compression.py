@@ -119,8 +119,12 @@ def decompress_many(
             size = -1
         if size < 0 or size > max_sizes[i] or (exact and size != max_sizes[i]):
             # Worded (and raised) the way a single frame is.
-            decompress(frame, max_size=max_sizes[i], exact_size=max_sizes[i] if exact else None,
-                       what=what(i))  # fmt: skip
+            decompress(
+                frame,
+                max_size=max_sizes[i],
+                exact_size=max_sizes[i] if exact else None,
+                what=what(i),
+            )
         declared.append(size)
     offsets = np.array([0, *itertools.accumulate(declared)], np.int64)
     many = getattr(_decompressor(), "multi_decompress_to_buffer", None)

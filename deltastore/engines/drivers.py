@@ -131,9 +131,13 @@ class SglangDriver:
     def pull(self, version: int) -> list[EndpointReply]:
         if self.serve_urls is not None:
             replies = pull_all(
-                self.serve_urls, version, local_checkpoint_dir=self.serve_dirs,
-                source_dir=self.source_dir, token=self.serve_token, timeout_s=self.timeout_s,
-            )  # fmt: skip
+                self.serve_urls,
+                version,
+                local_checkpoint_dir=self.serve_dirs,
+                source_dir=self.source_dir,
+                token=self.serve_token,
+                timeout_s=self.timeout_s,
+            )
         else:
             assert isinstance(self.source_dir, str)
             request = PullRequest(self.local_dir, self.source_dir, version)

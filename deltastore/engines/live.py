@@ -264,8 +264,13 @@ class LiveWeights:
         self._latest = staged.token
         log.info(
             "staged v%06d over v%06d: %d tensors, %d elements, %d bytes, %.3f s",
-            target, base, staged.tensors, staged.elements, staged.bytes, staged.seconds,
-        )  # fmt: skip
+            target,
+            base,
+            staged.tensors,
+            staged.elements,
+            staged.bytes,
+            staged.seconds,
+        )
         return staged
 
     def _prepare(
@@ -290,9 +295,14 @@ class LiveWeights:
             patches = whole_patches(names, checkpoint, self._targets, views, pin=self._pin)
         elif history:
             patches = delta_patches(
-                self._store, history, checkpoint, self._targets, views,
-                pin=self._pin, workers=self._workers,
-            )  # fmt: skip
+                self._store,
+                history,
+                checkpoint,
+                self._targets,
+                views,
+                pin=self._pin,
+                workers=self._workers,
+            )
         return StagedUpdate(
             version=target,
             base_version=base,
@@ -365,9 +375,12 @@ class LiveWeights:
             verified = None
         else:
             write_patches(
-                staged.patches, self._targets, verify=verify,
-                expected=lambda patch: _expected(staged, patch), version=staged.version,
-            )  # fmt: skip
+                staged.patches,
+                self._targets,
+                verify=verify,
+                expected=lambda patch: _expected(staged, patch),
+                version=staged.version,
+            )
             verified = verify if staged.patches else None
         self._version, self._stream, self._latest = staged.version, staged.stream_id, None
         written = sum(t.numel() * t.element_size() for _, t in staged.loads) + sum(

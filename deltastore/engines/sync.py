@@ -209,10 +209,16 @@ class EngineSync:
             self.driver = VllmDriver(url, init_info, engine_token, pause_mode, timeout_s)
         else:
             self.driver = SglangDriver(
-                url, sources, engine_dir, engine_token, pause_mode, timeout_s,
+                url,
+                sources,
+                engine_dir,
+                engine_token,
+                pause_mode,
+                timeout_s,
                 serve_urls=list(serve_urls) if serve_urls is not None else None,
-                serve_dirs=local_checkpoint_dir, serve_token=serve_token,
-            )  # fmt: skip
+                serve_dirs=local_checkpoint_dir,
+                serve_token=serve_token,
+            )
 
     @property
     def version(self) -> int | None:
@@ -257,10 +263,14 @@ class EngineSync:
             ) from None
         pulled = time.perf_counter()
         figures = SyncResult(
-            target, self.engine, changes.changed, tensors_changed=changes.tensors,
-            changed_bytes=changes.changed_bytes, wire_bytes=changes.wire_bytes,
+            target,
+            self.engine,
+            changes.changed,
+            tensors_changed=changes.tensors,
+            changed_bytes=changes.changed_bytes,
+            wire_bytes=changes.wire_bytes,
             hosts=tuple(hosts),
-        )  # fmt: skip
+        )
         if not changes.changed:
             self._version = target
             log.info("%s: v%06d changes nothing; not paused", where, target)
@@ -285,10 +295,14 @@ class EngineSync:
             ) from None
         done = time.perf_counter()
         return replace(
-            figures, pull_s=pulled - started, pause_s=paused - pulled,
-            reload_s=reloaded - paused, resume_s=done - reloaded, total_s=done - started,
+            figures,
+            pull_s=pulled - started,
+            pause_s=paused - pulled,
+            reload_s=reloaded - paused,
+            resume_s=done - reloaded,
+            total_s=done - started,
             retried=retried,
-        )  # fmt: skip
+        )
 
     def _reload(self, target: int, where: str) -> bool:
         """Reload in the pause; once more from the verified checkpoint if that fails.

@@ -182,10 +182,16 @@ class DeltastoreReceiver:
         assert self.info is not None
         if self.live is None or self.live.version != version:
             self.live = LiveWeights(
-                None, self.info.local_checkpoint_dir, self.info.source_dir, self._base(),
-                version=version, loader=self._load, storage_options=self.info.storage_options,
-                trusted_keys=self.info.trusted_keys, workers=self.workers,
-            )  # fmt: skip
+                None,
+                self.info.local_checkpoint_dir,
+                self.info.source_dir,
+                self._base(),
+                version=version,
+                loader=self._load,
+                storage_options=self.info.storage_options,
+                trusted_keys=self.info.trusted_keys,
+                workers=self.workers,
+            )
         return self.live
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -248,10 +254,14 @@ class DeltastoreReceiver:
     def _pull(self, version: int | str) -> int:
         assert self.info is not None
         result = pull_weights(
-            self.info.local_checkpoint_dir, self.info.source_dir, version, self._base(),
-            storage_options=self.info.storage_options, trusted_keys=self.info.trusted_keys,
+            self.info.local_checkpoint_dir,
+            self.info.source_dir,
+            version,
+            self._base(),
+            storage_options=self.info.storage_options,
+            trusted_keys=self.info.trusted_keys,
             workers=self.workers,
-        )  # fmt: skip
+        )
         return result.version
 
 

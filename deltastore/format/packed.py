@@ -43,8 +43,12 @@ def build_packed_header(
 ) -> bytes:
     """The length-prefixed header of a packed shard whose payload frames (``lengths[i]`` bytes
     for ``names[i]``) follow it back to back in this order."""
-    table = {"format": PACK_FORMAT, "names": list(names), "lengths": list(lengths),
-             "digests": "".join(digests)}  # fmt: skip
+    table = {
+        "format": PACK_FORMAT,
+        "names": list(names),
+        "lengths": list(lengths),
+        "digests": "".join(digests),
+    }
     raw = json.dumps(table, separators=(",", ":")).encode("utf-8")
     frame = zstandard.ZstdCompressor(level=_TABLE_LEVEL, write_content_size=True).compress(raw)
     metadata = {PACK_KEY: base64.b64encode(frame).decode("ascii")}
@@ -94,8 +98,14 @@ def _read_table(packed: str, source: str) -> tuple[list[str], list[int], list[st
         if not 0 <= size <= MAX_HEADER_BYTES:
             raise FormatError(f"{source}: the pack table declares {size} bytes")
         table = json.loads(zstandard.ZstdDecompressor().decompress(frame, max_output_size=size))
-    except (UnicodeError, binascii.Error, zstandard.ZstdError, json.JSONDecodeError,
-            RecursionError, struct.error) as exc:  # fmt: skip
+    except (
+        UnicodeError,
+        binascii.Error,
+        zstandard.ZstdError,
+        json.JSONDecodeError,
+        RecursionError,
+        struct.error,
+    ) as exc:
         raise FormatError(f"{source}: the pack table is unreadable ({exc})") from None
     found = table.get("format") if isinstance(table, dict) else None
     if found != PACK_FORMAT:

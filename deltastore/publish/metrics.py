@@ -9,10 +9,25 @@ from dataclasses import dataclass
 from deltastore.publish.messages import Outcome, Plan
 
 METRIC_KEYS = (
-    "version", "full", "density", "changed_bytes", "total_bytes", "wire_bytes",
-    "tensors_changed", "tensors", "world_size", "load_s", "copy_s", "encode_s", "diff_s",
-    "write_s", "commit_s", "coord_s", "hook_s", "publish_s",
-)  # fmt: skip
+    "version",
+    "full",
+    "density",
+    "changed_bytes",
+    "total_bytes",
+    "wire_bytes",
+    "tensors_changed",
+    "tensors",
+    "world_size",
+    "load_s",
+    "copy_s",
+    "encode_s",
+    "diff_s",
+    "write_s",
+    "commit_s",
+    "coord_s",
+    "hook_s",
+    "publish_s",
+)
 """Keys of ``DeltaPublisher.pop_metrics``; docs/publishing.md gives each one's unit."""
 SECONDS_KEYS = tuple(k for k in METRIC_KEYS if k.endswith("_s"))
 HIGH_DENSITY = 0.20

@@ -249,16 +249,37 @@ class Snapshot:
 
 
 _TORCH_DTYPES: dict[str, str] = {
-    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64",
-    "int8": "I8", "uint8": "U8", "int16": "I16", "int32": "I32", "int64": "I64",
-    "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
-}  # fmt: skip
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+    "int8": "I8",
+    "uint8": "U8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
+}
 _NUMPY_DTYPES: dict[str, str] = {
-    "float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8", "uint8": "U8",
-    "int16": "I16", "int32": "I32", "int64": "I64", "uint16": "U16", "uint32": "U32",
-    "uint64": "U64", "bool": "BOOL",
-}  # fmt: skip
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+    "int8": "I8",
+    "uint8": "U8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+    "bool": "BOOL",
+}
 
 
 _DTYPE_NAMES: dict[Any, str | None] = {}

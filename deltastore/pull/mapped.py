@@ -93,9 +93,11 @@ class MappedFiles:
     def view(self, tensor: CheckpointTensor) -> ByteArray:
         """A writable view of ``tensor``'s bytes in its file (the file is made private first)."""
         return np.frombuffer(
-            self._map(tensor.file), dtype=np.uint8, count=tensor.entry.nbytes,
+            self._map(tensor.file),
+            dtype=np.uint8,
+            count=tensor.entry.nbytes,
             offset=tensor.entry.start,
-        )  # fmt: skip
+        )
 
     def array(self, path: str) -> ByteArray:
         """A writable view of the whole file at ``path`` (made private first, as for

@@ -22,12 +22,21 @@ log = logging.getLogger("deltastore.storage")
 
 T = TypeVar("T")
 
-_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
-                    "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
-                    "ConditionalRequestConflict", "OperationAborted",
-                    # a streamed body cut short (botocore's wrappers, aiohttp's own)
-                    "ResponseStreamingError", "IncompleteReadError",
-                    "ClientPayloadError"}  # fmt: skip
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "InternalError",
+    "ServiceUnavailable",
+    "ConditionalRequestConflict",
+    "OperationAborted",
+    # a streamed body cut short (botocore's wrappers, aiohttp's own)
+    "ResponseStreamingError",
+    "IncompleteReadError",
+    "ClientPayloadError",
+}
 
 
 def _status_of(exc: BaseException) -> int | None:

@@ -26,9 +26,17 @@ from typing import Any
 __all__ = ["Fault", "FaultProxy", "Injected"]
 
 _HOP_BY_HOP = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-    "transfer-encoding", "upgrade", "expect", "content-length",
-}  # fmt: skip
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "expect",
+    "content-length",
+}
 
 ACTIONS = ("status", "drop-response", "stall", "forward")
 

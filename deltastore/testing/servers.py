@@ -334,16 +334,23 @@ def _start_fake_gcs_once(binary: Path, port: int) -> GCSServer:
     log = tempfile.TemporaryFile()  # noqa: SIM115 - the server owns it; closed by stop()
     command = [
         str(binary),
-        "-backend", "memory",
-        "-scheme", "http",
-        "-host", _HOST,
-        "-port", str(port),
+        "-backend",
+        "memory",
+        "-scheme",
+        "http",
+        "-host",
+        _HOST,
+        "-port",
+        str(port),
         # Upload sessions hand out Location URLs built from these; the defaults name
         # storage.googleapis.com or the bind address, not a URL every client can reach.
-        "-external-url", url,
-        "-public-host", f"{_HOST}:{port}",
-        "-log-level", "error",
-    ]  # fmt: skip
+        "-external-url",
+        url,
+        "-public-host",
+        f"{_HOST}:{port}",
+        "-log-level",
+        "error",
+    ]
     try:
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log
