@@ -20,6 +20,7 @@ from deltastore.pull.local import LocalCheckpoint
 from deltastore.pull.source import open_store, require_stores
 from deltastore.storage import VersionStore
 from deltastore.trust import SignatureRecord, TrustedKey, verify_index
+from deltastore.trust.base import check_base_names
 from deltastore.trust.keys import TrustedKeys, load_trusted
 
 
@@ -124,7 +125,11 @@ def expected_digests(
         if base_dir is None:
             raise ConfigError("verifying against a chain that starts at the base needs base_dir")
         checksum = get_checksum("xxh3-128")
-        unchanged = {n: t for n, t in scan_checkpoint(base_dir).items() if n not in expected}
+        base_tensors = scan_checkpoint(base_dir)
+        if chain.deltas:
+            # A wrong base gets the diagnosis a pull gives it, not a blame on the host.
+            check_base_names(base_dir, chain.deltas[0], base_tensors)
+        unchanged = {n: t for n, t in base_tensors.items() if n not in expected}
         total = sum(t.entry.nbytes for t in unchanged.values()) if progress else None
         meter = ProgressMeter.start(progress, "base", total)
         for name, tensor in unchanged.items():

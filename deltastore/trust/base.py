@@ -118,6 +118,28 @@ def _parse(index: VersionIndex) -> tuple[str, dict[str, str]] | None:
     return checksum, tensors
 
 
+def check_base_names(
+    base_dir: str, first_delta: VersionIndex, tensors: dict[str, CheckpointTensor]
+) -> bool:
+    """Refuse a base whose tensor names are not those the stream was published from (the
+    cheap half of :func:`check_base`, from the headers alone: ``tensors`` is
+    ``scan_checkpoint(base_dir)``). Returns False when ``first_delta`` carries no record.
+    Raises :class:`NameMismatchError` naming what the base lacks and adds.
+    """
+    parsed = _parse(first_delta)
+    if parsed is None:
+        return False
+    expected = parsed[1]
+    if set(tensors) != set(expected):
+        raise NameMismatchError(
+            f"base {base_dir} (checked against weight_v{first_delta.version:06d}): the base "
+            f"lacks {sorted(set(expected) - set(tensors))[:5]} and has "
+            f"{sorted(set(tensors) - set(expected))[:5]} that the trainer's base does not; "
+            "pass the model the trainer was seeded from as --base"
+        )
+    return True
+
+
 def check_base(
     base_dir: str,
     first_delta: VersionIndex,
@@ -133,19 +155,14 @@ def check_base(
     Raises :class:`IntegrityError` naming the first differing tensors, and
     :class:`NameMismatchError` when the base lacks or adds tensors.
     """
-    parsed = _parse(first_delta)
-    if parsed is None:
+    local = tensors if tensors is not None else scan_checkpoint(base_dir)
+    if not check_base_names(base_dir, first_delta, local):
         return False
+    parsed = _parse(first_delta)
+    assert parsed is not None
     checksum, expected = parsed
     algorithm = get_checksum(checksum)
     where = f"base {base_dir} (checked against weight_v{first_delta.version:06d})"
-    local = tensors if tensors is not None else scan_checkpoint(base_dir)
-    if set(local) != set(expected):
-        raise NameMismatchError(
-            f"{where}: the base lacks {sorted(set(expected) - set(local))[:5]} and has "
-            f"{sorted(set(local) - set(expected))[:5]} that the trainer's base does not; pass "
-            "the model the trainer was seeded from as --base"
-        )
     names = sorted(expected)
     digests = hash_tensors([local[n] for n in names], algorithm, workers=workers)
     wrong = [n for n, d in zip(names, digests) if d != expected[n]]
@@ -158,4 +175,10 @@ def check_base(
     return True
 
 
-__all__ = ["base_digests_record", "check_base", "hash_tensor", "hash_tensors"]
+__all__ = [
+    "base_digests_record",
+    "check_base",
+    "check_base_names",
+    "hash_tensor",
+    "hash_tensors",
+]

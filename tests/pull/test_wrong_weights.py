@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import deltastore as ds
 from deltastore.errors import ConfigError, IntegrityError, NameMismatchError
-from tests.conftest import checkpoint_bytes, perturb, raw_bytes
+from tests.conftest import checkpoint_bytes, make_checkpoint, perturb, raw_bytes
 from tests.pull.helpers import write_tensor
 
 Model = dict[str, torch.Tensor]
@@ -255,6 +255,30 @@ def test_a_mistyped_object_store_prefix_is_no_store_for_pull_and_verify(
             ds.pull_weights(tmp_path / "host", store, target, base_dir=base_dir)
     with pytest.raises(ConfigError, match=r"no store at s3://.*nothing was ever published"):
         ds.verify_local(tmp_path / "host", store, 3, base_dir=base_dir)
+
+
+def test_verify_and_pull_give_a_wrong_base_the_same_diagnosis(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    """A --base that is another model (a tensor renamed): both name the base, not the host."""
+    store = ds.VersionStore(tmp_path / "store")
+    _publish(store, base_dir, small_model, "dd")
+    host = tmp_path / "host"
+    ds.pull_weights(host, store, 2, base_dir=base_dir)
+    other = dict(small_model)
+    other["model.renamed"] = other.pop("model.norm.eps")
+    wrong = make_checkpoint(tmp_path / "wrong-base", other)
+    said = []
+    for call in (
+        lambda: ds.verify_local(host, store, 2, base_dir=wrong),
+        lambda: ds.pull_weights(tmp_path / "fresh", store, 2, base_dir=wrong),
+    ):
+        with pytest.raises(NameMismatchError, match="the model the trainer was seeded from") as e:
+            call()
+        said.append(str(e.value))
+    assert said[0] == said[1] and f"base {wrong}" in said[0]
+    assert "lacks ['model.norm.eps']" in said[0] and "has ['model.renamed']" in said[0]
+    assert ds.verify_local(host, store, 2, base_dir=base_dir) == 2
 
 
 def test_the_callers_store_is_not_modified(tmp_path: Path, base_dir: Path, small_model: Model):
