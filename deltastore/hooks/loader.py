@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from collections.abc import Callable
@@ -15,6 +16,11 @@ _CALL_SHAPES = {
     POST_WRITE: ("(args, version_dir, rollout_engines)", 3),
     PRE_READ: ("(delta_dir, target_version)", 2),
 }
+_PARAMETERS = {
+    POST_WRITE: ["args", "version_dir", "rollout_engines"],
+    PRE_READ: ["delta_dir", "target_version"],
+}
+"""The reference hooks' parameter names: how a module's hooks are told from its helpers."""
 
 
 def load(path: str, kind: str | None = None) -> Callable[..., Any]:
@@ -56,11 +62,7 @@ def load(path: str, kind: str | None = None) -> Callable[..., Any]:
     try:
         hook = getattr(module, attr)
     except AttributeError:
-        public = sorted(n for n in dir(module) if not n.startswith("_"))
-        raise HookError(
-            f"cannot load hook {path!r}: module {module_name!r} has no attribute {attr!r} "
-            f"(it defines {public[:12]})"
-        ) from None
+        raise HookError(_no_such_hook(path, module, module_name, attr, kind)) from None
     if not callable(hook):
         raise HookError(
             f"hook {path!r} is a {type(hook).__name__}, not a function; point at a callable"
@@ -68,6 +70,43 @@ def load(path: str, kind: str | None = None) -> Callable[..., Any]:
     if kind is not None:
         check_arity(hook, kind, path)
     return hook  # type: ignore[no-any-return]
+
+
+def _hook_names(module: Any, kind: str | None) -> tuple[list[str], list[str]]:
+    """(the module's public functions whose parameters are the reference hook's, of ``kind``
+    or of any kind; its other public names), each sorted. Submodules are left out."""
+    shapes = [_PARAMETERS[kind]] if kind is not None else list(_PARAMETERS.values())
+    hooks, other = [], []
+    for name in sorted(n for n in dir(module) if not n.startswith("_")):
+        value = getattr(module, name, None)
+        if inspect.ismodule(value):
+            continue
+        (hooks if _parameters(value) in shapes else other).append(name)
+    return hooks, other
+
+
+def _parameters(value: Any) -> list[str] | None:
+    if not inspect.isfunction(value):
+        return None
+    return [
+        p.name
+        for p in inspect.signature(value).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
+
+def _no_such_hook(path: str, module: Any, module_name: str, attr: str, kind: str | None) -> str:
+    """The message for a module without ``attr``: a "did you mean", then its hooks first."""
+    hooks, other = _hook_names(module, kind)
+    close = difflib.get_close_matches(attr, hooks + other, n=1, cutoff=0.6)
+    hint = f"; did you mean {module_name}.{close[0]}?" if close else ""
+    listed = f"its hooks: {', '.join(hooks)}" if hooks else "it defines no hook"
+    if other:
+        listed += f"; other names: {', '.join(other[:8])}" + (", ..." if len(other) > 8 else "")
+    return (
+        f"cannot load hook {path!r}: module {module_name!r} has no attribute {attr!r}{hint} "
+        f"({listed})"
+    )
 
 
 def check_arity(hook: Callable[..., Any], kind: str, name: str = "hook") -> None:

@@ -92,3 +92,17 @@ def test_wrong_arity_of_a_user_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert callable(load("user_hooks.flexible", kind="post_write"))
     with pytest.raises(HookError, match="unknown hook kind"):
         load("user_hooks.two", kind="commit")
+
+
+@pytest.mark.parametrize("kind", [None, "post_write"])
+def test_a_mistyped_hook_gets_a_did_you_mean_and_the_hooks_first(kind: str | None) -> None:
+    with pytest.raises(HookError) as caught:
+        load("deltastore.hooks.s3_comit", kind)
+    message = str(caught.value)
+    assert "did you mean deltastore.hooks.s3_commit?" in message
+    hooks_part = message.split("its hooks: ", 1)[1].split(";", 1)[0]
+    assert "s3_commit" in hooks_part.split(", ") and "posix_commit" in hooks_part.split(", ")
+    assert "load" not in hooks_part.split(", ") and "check_arity" not in hooks_part
+    if kind == "post_write":
+        assert "s3_refresh" not in hooks_part, "a pre-read hook is not offered as post-write"
+    assert message.index("s3_commit") < message.index("POST_WRITE")
