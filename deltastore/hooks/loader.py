@@ -76,7 +76,8 @@ def _hook_names(module: Any, kind: str | None) -> tuple[list[str], list[str]]:
     """(the module's public functions whose parameters are the reference hook's, of ``kind``
     or of any kind; its other public names), each sorted. Submodules are left out."""
     shapes = [_PARAMETERS[kind]] if kind is not None else list(_PARAMETERS.values())
-    hooks, other = [], []
+    hooks: list[str] = []
+    other: list[str] = []
     for name in sorted(n for n in dir(module) if not n.startswith("_")):
         value = getattr(module, name, None)
         if inspect.ismodule(value):

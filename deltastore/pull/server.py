@@ -19,6 +19,10 @@ beyond loopback, or an ``--allow-host`` name), any ``Origin`` must be the server
 POST must be ``Content-Type: application/json`` (which a page cannot send cross-site without a
 preflight this server never grants) and at most :data:`MAX_REQUEST_BYTES` long. Every refusal
 and every error is the JSON ``{success, message}`` reply.
+
+Logging (logger ``deltastore.serve``): every refused or failed request (any status from 400
+on, a failed pull included) at WARNING with its method, target and reason; a pull that
+succeeded at INFO; other successful requests (``/healthz``, ``/state``, ``/metrics``) at DEBUG.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import concurrent.futures as cf
 import functools
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -48,6 +53,9 @@ log = logging.getLogger("deltastore.serve")
 
 PreReadHook = Callable[[str, int], None]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+PULL_DETAIL = web.RequestKey("pull_detail", str)
+"""Set on a request once its pull is parsed: the local dir, version and stores, for the log."""
 
 MAX_REQUEST_BYTES = 64 * 1024
 """Largest request body accepted (413 above): a pull request is three short fields."""
@@ -261,7 +269,7 @@ class PullServer:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[self._json_errors, self._guard, self._auth],
+            middlewares=[self._log_outcome, self._json_errors, self._guard, self._auth],
             client_max_size=MAX_REQUEST_BYTES,
         )
         app.router.add_post("/pull_weights", self.pull_weights)
@@ -273,6 +281,25 @@ class PullServer:
 
     async def _close(self, _app: web.Application) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown, True)
+
+    @web.middleware
+    async def _log_outcome(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """One log line per request with its outcome (see the module docstring)."""
+        response = await handler(request)
+        status = response.status
+        level = (
+            logging.WARNING
+            if status >= 400
+            else logging.INFO
+            if request.path == "/pull_weights"
+            else logging.DEBUG
+        )
+        if log.isEnabledFor(level):
+            what = request.get(PULL_DETAIL)
+            target = f"{request.method} {request.path_qs}" + (f" ({what})" if what else "")
+            reason = _reply_message(response)
+            log.log(level, "%s -> %d%s", target, status, f": {reason}" if reason else "")
+        return response
 
     @web.middleware
     async def _json_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -292,7 +319,6 @@ class PullServer:
         refusal = self.rules.refusal(request)
         if refusal is not None:
             status, message = refusal
-            log.warning("refused %s %s: %s", request.method, request.path, message)
             return self._reply(PullReply(False, message), status)
         return await handler(request)
 
@@ -355,6 +381,7 @@ class PullServer:
             return self._reply(PullReply(False, str(exc)))
         except PermissionError as exc:
             return self._reply(PullReply(False, str(exc)), 403)
+        request[PULL_DETAIL] = f"{local_dir} v{body.target_version:06d} from {', '.join(sources)}"
         lock = self.locks.setdefault(local_dir, asyncio.Lock())
         async with lock:  # one pull per local dir at a time; the flock covers other processes
             self.busy.add(local_dir)
@@ -364,13 +391,6 @@ class PullServer:
                 )
             finally:
                 self.busy.discard(local_dir)
-        log.info(
-            "pull %s v%06d from %s: %s",
-            local_dir,
-            body.target_version,
-            ", ".join(sources),
-            "ok" if reply.success else reply.message,
-        )
         return self._reply(reply)
 
     def _pull(self, local_dir: str, sources: list[str], body: PullRequest) -> PullReply:
@@ -394,6 +414,18 @@ class PullServer:
             return PullReply(False, f"unexpected {type(exc).__name__}: {exc}")
         self.metrics.pulled(local_dir, result)
         return PullReply(True, result.message)
+
+
+def _reply_message(response: web.StreamResponse) -> str | None:
+    """The ``message`` of a ``{success, message}`` reply, if ``response`` is one."""
+    body = getattr(response, "body", None)
+    if not isinstance(body, bytes) or not body.startswith(b"{"):
+        return None
+    try:
+        message = json.loads(body).get("message")
+    except (ValueError, AttributeError):
+        return None
+    return message if isinstance(message, str) else None
 
 
 async def serve_async(
