@@ -14,7 +14,8 @@ import torch
 
 from tests.conftest import checkpoint_bytes, make_checkpoint
 
-pytestmark = pytest.mark.timeout(240)
+# Slow: every test runs the CLI in fresh processes.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def deltastore(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -14,7 +14,8 @@ import pytest
 from tests.cli.test_cli import _model, _step
 from tests.conftest import make_checkpoint
 
-pytestmark = pytest.mark.timeout(240)
+# Slow: starts the emulators and the CLI in fresh processes.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.mark.parametrize("kind", ["s3", "gcs"])

@@ -20,7 +20,8 @@ import pytest
 from tests.cli.test_cli import _model, _step, deltastore
 from tests.conftest import make_checkpoint
 
-pytestmark = pytest.mark.timeout(240)
+# Slow: every test runs the CLI in fresh processes.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _without(module: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,8 @@ import torch
 
 from tests.conftest import make_checkpoint
 
-pytestmark = pytest.mark.timeout(240)
+# Slow: every test runs the CLI in fresh processes.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 BYTES_OF_TOTAL = re.compile(r"\d+(\.\d+)?/\d+(\.\d+)? (bytes|kB|MB|GB)")

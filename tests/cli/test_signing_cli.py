@@ -7,11 +7,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from deltastore import VersionStore
 from deltastore.trust import SIGNATURE_KEY
 from tests.cli.test_cli import _model, _step, deltastore
 from tests.conftest import checkpoint_bytes, make_checkpoint
 from tests.pull.test_server import http, start_server, stop_server
+
+# Slow: every test runs the CLI in fresh processes.
+pytestmark = pytest.mark.slow
 
 
 def _checkpoints(tmp_path: Path, count: int) -> list[str]:

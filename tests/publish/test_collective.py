@@ -23,7 +23,8 @@ from tests.publish.harness import (
     write_base,
 )
 
-pytestmark = pytest.mark.timeout(120)
+# Slow: real gloo ranks.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 LAYERS = [f"model.layers.{i}.weight" for i in range(8)]
 EMBED = "model.embed_tokens.weight"

@@ -28,7 +28,8 @@ from tests.publish.harness import (
     write_base,
 )
 
-pytestmark = pytest.mark.timeout(120)
+# Slow: kill -9 of real gloo ranks, then resume.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 LAYERS = [f"model.layers.{i}.weight" for i in range(6)]
 NORM = "model.norm.weight"

@@ -40,6 +40,8 @@ from tests.pull.helpers import (
     write_checkpoint,
 )
 
+# Slow: the kill -9 crash loop.
+pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("pull_worker.py")
 TRIALS_PER_ENCODING = int(os.environ.get("DELTASTORE_CRASH_TRIALS", "15"))
 

@@ -17,6 +17,8 @@ from deltastore.pull import LocalCheckpoint, pull_weights
 from deltastore.testing.servers import free_port
 from tests.pull.helpers import many_tensors, publish_versions, write_checkpoint
 
+# Slow: real gloo ranks.
+pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("fanout_worker.py")
 
 

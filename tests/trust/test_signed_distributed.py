@@ -17,7 +17,8 @@ from tests.publish.harness import (
     write_base,
 )
 
-pytestmark = pytest.mark.timeout(180)
+# Slow: real gloo ranks.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 NAMES = [f"model.layers.{i}.weight" for i in range(4)]
 CHANGES = {1: {NAMES[0], NAMES[3]}, 2: {NAMES[1]}}
