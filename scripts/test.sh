@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Installs everything the tests need into .venv, then runs the linters, the type checker and
-# the test suite. This is the README's test command; .ci/run calls exactly this.
+# the test suite. This is the README's test command; .ci/run calls exactly this (the whole
+# suite, slow tests included). Arguments go to pytest: `bash scripts/test.sh -m "not slow"` is
+# the fast tier for the inner loop, without the tests marked slow (the CLI end to end, real
+# gloo ranks, the kill -9 loops, the soak run); once .venv exists,
+# `.venv/bin/python -m pytest -m "not slow" -q` runs the same tier without reinstalling.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
