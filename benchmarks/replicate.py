@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 import deltastore as ds
 from deltastore.format.index import VersionIndex
 from deltastore.format.safetensors_io import TensorLayout, write_safetensors
-from deltastore.storage import VersionStore
+from deltastore.storage import VersionStore, store_objects
 from deltastore.testing.servers import start_moto_s3
 
 BUCKET = "deltastore-bench"
@@ -72,7 +72,7 @@ def plain_copy(src: VersionStore, dst_fs: Any, dst_root: str, jobs: int, block: 
 
     def one(name: str) -> None:
         with (
-            open(src.file_path(1, name), "rb") as fh,
+            open(store_objects(src).file_path(1, name), "rb") as fh,
             dst_fs.open(f"{dst_root}/weight_v000001/{name}", "wb", block_size=block) as out,
         ):
             while chunk := fh.read(block):

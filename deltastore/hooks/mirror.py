@@ -252,7 +252,7 @@ def mirror_to_store(version_dir: str, remote: VersionStore, *, upload: bool = Tr
     if _remote_index(remote, version) is None:
         _upload(version_dir, remote, version, index, sizes)
     _verify_remote(remote, version, sizes, token)
-    log.info("mirrored %s to %s", version_dir, remote.version_url(version))
+    log.info("mirrored %s to %s/%s", version_dir, remote.url, version_dir_name(version))
     return version
 
 

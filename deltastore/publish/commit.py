@@ -42,7 +42,7 @@ def claim(
     """
     try:
         if stream.resumed:
-            return store.begin_next(stream.next_version - 1), None
+            return store.begin(after=stream.next_version - 1), None
         return store.begin(stream.next_version), None
     except Exception as exc:
         kind = "conflict" if isinstance(exc, VersionConflictError) else "publish"
@@ -56,18 +56,6 @@ def claim(
 def join(store: VersionStore, version: int, token: str) -> VersionWriter:
     """Another rank: write files of the version rank 0 claimed."""
     return store.join(version, token)
-
-
-def index_landed(store: VersionStore, version: int, token: str) -> bool | None:
-    """Whether readers see ``version`` committed with ``token``: True, False, or None when the
-    store cannot tell right now."""
-    try:
-        store.refresh()
-        if version not in store.versions():
-            return False
-        return store.index(version).commit_token == token
-    except Exception:
-        return None
 
 
 def commit_version(
@@ -87,7 +75,7 @@ def commit_version(
     Never raises: the outcome's failure says whether anything may have landed.
     """
     assert plan.layout is not None
-    version, url = plan.version, writer.store.url
+    version, url = plan.version, writer.store_url
     failure = written_failure(writes, version, url)
     if failure is not None:
         writer.abort()
@@ -146,7 +134,7 @@ def _commit_index(writer: VersionWriter, index: VersionIndex, reason: str) -> Fa
         return Failure(f"{reason}: {describe(exc)}; nothing was committed", "conflict")
     except Exception as exc:
         reason = f"{reason}: {describe(exc)}"
-        landed = index_landed(writer.store, writer.version, writer.token)
+        landed = writer.landed()
     if landed is None:
         # The index may stand (a check after it failed): never say nothing was committed.
         return Failure(f"{reason}; whether it landed is unknown", "uncertain")

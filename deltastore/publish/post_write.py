@@ -6,17 +6,17 @@ import time
 from collections.abc import Callable
 
 from deltastore.hooks.context import publishing_rank
-from deltastore.storage import VersionStore
+from deltastore.storage import VersionWriter
 
 
 def run_post_write(
-    store: VersionStore,
+    writer: VersionWriter,
     post_write: Callable[[str], None] | None,
     rank: int,
-    version: int,
     metrics: dict[str, float],
 ) -> BaseException | None:
-    """Run ``post_write`` (else the store's own hook) for ``version``; returns its error.
+    """Run ``post_write`` (else the store's own hook) for ``writer``'s version; returns its
+    error.
 
     The error is returned, not raised, so every rank reports it through the finish
     collective instead of leaving its peers waiting there. Adds ``hook_s`` to ``metrics``.
@@ -25,9 +25,9 @@ def run_post_write(
     try:
         with publishing_rank(rank):
             if post_write is not None:
-                post_write(store.version_url(version))
+                post_write(writer.url)
             else:
-                store.after_write(version)
+                writer.after_write()
     except Exception as exc:
         return exc
     finally:

@@ -217,14 +217,14 @@ class DeltaPublisher:
                 self.stream = stream.aborted()
             self._raise_failure(outcome.failure, local_error)
             advance_error = self._advance_phase(plan, outcome, diff, held, spool)
-        assert plan.layout is not None and outcome.totals is not None
+        assert plan.layout is not None and outcome.totals is not None and slot is not None
         self.stream = stream.committed(
             plan.version,
             full=plan.layout.full,
             wire_bytes=outcome.totals.wire_bytes,
             owner=plan.layout.owner,
         )
-        hook_error = run_post_write(self.store, self._post_write, self.rank, plan.version, metrics)
+        hook_error = run_post_write(slot, self._post_write, self.rank, metrics)
         metrics["publish_s"] = time.perf_counter() - started
         result = result_of(plan, outcome)
         finals = self._finish_phase(plan.version, advance_error, hook_error, metrics)

@@ -37,7 +37,7 @@ from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.replicate.digests import new_file_hasher, shard_checker
 from deltastore.replicate.plan import same_content
 from deltastore.replicate.report import Observer, ReplicationPolicy, VersionCopy
-from deltastore.storage import VersionStore, new_token
+from deltastore.storage import VersionStore, new_token, store_objects
 from deltastore.storage.copy import CopyJob, FileCopier
 from deltastore.storage.writer import VersionWriter, json_field
 
@@ -152,7 +152,7 @@ class VersionCopier:
         except BaseException:
             writer.abort()  # before commit(): no successor taken, so no tombstone either
             raise
-        self.dst.after_write(version)
+        writer.after_write()
         writer.commit(index)
         return VersionCopy(
             version=version,
@@ -221,7 +221,8 @@ class VersionCopier:
                     )
                 seconds = time.monotonic() - started
                 return VersionCopy(version, index.kind, "present", 0, 0, seconds, retries)
-            if self.dst.is_fenced(version):
+            objects = store_objects(self.dst)  # another writer's claim: the protocol's view
+            if objects.is_fenced(version):
                 log.error(
                     "%s is fenced (a tombstone) in %s: the replica can never hold it; its "
                     "chain resumes at the next full version",
@@ -230,7 +231,7 @@ class VersionCopier:
                 )
                 return None
             holder = json_field(
-                self.dst.read_optional(self.dst.claim_path(version)) or b"{}", "token"
+                objects.read_optional(objects.claim_path(version)) or b"{}", "token"
             )
             if not isinstance(holder, str):
                 return token  # the claim is gone (its writer aborted): claim it again

@@ -2,7 +2,6 @@
 retries, prune."""
 
 from deltastore.storage.prune import PruneReport
-from deltastore.storage.reads import DownloadSink
 from deltastore.storage.retry import RetryPolicy, is_transient
 from deltastore.storage.store import (
     PostWriteHook,
@@ -10,7 +9,9 @@ from deltastore.storage.store import (
     StoreListing,
     VersionStore,
     new_token,
+    store_objects,
 )
+from deltastore.storage.streams import DownloadSink
 from deltastore.storage.writer import VersionWriter
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "VersionWriter",
     "is_transient",
     "new_token",
+    "store_objects",
 ]

@@ -12,7 +12,8 @@ from deltastore.format.index import VersionIndex
 class IndexSource(Protocol):
     """What a chain walk needs of a store."""
 
-    url: str
+    @property
+    def url(self) -> str: ...
 
     def index(self, version: int) -> VersionIndex: ...
 

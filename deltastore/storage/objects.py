@@ -1,24 +1,27 @@
 """The store's protocol objects and file writes: what :class:`VersionWriter` and prune use.
 
-:class:`StoreObjects` is the writing half of :class:`~deltastore.storage.store.VersionStore`
-(a base class, like :class:`~deltastore.storage.reads.FileReads`, so the store's public API
-stays one object). It holds the small objects under ``_claims/`` (claims, tombstones,
-successors, probes), the create-only write each of them relies on, and the streamed write of
-a version's files. The writer is typed against this class, so it never imports the store
-module (which imports the writer).
+:class:`StoreObjects` is a part of every :class:`~deltastore.storage.store.VersionStore` (held,
+not inherited, so the store's public face stays the calls users and other layers make). It
+holds the small objects under ``_claims/`` (claims, tombstones, successors, probes), the
+create-only write each of them relies on, and the streamed write of a version's files. The
+writer and prune are typed against it, so neither imports the store module (which imports
+them). Nothing outside ``deltastore.storage`` reaches it except through
+:func:`~deltastore.storage.store.store_objects` (the conformance suite and fault tests).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import posixpath
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar
 
-from deltastore.errors import DeltastoreError, StoreError, TransientStoreError
+from deltastore.errors import ConfigError, DeltastoreError, StoreError, TransientStoreError
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.storage.listing import (
     ABORT_SUFFIX,
@@ -29,14 +32,22 @@ from deltastore.storage.listing import (
 )
 from deltastore.storage.retry import RetryPolicy
 
+log = logging.getLogger("deltastore.storage")
+
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-    from deltastore.errors import ConfigError
     from deltastore.format.index import VersionIndex
     from deltastore.storage.backends import Backend
+    from deltastore.storage.listing import StoreListing
 
 T = TypeVar("T")
+
+
+class Guard(Protocol):
+    """``guard(what, step)``: the store's retried, translated call of one idempotent step."""
+
+    def __call__(self, what: str, fn: Callable[[], T], /) -> T: ...
 
 
 def new_token() -> str:
@@ -54,42 +65,103 @@ def json_field(data: bytes, *keys: str) -> str | int | None:
     return None
 
 
-class StoreObjects:
-    """Claims, tombstones, successors and file writes; see
-    :class:`~deltastore.storage.store.VersionStore`. The stubs below are the store's."""
+class ObjectsOwner(Protocol):
+    """What :class:`StoreObjects` needs of the store that holds it."""
 
     url: str
     root: str
     block_size: int
-    backend: Backend
     retry: RetryPolicy
+    post_write: Callable[[str], None] | None
+    supports_exclusive_create: bool | None
+
+    @property
+    def fs(self) -> AbstractFileSystem: ...
+
+    def index(self, version: int) -> VersionIndex: ...
+
+    def listing(self) -> StoreListing: ...
+
+    def refresh(self, version: int | None = None) -> None: ...
+
+
+class StoreObjects:
+    """Claims, tombstones, successors and file writes of one store; see the module docstring.
+
+    ``guard`` is the store's retried, translated call (every idempotent step goes through it),
+    ``backend`` what differs between kinds of store.
+    """
+
+    def __init__(self, store: ObjectsOwner, backend: Backend, guard: Guard) -> None:
+        self.store = store
+        self.backend = backend
+        self._guard = guard
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    @property
+    def root(self) -> str:
+        return self.store.root
 
     @property
     def fs(self) -> AbstractFileSystem:
-        raise NotImplementedError
+        return self.store.fs
 
-    def version_path(self, version: int) -> str:
-        raise NotImplementedError
-
-    def file_path(self, version: int, name: str) -> str:
-        raise NotImplementedError
-
-    def _guard(self, what: str, fn: Callable[[], T]) -> T:
-        raise NotImplementedError
+    @property
+    def block_size(self) -> int:
+        return self.store.block_size
 
     def index(self, version: int) -> VersionIndex:
-        raise NotImplementedError
+        return self.store.index(version)
+
+    def listing(self) -> StoreListing:
+        return self.store.listing()
+
+    def refresh(self, version: int | None = None) -> None:
+        self.store.refresh(version)
+
+    def translate(self, what: str, exc: Exception) -> DeltastoreError:
+        """A failed step's exception as an error of the tree, naming the store."""
+        return self.backend.translate(self.url, self.store.retry, what, exc)
 
     def missing_root_error(self) -> ConfigError:
-        raise NotImplementedError
+        """The error for a remote root whose bucket does not exist (or is not visible)."""
+        bucket = self.root.lstrip("/").split("/", 1)[0]
+        return ConfigError(
+            f"bucket {bucket!r} of {self.url} does not exist or is not visible with these "
+            f"credentials; create it, or check the URL and {self.backend.endpoint_hint()}"
+        )
 
     def check_exclusive_create(self) -> bool:
-        raise NotImplementedError
+        """Probe once whether create-only writes are exclusive on this backend (see
+        :func:`probe_exclusive_create`); the answer is kept as the store's
+        ``supports_exclusive_create``."""
+        if self.store.supports_exclusive_create is None:
+            self.store.supports_exclusive_create = probe_exclusive_create(self)
+        return self.store.supports_exclusive_create
 
-    def _translate(self, what: str, exc: Exception) -> DeltastoreError:
-        return self.backend.translate(self.url, self.retry, what, exc)
+    def after_write(self, version: int) -> None:
+        """Run the store's post-write hook for a version whose files are all written."""
+        if self.store.post_write is not None:
+            self.store.post_write(self.version_url(version))
 
     # ------------------------------------------------------------------ paths
+    def version_path(self, version: int) -> str:
+        """Path (inside the filesystem) of a version's directory."""
+        return posixpath.join(self.root, version_dir_name(version))
+
+    def version_url(self, version: int) -> str:
+        """URL of a version's directory (what hooks receive)."""
+        if self.backend.is_local:
+            return self.version_path(version)
+        return posixpath.join(self.url, version_dir_name(version))
+
+    def file_path(self, version: int, name: str) -> str:
+        """Path of a file of a version."""
+        return posixpath.join(self.version_path(version), name)
+
     def claim_path(self, version: int) -> str:
         """Path of a version's claim object."""
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + CLAIM_SUFFIX)
@@ -133,11 +205,6 @@ class StoreObjects:
                     ) from None
 
         return self._guard(f"create-only write of {path}", attempt)
-
-    def _create_with_token(self, path: str, data: bytes, token: str, *keys: str) -> bool:
-        """Create-only write; True if ours stands (written now, or earlier with a lost ack)."""
-        existing = self.create_or_read(path, data)
-        return existing is None or json_field(existing, *keys) == token
 
     def is_fenced(self, version: int) -> bool:
         """Whether ``version`` carries a tombstone (fenced or unpublished by prune, or aborted
@@ -187,15 +254,14 @@ class StoreObjects:
 
     # ------------------------------------------------------------ version files
     def write_file(self, version: int, name: str, data: bytes | memoryview) -> None:
-        """Deprecated: use :meth:`VersionWriter.write_file` (kept while the publisher moves)."""
+        """Write one whole non-index file of a claimed version (retried as a whole)."""
         if name == INDEX_NAME:
             raise StoreError(f"{name} is written only by commit()")
         self.backend.write_file(self.file_path(version, name), data, self._guard)
 
     @contextlib.contextmanager
     def open_write(self, version: int, name: str) -> Iterator[BinaryIO]:
-        """Deprecated: use :meth:`VersionWriter.open_write`. A writable stream for one file of a
-        claimed, uncommitted version.
+        """A writable stream for one non-index file of a claimed, uncommitted version.
 
         Locally the file is written to a sibling temp file, fsynced and renamed into place, so
         a crash never leaves a complete-looking partial file. Remotely at most ``block_size``
@@ -215,7 +281,7 @@ class StoreObjects:
         except Exception as exc:
             if not body_done:
                 raise
-            raise self._translate(f"uploading {path}", exc) from exc
+            raise self.translate(f"uploading {path}", exc) from exc
 
     def prepare_commit(self, version: int) -> None:
         """Before the index write: make the version's directory and file names durable (an
@@ -226,3 +292,36 @@ class StoreObjects:
         """After a commit stands: make it durable and visible to this client."""
         self.backend.make_durable(self.root)
         self.fs.invalidate_cache(self.version_path(version))
+
+
+def probe_exclusive_create(store: StoreObjects) -> bool:
+    """Whether create-only writes are exclusive on ``store``'s backend.
+
+    Writes a probe object under ``_claims/`` twice, create-only, and expects the second write
+    to fail. Where it does not, concurrent writers of one version could both commit: a
+    warning says so. Raises :class:`ConfigError` if the bucket does not exist,
+    :class:`StoreError` if access is denied.
+    """
+    token = uuid.uuid4().hex
+    path = store.probe_path(token)
+    try:
+        store.create_or_read(path, json.dumps({"probe": True, "token": token}).encode())
+        try:
+            store.create_only(path, b"second")
+            exclusive = False
+        except FileExistsError:
+            exclusive = True
+    except FileNotFoundError:
+        raise store.missing_root_error() from None
+    finally:
+        with contextlib.suppress(Exception):
+            store.remove(path)
+    if not exclusive:
+        message = (
+            f"{store.url}: create-only writes are NOT exclusive on this backend (a second "
+            "create-only write of a probe object succeeded); two concurrent publishers "
+            "could both commit one version. Run exactly one publisher per store"
+        )
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return exclusive

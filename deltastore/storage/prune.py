@@ -35,7 +35,7 @@ from deltastore.errors import ConfigError, VersionNotFoundError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME
 from deltastore.progress import ProgressCallback, ProgressMeter
-from deltastore.storage.chain import iter_chain
+from deltastore.storage.chain import IndexSource, iter_chain
 from deltastore.storage.listing import FileEntry, StoreListing
 
 log = logging.getLogger("deltastore.storage")
@@ -98,9 +98,11 @@ class PruneReport:
 
 
 class PrunableStore(Protocol):
-    """What prune needs of a store (:class:`~deltastore.storage.store.VersionStore` is one)."""
+    """What prune needs of a store (:class:`~deltastore.storage.objects.StoreObjects`, the
+    protocol objects of a :class:`~deltastore.storage.store.VersionStore`, is one)."""
 
-    url: str
+    @property
+    def url(self) -> str: ...
 
     def refresh(self, version: int | None = None) -> None: ...
     def listing(self) -> StoreListing: ...
@@ -115,7 +117,7 @@ class PrunableStore(Protocol):
     def abort_path(self, version: int) -> str: ...
 
 
-def needed_versions(store: PrunableStore, roots: list[int], committed: set[int]) -> set[int]:
+def needed_versions(store: IndexSource, roots: list[int], committed: set[int]) -> set[int]:
     """Every version on the chains of ``roots`` (see :func:`iter_chain`). A link to a version
     that is not committed ends that walk with a warning (the chain is already broken; pull
     will say so)."""

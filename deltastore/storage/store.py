@@ -15,18 +15,24 @@ codecs. Versions are written only through :class:`~deltastore.storage.writer.Ver
   An explicitly configured endpoint that refuses the first connection fails at once.
 * **Backends.** What differs between a local directory, ``memory://`` and an object store
   is one :class:`~deltastore.storage.backends.Backend` object.
-* **Halves.** The protocol objects and file writes are
-  :class:`~deltastore.storage.objects.StoreObjects`, the reads
-  :class:`~deltastore.storage.reads.FileReads`; both are base classes of the store.
+* **Public face.** The store's methods are what users and the other layers call: list
+  (:meth:`~VersionStore.listing`, :meth:`~VersionStore.versions`,
+  :meth:`~VersionStore.latest`), read (:meth:`~VersionStore.index`, ranges, headers, streams,
+  downloads), :meth:`~VersionStore.refresh`, write (:meth:`~VersionStore.begin`,
+  :meth:`~VersionStore.join`) and :meth:`~VersionStore.prune`. The commit protocol's objects
+  (claims, tombstones, successors, create-only writes, file writes) are a
+  :class:`~deltastore.storage.objects.StoreObjects` the store holds; the writer and prune use
+  it, and :func:`store_objects` hands it to the conformance suite and fault tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import fsspec
 
@@ -38,18 +44,15 @@ from deltastore.errors import (
 )
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
+from deltastore.format.packed import unpack_header
+from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
 from deltastore.progress import ProgressCallback
 from deltastore.storage.backends import REMOTE_PROTOCOLS, Backend, make_backend
 from deltastore.storage.listing import StoreListing, parse_listing
 from deltastore.storage.objects import StoreObjects, new_token
-from deltastore.storage.reads import FileReads
 from deltastore.storage.retry import RetryPolicy
-from deltastore.storage.writer import (
-    VersionWriter,
-    begin_next_version,
-    begin_version,
-    probe_exclusive_create,
-)
+from deltastore.storage.streams import DownloadSink, read_back
+from deltastore.storage.writer import VersionWriter, begin_next_version, begin_version
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -62,6 +65,8 @@ T = TypeVar("T")
 
 DEFAULT_BLOCK_SIZE = 8 * 1024**2
 """Bytes buffered per open remote stream: one upload part, or one read-ahead block."""
+HEADER_GUESS = 64 * 1024
+"""Bytes a shard-header read asks for at once (the 8-byte length prefix and the header)."""
 MAX_INDEX_BYTES = 64 * 1024**2
 """Largest index a store reads (a 100k-tensor model's index is a few MiB)."""
 
@@ -71,7 +76,7 @@ PreReadHook = Callable[[str, int], None]
 """``pre_read(store_url, version)``: runs before a version is read."""
 
 
-class VersionStore(StoreObjects, FileReads):
+class VersionStore:
     """Published versions under one root URL (a local path, ``memory://``, ``s3://``, ``gs://``).
 
     ``storage_options`` go to fsspec; for ``s3://`` and ``gs://`` the store adds
@@ -121,23 +126,23 @@ class VersionStore(StoreObjects, FileReads):
             raise self._open_failed(url, protocol, exc) from None
         protocols = fs_class.protocol
         protocols = protocols if isinstance(protocols, tuple) else (protocols,)
-        self.backend: Backend = make_backend(protocols, lambda: self.fs, self.storage_options)
-        """How this kind of filesystem writes (see :mod:`deltastore.storage.backends`)."""
-        self.is_local = self.backend.is_local
-        self.is_memory = self.backend.is_memory
-        self.is_remote = self.backend.is_remote
+        self._backend: Backend = make_backend(protocols, lambda: self.fs, self.storage_options)
+        self.is_local = self._backend.is_local
+        self.is_memory = self._backend.is_memory
+        self.is_remote = self._backend.is_remote
         self._reached = not self.is_remote
         if self.is_local:
             root = os.path.abspath(root)
         self.root = root.rstrip("/") or "/"
-        self.url = self.backend.display_url(protocols[0], self.root)
+        self.url = self._backend.display_url(protocols[0], self.root)
         self.post_write = post_write
         self.pre_read = pre_read
         if retry is not None:
             self.retry = retry
-        self.block_size = self.backend.check_block_size(block_size or DEFAULT_BLOCK_SIZE)
-        self.supports_exclusive_create = self.backend.exclusive_create
+        self.block_size = self._backend.check_block_size(block_size or DEFAULT_BLOCK_SIZE)
+        self.supports_exclusive_create = self._backend.exclusive_create
         """Whether create-only writes are exclusive here; None until probed (first write)."""
+        self._objects = StoreObjects(self, self._backend, self._guard)
 
     @staticmethod
     def _open_failed(url: str, protocol: str | None, exc: Exception) -> ConfigError:
@@ -162,20 +167,6 @@ class VersionStore(StoreObjects, FileReads):
     def __repr__(self) -> str:
         return f"VersionStore({self.url!r})"
 
-    # ------------------------------------------------------------------ paths
-    def version_path(self, version: int) -> str:
-        """Path (inside the filesystem) of a version's directory."""
-        return posixpath.join(self.root, version_dir_name(version))
-
-    def version_url(self, version: int) -> str:
-        """URL of a version's directory (what hooks receive)."""
-        if self.backend.is_local:
-            return self.version_path(version)
-        return posixpath.join(self.url, version_dir_name(version))
-
-    def file_path(self, version: int, name: str) -> str:
-        return posixpath.join(self.version_path(version), name)
-
     # ----------------------------------------------------------------- errors
     def _guard(self, what: str, fn: Callable[[], T]) -> T:
         """Run one idempotent step with retries; translate what is left to the error tree.
@@ -183,22 +174,17 @@ class VersionStore(StoreObjects, FileReads):
         ``FileNotFoundError`` and ``FileExistsError`` pass through: callers give them meaning.
         """
         if not self._reached:
-            self.backend.check_reachable(self.url)
+            self._backend.check_reachable(self.url)
             self._reached = True
         try:
             return self.retry.call(what, fn)
         except (FileNotFoundError, FileExistsError, DeltastoreError):
             raise
         except Exception as exc:
-            raise self._translate(what, exc) from exc
+            raise self._objects.translate(what, exc) from exc
 
-    def missing_root_error(self) -> ConfigError:
-        """The error for a remote root whose bucket does not exist (or is not visible)."""
-        bucket = self.root.lstrip("/").split("/", 1)[0]
-        return ConfigError(
-            f"bucket {bucket!r} of {self.url} does not exist or is not visible with these "
-            f"credentials; create it, or check the URL and {self.backend.endpoint_hint()}"
-        )
+    def _path(self, version: int, name: str) -> str:
+        return self._objects.file_path(version, name)
 
     # ---------------------------------------------------------------- reading
     def refresh(self, version: int | None = None) -> None:
@@ -224,8 +210,8 @@ class VersionStore(StoreObjects, FileReads):
         try:
             found = self._guard(f"listing {self.url}", find)
         except FileNotFoundError:
-            if self.backend.is_remote:
-                raise self.missing_root_error() from None
+            if self._backend.is_remote:
+                raise self._objects.missing_root_error() from None
             found = {}
         return parse_listing(found, self.root)
 
@@ -257,7 +243,7 @@ class VersionStore(StoreObjects, FileReads):
         Raises :class:`VersionNotFoundError` if it is not committed (no index, or a
         tombstone), :class:`FormatError` if it is larger than :attr:`max_index_bytes`.
         """
-        path = self.file_path(version, INDEX_NAME)
+        path = self._path(version, INDEX_NAME)
         missing = VersionNotFoundError(
             f"weight_v{version:06d} is not committed in {self.url} (its index is missing or "
             "it was pruned); list committed versions with `deltastore ls`"
@@ -276,64 +262,160 @@ class VersionStore(StoreObjects, FileReads):
                 f"{self.max_index_bytes} byte limit on indexes; it is corrupt or not a "
                 "deltastore index"
             )
-        if self.is_fenced(version):
+        if self._objects.is_fenced(version):
             raise missing
         return bytes(data)
 
-    # ---------------------------------------------------------------- writing
-    def check_exclusive_create(self) -> bool:
-        """Probe once whether create-only writes are exclusive on this backend (see
-        :func:`~deltastore.storage.writer.probe_exclusive_create`)."""
-        if self.supports_exclusive_create is None:
-            self.supports_exclusive_create = probe_exclusive_create(self)
-        return self.supports_exclusive_create
-
     # ------------------------------------------------------------ transaction
-    def begin(self, version: int, *, token: str | None = None) -> VersionWriter[VersionStore]:
-        """Claim ``version`` and return its :class:`VersionWriter`.
+    def begin(
+        self,
+        version: int | None = None,
+        *,
+        after: int | None = None,
+        token: str | None = None,
+        max_skip: int = 64,
+    ) -> VersionWriter:
+        """Claim a version and return its :class:`VersionWriter`: ``version`` itself, or with
+        ``after`` the first claimable version above it (a resumed or new stream).
 
-        ``token`` (default: a new one) lets a writer that crashed resume its own claim.
-        Raises :class:`VersionConflictError` if the version is committed, fenced or claimed by
-        another writer.
+        ``token`` (default: a new one) lets a writer that crashed resume its own claim of
+        ``version``. With ``after``, versions claimed by another writer (live or crashed: a
+        store cannot tell) and fenced versions are skipped and their numbers never reused;
+        skipping is safe because a delta's commit must also take its base's one successor
+        object, so two writers extending one version never both commit. Raises
+        :class:`VersionConflictError` if ``version`` is committed, fenced or claimed by another
+        writer, or (``after``) a version above ``after`` is already committed (another writer
+        moved on: resume from it) or ``max_skip`` versions in a row are taken;
+        :class:`ConfigError` unless exactly one of ``version`` and ``after`` is given.
         """
-        return begin_version(self, version, token or new_token())
+        if (version is None) == (after is None):
+            raise ConfigError("begin() takes a version, or after= (the version to follow)")
+        if after is not None:
+            return begin_next_version(self._objects, after, token or new_token(), max_skip)
+        assert version is not None
+        return begin_version(self._objects, version, token or new_token())
 
-    def begin_next(self, after: int, *, max_skip: int = 64) -> VersionWriter[VersionStore]:
-        """Claim the first claimable version above ``after`` (a resumed or new stream).
-
-        Versions claimed by another writer (live or crashed: a store cannot tell) and fenced
-        versions are skipped: their numbers are never reused. Skipping is safe because a
-        delta's commit must also take its base's one successor object, so two writers
-        extending one version never both commit. Raises :class:`VersionConflictError` when a
-        version above ``after`` is already committed (another writer moved on: resume from
-        it) or ``max_skip`` versions in a row are taken.
-        """
-        return begin_next_version(self, after, new_token(), max_skip)
-
-    def join(self, version: int, token: str) -> VersionWriter[VersionStore]:
+    def join(self, version: int, token: str) -> VersionWriter:
         """A writer for the files of ``version``, claimed by another rank with ``token`` (a
         collective publish); its :meth:`VersionWriter.commit` is refused."""
-        return VersionWriter(self, version, token, claimant=False)
+        return VersionWriter(self._objects, version, token, claimant=False)
 
-    def after_write(self, version: int) -> None:
-        """Run the post-write hook for a version whose files are all written."""
-        if self.post_write is not None:
-            self.post_write(self.version_url(version))
+    # ------------------------------------------------------------------ files
+    def file_size(self, version: int, name: str) -> int:
+        """Size in bytes of a file of a version, asked of the store (never a cached listing)."""
+        path = self._path(version, name)
+        try:
+            info = self._guard(f"stat {path}", lambda: self.fs.info(path))
+        except FileNotFoundError:
+            raise VersionNotFoundError(
+                f"{name} of weight_v{version:06d} is missing in {self.url}; the version was "
+                "pruned or is corrupt"
+            ) from None
+        return int(info["size"])
 
-    # ----------------------------------------------------- deprecated writers
-    def claim(self, version: int, token: str) -> None:
-        """Deprecated: use :meth:`begin` (kept while the publisher moves over)."""
-        self.begin(version, token=token)
+    def read_range(self, version: int, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a file of a version (one ranged request).
 
-    def commit(self, version: int, index: VersionIndex) -> None:
-        """Deprecated: use :meth:`VersionWriter.commit` (kept while the publisher moves over)."""
-        if index.version != version or not index.commit_token:
-            raise ConfigError("commit() needs the index of this version with a commit_token")
-        VersionWriter(self, version, index.commit_token).commit(index)
+        Raises :class:`VersionNotFoundError` if the file vanished (pruned mid-read: the caller
+        should re-resolve the version), :class:`FormatError` if it is shorter than ``end``.
+        """
+        if end <= start:
+            # An empty range: asked of S3 it would read the whole object (an invalid Range).
+            if end < start:
+                raise FormatError(f"read_range({name!r}, {start}, {end}): end before start")
+            return b""
+        path = self._path(version, name)
+        try:
+            data = self._guard(
+                f"reading {path}[{start}:{end}]",
+                lambda: self.fs.cat_file(path, start=start, end=end),
+            )
+        except FileNotFoundError:
+            raise VersionNotFoundError(
+                f"{name} of weight_v{version:06d} vanished from {self.url} while being read; "
+                "it was pruned: pull again to re-resolve"
+            ) from None
+        if len(data) != end - start:
+            raise FormatError(
+                f"{name} of weight_v{version:06d} is truncated: asked bytes {start}..{end}, got "
+                f"{len(data)}"
+            )
+        return bytes(data)
 
-    def abort(self, version: int) -> None:
-        """Deprecated: use :meth:`VersionWriter.abort` (kept while the publisher moves over)."""
-        VersionWriter(self, version, "").abort()
+    def read_shard_header(self, version: int, name: str) -> SafetensorsHeader:
+        """Parse a shard's safetensors header with ranged reads (no data is read); a packed delta
+        shard's comes back with one entry and digest per tensor, as a plain one's."""
+        source = f"{self.url}/{version_dir_name(version)}/{name}"
+        size = self.file_size(version, name)
+        # One read covers the length prefix and a header of up to 64 KiB (most shards'); a
+        # longer header takes a second read for the rest.
+        head = self.read_range(version, name, 0, min(HEADER_GUESS, size))
+        length = header_length(head[:8], source=source)
+        if 8 + length > size:
+            raise FormatError(f"{source} is truncated inside its {length}-byte header")
+        if 8 + length > len(head):
+            head += self.read_range(version, name, len(head), 8 + length)
+        header = parse_header(head[8 : 8 + length], file_size=size, source=source)
+        return unpack_header(header, source=source)
+
+    def download(self, version: int, name: str, dst: str, sink: DownloadSink | None = None) -> int:
+        """Copy a file of a version to the local path ``dst`` (not fsynced) and return its size
+        in bytes; ``sink`` sees every byte, in order, as it is written.
+
+        One streamed GET on S3 (the next block is read while this one is written); gcsfs has
+        no streamed read, so there ``fs.get_file`` downloads and the sink reads the copy back.
+        A retry rewrites ``dst`` whole and restarts the sink. Raises
+        :class:`VersionNotFoundError` if the file is missing (pruned).
+        """
+        path = self._path(version, name)
+
+        def attempt() -> int:
+            if sink is not None:
+                sink.restart()
+            blocks = self._backend.read_blocks(path, self.block_size)
+            if blocks is None:
+                self.fs.get_file(path, dst)
+                return read_back(dst, sink, self.block_size)
+            size = 0
+            with contextlib.closing(blocks), open(dst, "wb") as out:
+                for data in blocks:
+                    out.write(data)
+                    if sink is not None:
+                        sink.update(data)
+                    size += len(data)
+            return size
+
+        try:
+            return self._guard(f"downloading {path}", attempt)
+        except FileNotFoundError:
+            raise VersionNotFoundError(
+                f"{name} of weight_v{version:06d} is missing in {self.url}"
+            ) from None
+
+    @contextlib.contextmanager
+    def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
+        """A readable binary stream of a file of a version (read-ahead of ``block_size``)."""
+        path = self._path(version, name)
+        kwargs = self._backend.read_options(self.block_size)
+        try:
+            fh = self._guard(f"opening {path}", lambda: self.fs.open(path, "rb", **kwargs))
+        except FileNotFoundError:
+            raise VersionNotFoundError(
+                f"{name} of weight_v{version:06d} is missing in {self.url}"
+            ) from None
+        with fh:
+            yield fh
+
+    def list_files(self, version: int) -> list[str]:
+        """Plain file names inside a version's directory."""
+        path = self._objects.version_path(version)
+        try:
+            entries = self._guard(f"listing {path}", lambda: self.fs.ls(path, detail=True))
+        except FileNotFoundError:
+            return []
+        return sorted(
+            posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file"
+        )
 
     # ------------------------------------------------------------------ prune
     def prune(
@@ -347,4 +429,11 @@ class VersionStore(StoreObjects, FileReads):
         """Remove old versions and garbage; see :func:`deltastore.storage.prune.prune`."""
         from deltastore.storage.prune import prune
 
-        return prune(self, keep=keep, grace_s=grace_s, dry_run=dry_run, progress=progress)
+        return prune(self._objects, keep=keep, grace_s=grace_s, dry_run=dry_run, progress=progress)
+
+
+def store_objects(store: VersionStore) -> StoreObjects:
+    """The commit protocol's objects of ``store`` (claims, tombstones, successors, create-only
+    and file writes): for the conformance suite, fault tests and tools that inspect the
+    protocol; writers go through :meth:`VersionStore.begin`."""
+    return store._objects

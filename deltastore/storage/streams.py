@@ -1,4 +1,5 @@
-"""Reading a whole file front to back in blocks: one streamed GET on an object store.
+"""Reading a whole file front to back in blocks: one streamed GET on an object store, and the
+sink a download feeds each byte to as it is written.
 
 A download that writes (and hashes) as the bytes arrive lets the disk flush and the digests run
 while the transfer goes on. ``fs.get_file`` does neither: s3fs's sends a GET only to learn the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import os
 from collections.abc import Coroutine, Generator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -94,3 +96,25 @@ async def _close(stream: _AsyncStream) -> None:
     if body is not None:
         body.close()
     await stream.close()
+
+
+class DownloadSink(Protocol):
+    """What :meth:`VersionStore.download` feeds a file's bytes to as they arrive."""
+
+    def restart(self) -> None:
+        """Forget what was fed: the file comes again from its first byte (a retry)."""
+
+    def update(self, data: bytes) -> None:
+        """The file's next bytes."""
+
+
+def read_back(path: str, sink: DownloadSink | None, block_size: int) -> int:
+    """Feed a downloaded local file to ``sink``; its size."""
+    if sink is None:
+        return os.path.getsize(path)
+    size = 0
+    with open(path, "rb") as fh:
+        while data := fh.read(block_size):
+            sink.update(data)
+            size += len(data)
+    return size

@@ -32,20 +32,14 @@ import dataclasses
 import json
 import logging
 import time
-import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import BinaryIO, Generic, TypeVar
+from typing import BinaryIO
 
 from deltastore.errors import ConfigError, StoreError, VersionConflictError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME
 from deltastore.storage.objects import StoreObjects, json_field
-
-S = TypeVar("S", bound=StoreObjects)
-"""The store a writer writes to (typed as its :class:`StoreObjects` half, so this module never
-imports the store module, which imports it)."""
 
 log = logging.getLogger("deltastore.storage")
 
@@ -57,24 +51,39 @@ StepHook = Callable[[str], object]
 ``"index"``, ``"recheck"``); tests pause the writer there while another party runs."""
 
 
-class VersionWriter(Generic[S]):
+class VersionWriter:
     """Writes the files of one claimed version and commits it; a context manager that aborts
-    on an exception unless committed. Obtain one from :meth:`VersionStore.begin`,
-    :meth:`VersionStore.begin_next` or (non-zero ranks) :meth:`VersionStore.join`."""
+    on an exception unless committed. Obtain one from :meth:`VersionStore.begin` or (non-zero
+    ranks) :meth:`VersionStore.join`. ``objects`` are the protocol objects of the store it
+    writes to (typed as such, so this module never imports the store module, which imports
+    it)."""
 
-    def __init__(self, store: S, version: int, token: str, *, claimant: bool = True) -> None:
-        self.store = store
+    def __init__(
+        self, objects: StoreObjects, version: int, token: str, *, claimant: bool = True
+    ) -> None:
+        self.objects = objects
         self.version = version
         self.token = token
         self.claimant = claimant
         """True for the writer that took the claim (only it commits or aborts)."""
         self.committed = False
-        self._step_hook: StepHook | None = None
+        self.step_hook: StepHook | None = None
+        """Called before each protocol step of :meth:`commit` (tests pause the writer there)."""
 
     def __repr__(self) -> str:
-        return f"VersionWriter({self.store.url!r}, weight_v{self.version:06d})"
+        return f"VersionWriter({self.objects.url!r}, weight_v{self.version:06d})"
 
-    def __enter__(self) -> VersionWriter[S]:
+    @property
+    def url(self) -> str:
+        """URL of this version's directory (what hooks receive)."""
+        return self.objects.version_url(self.version)
+
+    @property
+    def store_url(self) -> str:
+        """URL of the store this writer writes to."""
+        return self.objects.url
+
+    def __enter__(self) -> VersionWriter:
         return self
 
     def __exit__(
@@ -87,8 +96,8 @@ class VersionWriter(Generic[S]):
             self.abort()
 
     def _step(self, name: str) -> None:
-        if self._step_hook is not None:
-            self._step_hook(name)
+        if self.step_hook is not None:
+            self.step_hook(name)
 
     @property
     def _name(self) -> str:
@@ -97,14 +106,22 @@ class VersionWriter(Generic[S]):
     # ---------------------------------------------------------------- files
     @contextlib.contextmanager
     def open_write(self, name: str) -> Iterator[BinaryIO]:
-        """A writable stream for one non-index file of this version (bounded memory: see
-        :meth:`VersionStore.open_write`). Raises :class:`StoreError` for the index's name."""
-        with self.store.open_write(self.version, name) as fh:
+        """A writable stream for one non-index file of this version. Locally the file is
+        written to a sibling temp file, fsynced and renamed into place, so a crash never leaves
+        a complete-looking partial file. Remotely at most the store's ``block_size`` bytes are
+        buffered: larger files go up as a multipart (S3) or resumable (GCS) upload that
+        completes on close; if the caller raises, the upload is abandoned, never completed.
+        Raises :class:`StoreError` for the index's name."""
+        with self.objects.open_write(self.version, name) as fh:
             yield fh
 
     def write_file(self, name: str, data: bytes | memoryview) -> None:
         """Write one whole non-index file of this version (retried as a whole)."""
-        self.store.write_file(self.version, name, data)
+        self.objects.write_file(self.version, name, data)
+
+    def after_write(self) -> None:
+        """Run the store's post-write hook for this version (its files are all written)."""
+        self.objects.after_write(self.version)
 
     # --------------------------------------------------------------- commit
     def commit(self, index: VersionIndex) -> VersionIndex:
@@ -123,7 +140,7 @@ class VersionWriter(Generic[S]):
         if index.version != self.version:
             raise ConfigError(f"commit() of {self._name} got the index of v{index.version:06d}")
         index = dataclasses.replace(index, commit_token=self.token)
-        store = self.store
+        store = self.objects
         for shard in index.shards():
             if not store.exists(store.file_path(self.version, shard)):
                 raise StoreError(f"cannot commit {self._name}: shard {shard} is not written")
@@ -157,7 +174,7 @@ class VersionWriter(Generic[S]):
         data only after writing one; the readers' view then decides.
         """
         try:
-            fenced = self.store.is_fenced(self.version)
+            fenced = self.objects.is_fenced(self.version)
         except Exception as exc:
             if self._visible_as_ours():
                 log.warning(
@@ -168,27 +185,38 @@ class VersionWriter(Generic[S]):
                 )
                 return
             raise StoreError(
-                f"{self._name} in {self.store.url}: the check after writing its index failed "
+                f"{self._name} in {self.objects.url}: the check after writing its index failed "
                 f"({exc}); whether it is published is undetermined: check with `deltastore ls`"
             ) from exc
         if fenced:
             with contextlib.suppress(Exception):
-                self.store.remove(index_path)
+                self.objects.remove(index_path)
             raise VersionConflictError(
-                f"{self._name} in {self.store.url} was fenced by prune while its index was "
+                f"{self._name} in {self.objects.url} was fenced by prune while its index was "
                 "being written; it was not committed. Publish the next version instead"
             )
+
+    def landed(self) -> bool | None:
+        """Whether readers see this version committed with this writer's token: True, False,
+        or None when the store cannot tell right now (after a commit that raised)."""
+        try:
+            self.objects.refresh()
+            if self.version not in self.objects.listing().committed:
+                return False
+            return self.objects.index(self.version).commit_token == self.token
+        except Exception:
+            return None
 
     def _visible_as_ours(self) -> bool:
         """Whether readers see this version committed with this writer's token."""
         try:
-            return self.store.index(self.version).commit_token == self.token
+            return self.objects.index(self.version).commit_token == self.token
         except Exception:
             return False
 
     def _check_fence(self) -> None:
         """Refuse a version with a tombstone, or whose claim is missing or another writer's."""
-        store = self.store
+        store = self.objects
         if store.is_fenced(self.version):
             raise VersionConflictError(
                 f"{self._name} in {store.url} is fenced by a tombstone "
@@ -204,7 +232,7 @@ class VersionWriter(Generic[S]):
 
     def _take_successor(self, base: int) -> None:
         """Become the one successor of ``base``, or raise :class:`VersionConflictError`."""
-        store = self.store
+        store = self.objects
         body = json.dumps({"base": base, "version": self.version, "token": self.token}).encode()
         for generation in range(MAX_SUCCESSOR_GENERATIONS):
             path = store.successor_path(base, generation)
@@ -231,7 +259,7 @@ class VersionWriter(Generic[S]):
         """Whether another writer's successor object can never lead to a commit: its version
         has a tombstone, or its claim no longer holds its token (the writer aborted, which
         removes the claim; a commit needs the claim)."""
-        store = self.store
+        store = self.objects
         if store.is_fenced(version):
             return True
         claim = store.read_optional(store.claim_path(version))
@@ -248,7 +276,7 @@ class VersionWriter(Generic[S]):
         """
         if self.committed or not self.claimant:
             return
-        store = self.store
+        store = self.objects
         try:
             if store.exists(store.file_path(self.version, INDEX_NAME)):
                 return
@@ -272,7 +300,7 @@ def claim_body(version: int, token: str) -> bytes:
     return json.dumps({"version": version, "token": token, "time": time.time()}).encode()
 
 
-# ------------------------------------------------------------ claiming (VersionStore.begin*)
+# ------------------------------------------------------------ claiming (VersionStore.begin)
 def _try_claim(store: StoreObjects, version: int, token: str) -> str | None:
     """Take ``version``'s claim: None on success, else why not (``committed``, ``fenced``,
     ``claimed``)."""
@@ -295,16 +323,16 @@ _REFUSED = {
 }
 
 
-def begin_version(store: S, version: int, token: str) -> VersionWriter[S]:
-    """See :meth:`VersionStore.begin`."""
+def begin_version(store: StoreObjects, version: int, token: str) -> VersionWriter:
+    """Claim ``version`` (see :meth:`VersionStore.begin`)."""
     why = _try_claim(store, version, token)
     if why is not None:
         raise VersionConflictError(f"weight_v{version:06d} in {store.url} {_REFUSED[why]}")
     return VersionWriter(store, version, token)
 
 
-def begin_next_version(store: S, after: int, token: str, max_skip: int) -> VersionWriter[S]:
-    """See :meth:`VersionStore.begin_next`."""
+def begin_next_version(store: StoreObjects, after: int, token: str, max_skip: int) -> VersionWriter:
+    """Claim the first claimable version above ``after`` (see :meth:`VersionStore.begin`)."""
     for version in range(after + 1, after + 1 + max_skip):
         why = _try_claim(store, version, token)
         if why is None:
@@ -325,36 +353,3 @@ def begin_next_version(store: S, after: int, token: str, max_skip: int) -> Versi
         f"{max_skip} versions after weight_v{after:06d} in {store.url} are claimed or "
         "fenced; run `deltastore prune` to fence stale claims, then resume"
     )
-
-
-def probe_exclusive_create(store: StoreObjects) -> bool:
-    """Whether create-only writes are exclusive on ``store``'s backend.
-
-    Writes a probe object under ``_claims/`` twice, create-only, and expects the second write
-    to fail. Where it does not, concurrent writers of one version could both commit: a
-    warning says so. Raises :class:`ConfigError` if the bucket does not exist,
-    :class:`StoreError` if access is denied.
-    """
-    token = uuid.uuid4().hex
-    path = store.probe_path(token)
-    try:
-        store.create_or_read(path, json.dumps({"probe": True, "token": token}).encode())
-        try:
-            store.create_only(path, b"second")
-            exclusive = False
-        except FileExistsError:
-            exclusive = True
-    except FileNotFoundError:
-        raise store.missing_root_error() from None
-    finally:
-        with contextlib.suppress(Exception):
-            store.remove(path)
-    if not exclusive:
-        message = (
-            f"{store.url}: create-only writes are NOT exclusive on this backend (a second "
-            "create-only write of a probe object succeeded); two concurrent publishers "
-            "could both commit one version. Run exactly one publisher per store"
-        )
-        log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-    return exclusive

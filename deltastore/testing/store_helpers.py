@@ -20,7 +20,7 @@ from deltastore.storage.writer import VersionWriter
 from deltastore.testing.faults import Fault, FaultProxy
 
 WRITER_STEPS = ("fence-check", "successor", "index", "recheck")
-"""The points of :meth:`VersionWriter.commit` a test can pause at (its ``_step_hook``)."""
+"""The points of :meth:`VersionWriter.commit` a test can pause at (its ``step_hook``)."""
 
 
 class _WriterKilled(BaseException):

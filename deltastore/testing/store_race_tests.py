@@ -30,7 +30,7 @@ class RaceConformance(ConformanceBase):
     """The writer-against-pruner and resumed-writer races every backend must survive."""
 
     # ------------------------------------------------------------------ races
-    # Each race pauses a writer before one protocol step (VersionWriter._step_hook) while the
+    # Each race pauses a writer before one protocol step (VersionWriter.step_hook) while the
     # other party runs to completion, for every step in turn.
 
     @pytest.mark.parametrize("step", WRITER_STEPS)
@@ -42,7 +42,7 @@ class RaceConformance(ConformanceBase):
         write_version(self.make_store(store_url, storage_options), 1)
         writer, index = start_version(self.make_store(store_url, storage_options), 2, base=1)
         pruner = self.make_store(store_url, storage_options)
-        writer._step_hook = lambda name: pruner.prune(keep=5, grace_s=0) if name == step else None
+        writer.step_hook = lambda name: pruner.prune(keep=5, grace_s=0) if name == step else None
         try:
             writer.commit(index)
             committed = True
@@ -73,9 +73,9 @@ class RaceConformance(ConformanceBase):
                 def unreachable(version: int) -> bool:
                     raise TransientStoreError("store unreachable (injected)")
 
-                writer.store.is_fenced = unreachable  # type: ignore[method-assign]
+                writer.objects.is_fenced = unreachable  # type: ignore[method-assign]
 
-        writer._step_hook = hook
+        writer.step_hook = hook
         with pytest.raises((_WriterKilled, StoreError)):
             writer.commit(index)
         assert INDEX_NAME in pruner.list_files(2), "the late index should have landed"
@@ -106,8 +106,8 @@ class RaceConformance(ConformanceBase):
         """Two publishers resumed on one store both build on v1: the second skips the first's
         live claim (v2) and takes v3, yet only one of them commits a successor of v1."""
         write_version(self.make_store(store_url, storage_options), 1)
-        first = self.make_store(store_url, storage_options).begin_next(1)
-        second = self.make_store(store_url, storage_options).begin_next(1)
+        first = self.make_store(store_url, storage_options).begin(after=1)
+        second = self.make_store(store_url, storage_options).begin(after=1)
         assert (first.version, second.version) == (2, 3)
         first_index = fill_version(first, base=1)
         second_index = fill_version(second, base=1)
@@ -121,7 +121,7 @@ class RaceConformance(ConformanceBase):
                 assert "weight_v000001" in str(exc) and "resume" in str(exc)
                 outcomes[writer.version] = "conflict"
 
-        second._step_hook = lambda name: commit(first, first_index) if name == step else None
+        second.step_hook = lambda name: commit(first, first_index) if name == step else None
         commit(second, second_index)
         assert sorted(outcomes.values()) == ["committed", "conflict"], outcomes
         winner = next(v for v, outcome in outcomes.items() if outcome == "committed")
@@ -136,7 +136,7 @@ class RaceConformance(ConformanceBase):
     ) -> None:
         write_version(self.make_store(store_url, storage_options), 1)
         start_version(self.make_store(store_url, storage_options), 2, base=1)  # then kill -9
-        resumed = self.make_store(store_url, storage_options).begin_next(1)
+        resumed = self.make_store(store_url, storage_options).begin(after=1)
         assert resumed.version == 3
         resumed.commit(fill_version(resumed, base=1))
         assert self.make_store(store_url, storage_options).versions() == [1, 3]
@@ -151,10 +151,10 @@ class RaceConformance(ConformanceBase):
             if name == "index":
                 raise OSError("index write failed (injected)")
 
-        failing._step_hook = fail
+        failing.step_hook = fail
         with pytest.raises(OSError, match="injected"), failing:
             failing.commit(index)  # took v1's successor, then failed: aborted on exit
-        retry = self.make_store(store_url, storage_options).begin_next(1)
+        retry = self.make_store(store_url, storage_options).begin(after=1)
         assert retry.version == 2  # the aborted claim was removed: the number is reused
         retry.commit(fill_version(retry, base=1))
         assert self.make_store(store_url, storage_options).versions() == [1, 2]
@@ -166,4 +166,4 @@ class RaceConformance(ConformanceBase):
         write_version(store, 1)
         write_version(store, 2, base=1)
         with pytest.raises(VersionConflictError, match=r"weight_v000002.*resume"):
-            store.begin_next(1)
+            store.begin(after=1)

@@ -18,7 +18,7 @@ acknowledgements, permanent errors and fencing mid-commit. ``supports_processes 
 skips the multi-process tests (``memory://`` lives inside one process).
 
 The tests use only the public store API plus the on-disk layout (``_claims/``, tombstones),
-and :class:`VersionWriter`'s ``_step_hook`` to pause a writer between protocol steps.
+and :class:`VersionWriter`'s ``step_hook`` to pause a writer between protocol steps.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.names import INDEX_NAME, full_shard_name
-from deltastore.storage import VersionStore, new_token
+from deltastore.storage import VersionStore, new_token, store_objects
 from deltastore.storage.writer import VersionWriter
 from deltastore.testing.faults import Fault, FaultProxy
 from deltastore.testing.store_helpers import (
@@ -91,7 +91,7 @@ class StoreConformance(PruneConformance, RaceConformance):
         write_version(store, 2, base=1, commit=False)
         # Shards in a version directory nobody claimed, as a crashed foreign writer leaves.
         raw = self.make_store(store_url, storage_options)
-        raw.write_file(3, full_shard_name(0, 1), shard_bytes({"w": b"x"}))
+        store_objects(raw).write_file(3, full_shard_name(0, 1), shard_bytes({"w": b"x"}))
         reader = self.make_store(store_url, storage_options)
         assert reader.versions() == [1]
         assert reader.latest() == 1
@@ -102,7 +102,7 @@ class StoreConformance(PruneConformance, RaceConformance):
         # What a writer whose acknowledgement was lost does: the index exists with its token.
         index = write_version(store, 1)
         assert index.commit_token is not None
-        VersionWriter(store, 1, index.commit_token).commit(index)
+        VersionWriter(store_objects(store), 1, index.commit_token).commit(index)
         assert store.versions() == [1]
 
     def test_second_writer_never_touches_the_winners_files(
@@ -115,7 +115,7 @@ class StoreConformance(PruneConformance, RaceConformance):
         winner = writer.commit(winner)
         # A writer that lost its claim (e.g. a zombie) cannot commit either.
         with pytest.raises(VersionConflictError):
-            VersionWriter(other, 1, new_token()).commit(winner)
+            VersionWriter(store_objects(other), 1, new_token()).commit(winner)
         assert store.index(1).commit_token == winner.commit_token
         shard = next(iter(winner.shards()))
         header = store.read_shard_header(1, shard)
@@ -290,7 +290,7 @@ class StoreConformance(PruneConformance, RaceConformance):
         assert "half.safetensors" not in store.list_files(1)
 
     def test_create_only_is_exclusive(self, store: VersionStore) -> None:
-        assert store.check_exclusive_create() is True
+        assert store_objects(store).check_exclusive_create() is True
         assert store.supports_exclusive_create is True
 
     def test_create_only_race_has_one_winner(
@@ -300,14 +300,14 @@ class StoreConformance(PruneConformance, RaceConformance):
         # object, each its own client; exactly one succeeds, the rest get FileExistsError.
         writers = 6
         stores = [self.make_store(store_url, storage_options) for _ in range(writers)]
-        path = stores[0].claim_path(1)
+        path = store_objects(stores[0]).claim_path(1)
         barrier = threading.Barrier(writers)
         outcomes: dict[int, str] = {}
 
         def race(i: int) -> None:
             barrier.wait(timeout=60)
             try:
-                stores[i].create_only(path, f"writer {i}".encode())
+                store_objects(stores[i]).create_only(path, f"writer {i}".encode())
                 outcomes[i] = "created"
             except FileExistsError:
                 outcomes[i] = "exists"
@@ -321,7 +321,7 @@ class StoreConformance(PruneConformance, RaceConformance):
             thread.join(120)
         winners = [i for i, outcome in outcomes.items() if outcome == "created"]
         assert sorted(outcomes.values()) == ["created"] + ["exists"] * (writers - 1), outcomes
-        assert stores[0].read_optional(path) == f"writer {winners[0]}".encode()
+        assert store_objects(stores[0]).read_optional(path) == f"writer {winners[0]}".encode()
 
     # ------------------------------------------------- faults (HTTP backends)
     def test_transient_errors_are_retried(
@@ -367,7 +367,7 @@ class StoreConformance(PruneConformance, RaceConformance):
         write_version(pruner, 1)
 
         def fence() -> None:
-            pruner.fs.pipe_file(pruner.abort_path(2), b'{"reason": "fenced"}')
+            pruner.fs.pipe_file(store_objects(pruner).abort_path(2), b'{"reason": "fenced"}')
 
         # The abort marker lands after the zombie's checks, before its index is written.
         proxy.add(self.index_write_fault("forward", before=fence))

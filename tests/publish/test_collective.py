@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import deltastore as ds
 from deltastore.format.names import INDEX_NAME
-from deltastore.storage import VersionStore
+from deltastore.storage import VersionStore, store_objects
 from tests.publish.harness import (
     assert_checkpoint_equals,
     base_tensors,
@@ -179,10 +179,17 @@ class FlakyStore(VersionStore):
 
     fail_writes = False
 
-    def open_write(self, version: int, name: str) -> Any:
-        if self.fail_writes:
-            raise OSError(f"injected write failure for {name}")
-        return super().open_write(version, name)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        objects = store_objects(self)
+        open_write = objects.open_write
+
+        def flaky(version: int, name: str) -> Any:
+            if self.fail_writes:
+                raise OSError(f"injected write failure for {name}")
+            return open_write(version, name)
+
+        objects.open_write = flaky  # type: ignore[method-assign]
 
 
 def _store_state(root: Path) -> dict[str, list[str]]:

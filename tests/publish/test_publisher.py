@@ -8,7 +8,6 @@ post-write hook happens after the commit, so there the version stands and the sn
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -29,6 +28,7 @@ from deltastore.errors import (
 )
 from deltastore.format.names import INDEX_NAME
 from deltastore.publish import METRIC_KEYS, PublisherConfig
+from deltastore.storage import VersionWriter, store_objects
 from tests.conftest import checkpoint_bytes, perturb, raw_bytes
 
 Model = dict[str, torch.Tensor]
@@ -192,9 +192,10 @@ def test_committing_an_existing_version_conflicts(
     # Directly: a second commit of a committed version with another token conflicts...
     index = store.index(1)
     with pytest.raises(VersionConflictError):
-        store.commit(1, dataclasses.replace(index, commit_token="someone-else"))
+        VersionWriter(store_objects(store), 1, "someone-else").commit(index)
     # ...while the same token (the writer's own commit, acknowledgement lost) stands.
-    store.commit(1, index)
+    assert index.commit_token is not None
+    VersionWriter(store_objects(store), 1, index.commit_token).commit(index)
     assert store.versions() == [1]
 
 
@@ -270,7 +271,7 @@ def test_post_write_hook_gets_the_reference_arguments(
     )
     publisher.seed()
     publisher.publish(perturb(small_model, 1).items())
-    assert calls == [(args, publisher.store.version_url(1), engines)]
+    assert calls == [(args, store_objects(publisher.store).version_url(1), engines)]
 
 
 # ------------------------------------------------- snapshot advances only on success
@@ -311,13 +312,20 @@ class FlakyCommitStore(ds.VersionStore):
     blind = False
     """Reads of the version listing fail (the store cannot tell what landed)."""
 
-    def create_or_read(self, path: str, data: bytes) -> bytes | None:
-        if self.fail and path.endswith(INDEX_NAME):
-            self.fail -= 1
-            if self.land:
-                super().create_or_read(path, data)
-            raise OSError("connection reset while writing the index")
-        return super().create_or_read(path, data)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        objects = store_objects(self)
+        create_or_read = objects.create_or_read
+
+        def flaky(path: str, data: bytes) -> bytes | None:
+            if self.fail and path.endswith(INDEX_NAME):
+                self.fail -= 1
+                if self.land:
+                    create_or_read(path, data)
+                raise OSError("connection reset while writing the index")
+            return create_or_read(path, data)
+
+        objects.create_or_read = flaky  # type: ignore[method-assign]
 
     def refresh(self, version: int | None = None) -> None:
         if self.blind:

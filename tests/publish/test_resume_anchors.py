@@ -123,8 +123,8 @@ def test_resume_after_kill_9_of_every_rank(tmp_path: Path) -> None:
     assert_checkpoint_equals(local, model(3))
 
     # A writer crashed after claiming v4 and writing part of a shard: never reuse that number.
-    store.claim(4, "crashed-writer")
-    store.write_file(4, "model-00000-of-00002.safetensors", b"partial garbage")
+    writer = store.begin(4, token="crashed-writer")
+    writer.write_file("model-00000-of-00002.safetensors", b"partial garbage")
     outs = run_ranks(
         2, _resume, tmp_path / "ranks", base=str(base), store_url=str(store_dir), step=4
     )

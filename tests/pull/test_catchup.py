@@ -14,6 +14,7 @@ from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.pull import LocalCheckpoint
 from deltastore.pull.history import collect_history
 from deltastore.pull.mapped import MappedFiles
+from deltastore.storage import store_objects
 from tests.pull.helpers import (
     evolve,
     local_bytes,
@@ -92,7 +93,7 @@ def test_failed_catch_up_puts_every_tensor_back(
     store = VersionStore(str(published.store_dir))
     index = store.index(5)
     victim = max(index.weight_map)
-    shard = Path(store.file_path(5, index.weight_map[victim]))
+    shard = Path(store_objects(store).file_path(5, index.weight_map[victim]))
     entry = store.read_shard_header(5, index.weight_map[victim]).tensors[victim]
     data = bytearray(shard.read_bytes())
     for at in range(entry.start + 8, entry.end):
@@ -148,7 +149,7 @@ def test_a_failure_in_one_task_puts_back_the_tensors_of_every_window_and_task(
         for tensor in windows[1].tensors[1::3]
         if tensor.payloads[-1].version == 3 and tensor.name in index.weight_map
     )
-    shard = Path(store.file_path(3, index.weight_map[victim]))
+    shard = Path(store_objects(store).file_path(3, index.weight_map[victim]))
     entry = store.read_shard_header(3, index.weight_map[victim]).tensors[victim]
     data = bytearray(shard.read_bytes())
     for at in range(entry.start + 8, entry.end):

@@ -14,6 +14,7 @@ import torch
 import deltastore as ds
 import deltastore.pull.apply as apply_module
 from deltastore.pull import batches
+from deltastore.storage import store_objects
 from tests.conftest import checkpoint_bytes, make_checkpoint, perturb, raw_bytes, small_tensors
 from tests.progress_check import Recorder, report_every_step
 
@@ -92,9 +93,9 @@ def test_a_reseed_from_a_full_version_reports_the_download(chain, tmp_path: Path
     ds.pull_weights(host, store, 4, base_dir=base, progress=progress)
     totals = progress.check()
     assert progress.phases() == ["download", "apply"]
-    assert totals["download"] == _file_bytes(Path(store.version_path(3))) - os.path.getsize(
-        store.file_path(3, "model.safetensors.index.json")
-    )
+    objects = store_objects(store)
+    index_size = os.path.getsize(objects.file_path(3, "model.safetensors.index.json"))
+    assert totals["download"] == _file_bytes(Path(objects.version_path(3))) - index_size
     _at(host, store, base, states[4], 4)
 
 

@@ -11,7 +11,7 @@ import deltastore as ds
 from deltastore.errors import ConfigError, IntegrityError, StreamError
 from deltastore.format.names import INDEX_NAME
 from deltastore.replicate import ReplicationPolicy
-from deltastore.storage import VersionStore
+from deltastore.storage import VersionStore, store_objects
 from tests.replicate.helpers import assert_pulls, assert_replica, publish_run
 from tests.storage.models import write_base
 
@@ -73,7 +73,7 @@ def test_from_before_any_full_version_starts_at_the_chain_on_the_base(
 def test_a_corrupt_full_version_is_refused_with_verify(src: VersionStore, tmp_path: Path) -> None:
     index = src.index(3)
     shard = sorted(index.shards())[0]
-    path = Path(src.file_path(3, shard))
+    path = Path(store_objects(src).file_path(3, shard))
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -82,7 +82,7 @@ def test_a_corrupt_full_version_is_refused_with_verify(src: VersionStore, tmp_pa
         ds.replicate(src, dst, verify=True)
     dst.refresh()
     assert dst.versions() == [1, 2]  # nothing of v3 is visible, and nothing after it
-    assert not Path(dst.version_path(3)).exists()
+    assert not Path(store_objects(dst).version_path(3)).exists()
 
 
 def test_a_destination_of_another_run_is_refused(

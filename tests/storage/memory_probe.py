@@ -31,12 +31,12 @@ def main() -> None:
         int(sys.argv[4]),
     )
     store = VersionStore(url, options, block_size=block)
-    store.claim(1, new_token())
+    writer = store.begin(1, token=new_token())
     name = "model-00000-of-00001.safetensors"
     expected = hashlib.sha256()
     tracemalloc.start()
     tracemalloc.reset_peak()
-    with store.open_write(1, name) as fh:
+    with writer.open_write(name) as fh:
         for i in range(size // CHUNK):
             data = chunk(i)
             expected.update(data)

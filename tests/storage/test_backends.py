@@ -15,7 +15,7 @@ import pytest
 
 from deltastore.errors import ConfigError, StoreError, TransientStoreError
 from deltastore.format.names import INDEX_NAME
-from deltastore.storage import RetryPolicy, VersionStore, new_token
+from deltastore.storage import RetryPolicy, VersionStore, VersionWriter, new_token, store_objects
 from deltastore.testing.faults import Fault, FaultProxy, s3_error
 from deltastore.testing.servers import free_port, gcs_env, s3_env
 from deltastore.testing.store_tests import write_version
@@ -37,7 +37,7 @@ def test_missing_bucket_is_a_configuration_error(name: str, request: pytest.Fixt
     with pytest.raises(ConfigError, match=r"bucket 'no-such-bucket-.*' .* does not exist"):
         store.versions()
     with pytest.raises(ConfigError, match="create it, or check the URL"):
-        store.claim(1, new_token())
+        store.begin(1, token=new_token())
 
 
 def test_probe_detects_a_backend_without_exclusive_create(s3_server: Any, s3_url: str) -> None:
@@ -46,12 +46,12 @@ def test_probe_detects_a_backend_without_exclusive_create(s3_server: Any, s3_url
         proxy.add(Fault("forward", method="PUT", drop_headers=("If-None-Match",), times=100))
         store = VersionStore(s3_url, proxy.storage_options(s3_server.storage_options))
         with pytest.warns(RuntimeWarning, match="NOT exclusive"):
-            assert store.check_exclusive_create() is False
+            assert store_objects(store).check_exclusive_create() is False
         assert store.supports_exclusive_create is False
     honest = VersionStore(s3_url, s3_server.storage_options)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert honest.check_exclusive_create() is True
+        assert store_objects(honest).check_exclusive_create() is True
     assert honest.listing().other == {}  # the probe object is removed
 
 
@@ -106,7 +106,7 @@ def test_exhausted_retries_name_the_url(s3_server: Any, s3_url: str) -> None:
             )
         )
         with pytest.raises(TransientStoreError, match="3 attempts") as info:
-            store.claim(1, new_token())
+            store.begin(1, token=new_token())
     assert store.url in str(info.value)
     assert len(waits) == 2
 
@@ -124,7 +124,7 @@ def test_abort_never_deletes_a_version_it_cannot_prove_uncommitted(
             s3_url, proxy.storage_options(s3_server.storage_options), retry=RetryPolicy(1)
         )
         proxy.add(Fault("status", method="HEAD", path_contains=INDEX_NAME, status=403, times=9))
-        store.abort(1)
+        VersionWriter(store_objects(store), 1, "").abort()
         assert proxy.injected, "the fault proxy saw no existence check"
     assert honest.versions() == [1]
     assert honest.index(1) == index

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import deltastore as ds
+from deltastore.storage import store_objects
 from tests.conftest import make_checkpoint, perturb, small_tensors
 from tests.progress_check import Recorder, report_every_step
 
@@ -39,7 +40,7 @@ def test_prune_reports_the_bytes_it_removes(tmp_path: Path, monkeypatch) -> None
     assert progress.phases() == ["prune"]
     # Tombstones are written, versions 1 and 2 (files and claims) removed.
     removed = before - _tree_bytes(store.root)
-    tombstones = sum(os.path.getsize(store.abort_path(v)) for v in report.delete)
+    tombstones = sum(os.path.getsize(store_objects(store).abort_path(v)) for v in report.delete)
     assert totals["prune"] == removed + tombstones > 0
     assert len(progress.of("prune")) >= 3  # version by version
 

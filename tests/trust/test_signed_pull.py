@@ -19,6 +19,7 @@ from deltastore import DeltaPublisher, VersionStore, pull_weights
 from deltastore.errors import IntegrityError, SignatureError
 from deltastore.format import INDEX_NAME
 from deltastore.pull import verify_local
+from deltastore.storage import store_objects
 from deltastore.testing.servers import S3Server
 from deltastore.trust import SIGNATURE_KEY, KeyPairFiles, generate_keypair
 from deltastore.trust.manifest import BASE_DIGESTS_KEY
@@ -68,11 +69,11 @@ class Run:
 
     def read(self, version: int, name: str) -> bytes:
         store = self.store
-        return bytes(store.fs.cat_file(store.file_path(version, name)))
+        return bytes(store.fs.cat_file(store_objects(store).file_path(version, name)))
 
     def write(self, version: int, name: str, data: bytes) -> None:
         store = self.store
-        store.fs.pipe_file(store.file_path(version, name), data)
+        store.fs.pipe_file(store_objects(store).file_path(version, name), data)
 
     def edit_index(self, version: int, change: Callable[[dict[str, Any]], None]) -> None:
         body = json.loads(self.read(version, INDEX_NAME))
@@ -230,13 +231,13 @@ def test_replay_under_another_number(store_at: tuple[str, Any], tmp_path: Path, 
     url, options = store_at
     run = publish_run(url, options, tmp_path, keys.k1.private_path, 2)
     store = run.store
-    store.fs.makedirs(store.version_path(3), exist_ok=True)
+    store.fs.makedirs(store_objects(store).version_path(3), exist_ok=True)
     for name in store.index(2).shards():
-        store.fs.pipe_file(store.file_path(3, name), run.read(2, name))
+        store.fs.pipe_file(store_objects(store).file_path(3, name), run.read(2, name))
     body = json.loads(run.read(2, INDEX_NAME))
     body["metadata"]["version"] = "000003"
     body["metadata"]["base_version"] = "000002"
-    store.fs.pipe_file(store.file_path(3, INDEX_NAME), json.dumps(body).encode())
+    store.fs.pipe_file(store_objects(store).file_path(3, INDEX_NAME), json.dumps(body).encode())
     host = tmp_path / "host"
     trust = [keys.k1.public_path]
     run.pull(host, 2, trust)
