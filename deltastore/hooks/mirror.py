@@ -59,7 +59,7 @@ from deltastore.hooks.context import current_publishing_rank
 from deltastore.hooks.posix import version_of
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import iter_chain
-from deltastore.storage.copy import CopyJob, FileCopier
+from deltastore.storage.copy import CopyJob, FileCopier, RangeSource
 from deltastore.storage.durable import atomic_writer, create_new_file, fsync_path
 
 log = logging.getLogger("deltastore.hooks")
@@ -190,7 +190,23 @@ def _verify_remote(remote: VersionStore, version: int, sizes: dict[str, int], to
             )
 
 
-def _copier(src: VersionStore, dst: VersionStore, reads: ThreadPoolExecutor) -> FileCopier:
+class _LocalVersion:
+    """The trainer's local version directory as a copy's source (read as it is named)."""
+
+    def __init__(self, version_dir: str) -> None:
+        self.version_dir = version_dir
+        self.url = os.path.dirname(os.path.normpath(version_dir))
+
+    def read_range(self, version: int, name: str, start: int, end: int) -> bytes:
+        with open(os.path.join(self.version_dir, name), "rb") as fh:
+            fh.seek(start)
+            data = fh.read(end - start)
+        if len(data) != end - start:
+            raise HookError(f"{self.version_dir}/{name} is shorter than {end} bytes")
+        return data
+
+
+def _copier(src: RangeSource, dst: VersionStore, reads: ThreadPoolExecutor) -> FileCopier:
     """The one copier of version files (shared with replication): ranged reads in parallel,
     written in order, each file's size checked at the destination, transient errors retried."""
     return FileCopier(
@@ -213,7 +229,7 @@ def _upload(
             f"weight_v{version:06d} in {remote.url} is claimed by another writer; two "
             "trainers publish to one remote store"
         ) from None
-    local = VersionStore(os.path.dirname(os.path.abspath(version_dir)))
+    local = _LocalVersion(version_dir)
     with writer, ThreadPoolExecutor(_READS, thread_name_prefix="mirror-read") as reads:
         copier = _copier(local, remote, reads)
         for shard, size in sizes.items():
@@ -307,8 +323,10 @@ class _LocalFiles:
         return atomic_writer(os.path.join(self.version_dir, name), sync_dir=False)
 
 
-def _download(copier: FileCopier, version: int, shard: str, version_dir: str) -> int:
-    size = copier.src.file_size(version, shard)
+def _download(
+    remote: VersionStore, copier: FileCopier, version: int, shard: str, version_dir: str
+) -> int:
+    size = remote.file_size(version, shard)
     dst = os.path.join(version_dir, shard)
     if os.path.exists(dst) and os.path.getsize(dst) == size:
         return 0  # landed by an earlier, interrupted mirror (files arrive by rename only)
@@ -391,7 +409,7 @@ def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int)
                 version_dir = os.path.join(delta_dir, version_dir_name(version))
                 os.makedirs(version_dir, exist_ok=True)
                 for shard in index.shards():
-                    _download(copier, version, shard, version_dir)
+                    _download(remote, copier, version, shard, version_dir)
                 fsync_path(version_dir)
                 _write_index(os.path.join(version_dir, INDEX_NAME), raw)
                 fsync_path(version_dir)

@@ -47,6 +47,16 @@ class WritesFiles(Protocol):
     def open_write(self, name: str) -> Any: ...
 
 
+class RangeSource(Protocol):
+    """Where a copy reads from: a :class:`~deltastore.storage.store.VersionStore`, or any
+    object that reads byte ranges of a version's files."""
+
+    @property
+    def url(self) -> str: ...
+
+    def read_range(self, version: int, name: str, start: int, end: int) -> bytes: ...
+
+
 class StreamCheck(Protocol):
     """What follows a file's bytes as they are copied (e.g. a
     :class:`~deltastore.format.shard_stream.StreamedShardCheck`); it raises to fail the try."""
@@ -90,7 +100,7 @@ class FileCopier:
 
     def __init__(
         self,
-        src: VersionStore,
+        src: RangeSource,
         dst: VersionStore,
         reads: ThreadPoolExecutor,
         *,
