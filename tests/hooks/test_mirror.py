@@ -20,7 +20,7 @@ import pytest
 import deltastore as ds
 from deltastore.errors import HookError
 from deltastore.format.names import INDEX_NAME, delta_shard_name
-from deltastore.hooks import load, mirror_from_store, s3_commit, s3_refresh
+from deltastore.hooks import load, mirror_from_store, mirror_to_store, s3_commit, s3_refresh
 from deltastore.hooks.context import publishing_rank
 from deltastore.storage import VersionStore
 from deltastore.testing.faults import FaultProxy
@@ -206,6 +206,21 @@ def test_mirror_checks_sizes_and_is_idempotent(tmp_path: Path, s3_server: Any, s
     assert VersionStore(engine_dir).versions() == [1, 2]
     shard = engine_dir / "weight_v000001" / "model-00001-of-00001.safetensors"
     assert shard.stat().st_size == remote.file_size(1, shard.name)
+
+
+def test_commit_hook_uploads_the_directory_it_is_given(tmp_path: Path) -> None:
+    """The upload reads the version directory the hook was pointed at, whatever its zero
+    padding, and lands the same bytes in the remote under the canonical name."""
+    trainer = VersionStore(tmp_path / "trainer")
+    index = write_version(trainer, 1, tensors={"w": b"y" * 3000})
+    padded = tmp_path / "elsewhere" / "weight_v0000001"
+    shutil.copytree(tmp_path / "trainer" / "weight_v000001", padded)
+    remote = VersionStore(f"memory://mirror-{tmp_path.name}")
+    assert mirror_to_store(str(padded), remote) == 1
+    assert remote.versions() == [1]
+    shard = next(iter(index.shards()))
+    local = (padded / shard).read_bytes()
+    assert remote.read_range(1, shard, 0, remote.file_size(1, shard)) == local
 
 
 def test_hook_configuration_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
