@@ -168,8 +168,11 @@ def _record_blocks(old_words, new_words, old, new, bits, masks, first, last, out
 def _grown(out, used, capacity):  # type: ignore[no-untyped-def]
     """``out``'s three arrays with room for ``capacity`` changes, the first ``used`` kept."""
     positions, xored, fields = out
-    wider = (np.empty(capacity, np.int64), np.empty(capacity, xored.dtype),
-             np.empty(capacity, np.uint64))  # fmt: skip
+    wider = (
+        np.empty(capacity, np.int64),
+        np.empty(capacity, xored.dtype),
+        np.empty(capacity, np.uint64),
+    )
     wider[0][:used] = positions[:used]
     wider[1][:used] = xored[:used]
     wider[2][:used] = fields[:used]
@@ -185,8 +188,11 @@ def _changes(old_words, new_words, old, new, bits):  # type: ignore[no-untyped-d
     per_word = 64 // bits
     blocks = old_words.size // WORDS_PER_BLOCK
     capacity = max(256, old.size // 64)
-    out = (np.empty(capacity, np.int64), np.empty(capacity, old.dtype),
-           np.empty(capacity, np.uint64))  # fmt: skip
+    out = (
+        np.empty(capacity, np.int64),
+        np.empty(capacity, old.dtype),
+        np.empty(capacity, np.uint64),
+    )
     masks = np.empty(BLOCKS_PER_CHUNK, np.uint32)
     j = 0
     for first in range(0, blocks, BLOCKS_PER_CHUNK):
@@ -433,26 +439,46 @@ def _one(old_at, new_at, nbytes, size):  # type: ignore[no-untyped-def]
     count = nbytes // size
     if size == 8:
         payload, positions, xored = _write(
-            old_words, new_words, numba.carray(_pointer(old_at), count, np.uint64),
-            numba.carray(_pointer(new_at), count, np.uint64), 64, MARK | 3, nbytes,
-        )  # fmt: skip
+            old_words,
+            new_words,
+            numba.carray(_pointer(old_at), count, np.uint64),
+            numba.carray(_pointer(new_at), count, np.uint64),
+            64,
+            MARK | 3,
+            nbytes,
+        )
         return payload, positions, xored.astype(np.uint64)
     if size == 4:
         payload, positions, xored = _write(
-            old_words, new_words, numba.carray(_pointer(old_at), count, np.uint32),
-            numba.carray(_pointer(new_at), count, np.uint32), 32, MARK | 2, nbytes,
-        )  # fmt: skip
+            old_words,
+            new_words,
+            numba.carray(_pointer(old_at), count, np.uint32),
+            numba.carray(_pointer(new_at), count, np.uint32),
+            32,
+            MARK | 2,
+            nbytes,
+        )
         return payload, positions, xored.astype(np.uint64)
     if size == 2:
         payload, positions, xored = _write(
-            old_words, new_words, numba.carray(_pointer(old_at), count, np.uint16),
-            numba.carray(_pointer(new_at), count, np.uint16), 16, MARK | 1, nbytes,
-        )  # fmt: skip
+            old_words,
+            new_words,
+            numba.carray(_pointer(old_at), count, np.uint16),
+            numba.carray(_pointer(new_at), count, np.uint16),
+            16,
+            MARK | 1,
+            nbytes,
+        )
         return payload, positions, xored.astype(np.uint64)
     payload, positions, xored = _write(
-        old_words, new_words, numba.carray(_pointer(old_at), count, np.uint8),
-        numba.carray(_pointer(new_at), count, np.uint8), 8, MARK, nbytes,
-    )  # fmt: skip
+        old_words,
+        new_words,
+        numba.carray(_pointer(old_at), count, np.uint8),
+        numba.carray(_pointer(new_at), count, np.uint8),
+        8,
+        MARK,
+        nbytes,
+    )
     return payload, positions, xored.astype(np.uint64)
 
 
