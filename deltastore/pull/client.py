@@ -37,6 +37,11 @@ class EndpointReply:
     def success(self) -> bool:
         return self.reply.success
 
+    @property
+    def message(self) -> str:
+        """The host's ``message`` (or why it could not be reached)."""
+        return self.reply.message
+
     def describe(self) -> str:
         status = self.status if self.status is not None else "unreachable"
         return f"{self.endpoint} [{status}]: {self.reply.message}"

@@ -75,7 +75,11 @@ def shim(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     script = bindir / "deltastore"
     script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m deltastore.cli "$@"\n')
     script.chmod(0o755)
-    (bindir / "python").symlink_to(sys.executable)
+    # A script, not a symlink: a venv's interpreter reached through a link elsewhere does not
+    # find its pyvenv.cfg, so it would run without the venv's packages.
+    python = bindir / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
     return {
         **os.environ,
         "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
