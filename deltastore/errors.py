@@ -123,6 +123,11 @@ class EngineLeftPausedError(EngineSyncError):
     next sync reloads it."""
 
 
+class UnsignedVersionWarning(UserWarning):
+    """A publisher without a signing key publishes into a store whose latest version is
+    signed: engines that trust a key will refuse its versions (``require_signed`` refuses)."""
+
+
 class InsecureKeyFileWarning(UserWarning):
     """A private key file is readable or writable by users other than its owner (a warning,
     not an error: ``chmod 600`` the file)."""

@@ -47,6 +47,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="FILE",
         help="PREFIX.key from `deltastore keygen`: sign the version (engines check with --trust)",
     )
+    p.add_argument(
+        "--require-signed",
+        action="store_true",
+        help="refuse to publish without --sign-key into a store whose latest version is signed "
+        "(without it: a warning)",
+    )
     add_json_flag(p)
     add_storage_option_flag(p)
     p.set_defaults(func=run)
@@ -130,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         checksum=args.checksum,
         workers=args.workers,
         signing_key=args.sign_key,
+        require_signed=args.require_signed,
     )
     with byte_progress(args, f"seeding from --prev {prev}") as progress:
         publisher.seed(continue_latest=True, progress=progress)

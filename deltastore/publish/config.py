@@ -61,6 +61,9 @@ class PublisherConfig:
     signing_key: Any = None
     """Sign every version: a private key file path (``deltastore keygen``) or a
     :class:`~deltastore.trust.SigningKey`; None publishes unsigned versions (docs/signing.md)."""
+    require_signed: bool = False
+    """Refuse (at ``seed()``) to publish unsigned versions into a store whose latest version is
+    signed; without it that only warns (:class:`~deltastore.errors.UnsignedVersionWarning`)."""
     record_base_digests: bool = True
     """Record every base tensor's digest in each delta built on version 0 (``base_digests``),
     so a host seeded from another base is refused; costs one hash of the base per stream."""

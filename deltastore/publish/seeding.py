@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import warnings
 
 import deltastore.errors
-from deltastore.errors import ConfigError, DeltastoreError, PublishError
+from deltastore.errors import ConfigError, DeltastoreError, PublishError, UnsignedVersionWarning
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.coordination import Coordinator
@@ -21,6 +22,7 @@ from deltastore.publish.rank_state import RankSnapshot
 from deltastore.publish.snapshot import Snapshot, TensorSource
 from deltastore.publish.stream import SeedDecision, StreamState, decide_seed
 from deltastore.storage import VersionStore
+from deltastore.trust import SIGNATURE_KEY
 
 log = logging.getLogger("deltastore.publish")
 
@@ -83,6 +85,7 @@ def _decision(
                 new_stream=config.new_stream,
                 continue_latest=continue_latest,
             )
+            check_signing(store, config)
         except Exception as exc:
             if not isinstance(exc, DeltastoreError):
                 exc = PublishError(f"seeding from {store.url} failed: {describe(exc)}")
@@ -91,6 +94,27 @@ def _decision(
     if decision.error is not None:
         raise decision.error
     return decision
+
+
+def check_signing(store: VersionStore, config: PublisherConfig) -> None:
+    """Rank 0, at seed: a publisher without a signing key on a store whose latest version is
+    signed would break the engines that trust that key; it warns
+    (:class:`~deltastore.errors.UnsignedVersionWarning`), or with ``require_signed`` raises
+    :class:`ConfigError` before anything is published."""
+    if config.signing_key is not None:
+        return
+    latest = store.latest()
+    if latest == 0 or SIGNATURE_KEY not in store.index(latest).extra:
+        return
+    message = (
+        f"weight_v{latest:06d} in {store.url} is signed but this publisher has no signing key: "
+        "the versions it publishes are unsigned, and engines that trust a key (--trust) refuse "
+        "them. Pass the trainer's key (signing_key=, --sign-key)"
+    )
+    if config.require_signed:
+        raise ConfigError(f"{message}; refused (require_signed)")
+    log.warning(message)
+    warnings.warn(message, UnsignedVersionWarning, stacklevel=4)
 
 
 def _load(

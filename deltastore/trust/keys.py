@@ -108,10 +108,19 @@ def _write_new(path: str, data: bytes, mode: int) -> None:
 def generate_keypair(prefix: str | os.PathLike[str]) -> KeyPairFiles:
     """Write a new Ed25519 key pair to ``PREFIX.key`` (mode 0600) and ``PREFIX.pub`` (0644).
 
+    A missing directory of ``PREFIX`` is created (the private key file itself is 0600).
     Raises :class:`ConfigError` when either file exists or ``cryptography`` is missing.
     """
     ed25519, serialization = require_cryptography()
     base = os.fspath(prefix)
+    parent = os.path.dirname(base)
+    if parent and not os.path.isdir(parent):
+        try:
+            os.makedirs(parent)
+        except FileExistsError:
+            pass  # made meanwhile; _write_new refuses what is not a directory
+        except OSError as exc:
+            raise ConfigError(f"cannot create the key directory {parent}: {exc}") from None
     private_path, public_path = base + PRIVATE_SUFFIX, base + PUBLIC_SUFFIX
     for path in (private_path, public_path):
         if os.path.lexists(path):

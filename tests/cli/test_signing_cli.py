@@ -79,3 +79,29 @@ def test_serve_trust_applies_to_every_request(tmp_path: Path) -> None:
         assert checkpoint_bytes(host) == checkpoint_bytes(ckpt[1])
     finally:
         stop_server(server)
+
+
+def test_keygen_creates_the_key_dir_and_an_unsigned_publish_warns_or_is_refused(
+    tmp_path: Path,
+) -> None:
+    """docs/signing.md's `deltastore keygen keys/run1` in a dir without keys/; then a publish
+    without --sign-key onto the signed store warns, and with --require-signed is refused."""
+    ckpt = _checkpoints(tmp_path, 3)
+    store = str(tmp_path / "store")
+    key = str(tmp_path / "keys" / "run1")  # keys/ does not exist
+    deltastore("keygen", key)
+    assert (tmp_path / "keys" / "run1.key").stat().st_mode & 0o777 == 0o600
+    deltastore("publish", "--store", store, "--prev", ckpt[0], "--new", ckpt[1],
+               "--sign-key", key + ".key")  # fmt: skip
+    refused = deltastore("publish", "--store", store, "--prev", ckpt[1], "--new", ckpt[2],
+                         "--require-signed", check=False)  # fmt: skip
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "weight_v000001 in" in refused.stderr
+    assert "is signed but this publisher" in refused.stderr
+    assert VersionStore(store).versions() == [1], "nothing was published"
+    warned = deltastore("publish", "--store", store, "--prev", ckpt[1], "--new", ckpt[2])
+    assert "is signed but this publisher has no signing key" in warned.stderr
+    assert VersionStore(store).versions() == [1, 2]
+    signed = deltastore("publish", "--store", store, "--prev", ckpt[2], "--new", ckpt[3],
+                        "--sign-key", key + ".key", "--require-signed")  # fmt: skip
+    assert "is signed but" not in signed.stderr
