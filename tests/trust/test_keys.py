@@ -72,8 +72,11 @@ def test_wrong_files_are_clear_errors(tmp_path: Path):
     loaded = as_trusted_keys([files.public_path, load_public_key(files.public_path)])
     assert [k.key_id for k in loaded] == [files.key_id] * 2
     assert as_signing_key(files.private_path).key_id == files.key_id
-    with pytest.raises(ConfigError, match="directory does not exist"):
-        generate_keypair(tmp_path / "no" / "such" / "dir" / "k")
+    made = generate_keypair(tmp_path / "no" / "such" / "dir" / "k")  # the dirs are created
+    assert os.stat(made.private_path).st_mode & 0o777 == 0o600
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="cannot create the key directory"):
+        generate_keypair(tmp_path / "a-file" / "sub" / "k")
 
 
 def test_a_private_key_readable_by_others_warns(tmp_path: Path):
