@@ -59,7 +59,8 @@ class Backend(ABC):
         return size
 
     def display_url(self, protocol: str, root: str) -> str:
-        return f"{protocol}://{root.lstrip('/')}"
+        # An HTTP filesystem's root is the whole URL already: do not prefix it twice.
+        return root if "://" in root else f"{protocol}://{root.lstrip('/')}"
 
     @abstractmethod
     def create_only(self, path: str, data: bytes) -> None:

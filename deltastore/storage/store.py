@@ -147,7 +147,8 @@ class VersionStore:
     @staticmethod
     def _open_failed(url: str, protocol: str | None, exc: Exception) -> ConfigError:
         extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}.get(protocol or "", "")
-        hint = f"; install deltastore[{extra}]" if extra and isinstance(exc, ImportError) else ""
+        missing = extra and isinstance(exc, ImportError)
+        hint = f"; pip install 'deltastore[{extra}]'" if missing else ""
         return ConfigError(f"cannot open store {url!r}: {exc}{hint}")
 
     @property

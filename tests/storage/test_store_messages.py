@@ -1,0 +1,24 @@
+"""What the store's own messages say: the URL as the user wrote it, the install command."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltastore.errors import ConfigError
+from deltastore.storage import VersionStore
+
+
+def test_an_http_url_is_shown_once() -> None:
+    store = VersionStore("http://example.invalid/x")
+    assert store.url == "http://example.invalid/x"  # was http://http://example.invalid/x
+
+
+def test_a_missing_extra_is_named_as_a_pip_command() -> None:
+    error = VersionStore._open_failed("s3://b/run1", "s3", ImportError("no s3fs"))
+    assert isinstance(error, ConfigError)
+    assert "pip install 'deltastore[s3]'" in str(error)
+
+
+@pytest.mark.parametrize("url", ["s3://b/run1", "/tmp/somewhere"])
+def test_other_urls_are_unchanged(url: str) -> None:
+    assert VersionStore(url).url == url
