@@ -1,9 +1,12 @@
-"""The package's shape: layering, import cycles and function length.
+"""The package's shape: layering, import cycles, private names and function length.
 
 These rules guard the design, not line counts: imports only run downward through the layers;
-no two modules import each other (nor any longer cycle); and no function is over 80 lines, so
-each does one job that can be read at once. Modules have no line cap: a module is as long as
-its one job needs. Everything is read with ``ast``; nothing is imported.
+no two modules import each other (nor any longer cycle); a name a module keeps private (a
+leading underscore) is used by that module alone, never imported or reached from another one
+(a private *module*, ``pkg/_x.py``, is private to its package: only ``pkg``'s own modules may
+import it); and no function is over 80 lines, so each does one job that can be read at once.
+Modules have no line cap: a module is as long as its one job needs. Everything is read with
+``ast``; nothing is imported.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ fault proxy, conformance classes) and ``cli`` sit on top: both may use the publi
 
 # Files other branches are changing right now; the coordinator empties these after merging.
 FUNCTION_LENGTH_ALLOWED: dict[str, str] = {}
+PRIVATE_NAME_ALLOWED: dict[str, str] = {}
 CYCLE_ALLOWED: dict[str, str] = {}
 
 
@@ -98,6 +102,80 @@ def test_no_function_over_80_lines() -> None:
         long.update(_long_functions(path.read_text(), _relative(path)))
     over = {k: v for k, v in long.items() if k not in FUNCTION_LENGTH_ALLOWED}
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines: {over}; split them by job"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(
+    name: str, source: str, is_package: bool, modules: set[str] | dict[str, pathlib.Path]
+) -> list[str]:
+    """Where module ``name`` uses another module's private name: ``from m import _x``,
+    ``import m as alias`` then ``alias._x``, or a private module of another package."""
+    package = name if is_package else name.rsplit(".", 1)[0]
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}  # local name -> the internal module it is bound to
+    uses: list[str] = []
+
+    def check_module(module: str, line: int) -> None:
+        parts = module.split(".")
+        for depth, part in enumerate(parts):
+            owner = ".".join(parts[:depth])  # the package the private module belongs to
+            if _is_private(part) and not (name == owner or name.startswith(owner + ".")):
+                uses.append(f"{name}:{line}: imports {module}, private to {owner}")
+                return
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules:
+                    check_module(alias.name, node.lineno)
+                    local = alias.asname or alias.name.split(".")[0]
+                    bound[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            if base not in modules:
+                continue
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full in modules:
+                    check_module(full, node.lineno)
+                    bound[alias.asname or alias.name] = full
+                elif _is_private(alias.name) and base != name:
+                    uses.append(f"{name}:{node.lineno}: from {base} import {alias.name}")
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id in bound:
+            module = ".".join([bound[value.id], *reversed(chain)])
+            if module in modules and module != name:
+                uses.append(f"{name}:{node.lineno}: {module}.{node.attr}")
+    return uses
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    modules = _modules()
+    uses = [
+        use
+        for name, path in modules.items()
+        for use in _private_uses(name, path.read_text(), path.name == "__init__.py", modules)
+    ]
+    not_allowed = [
+        u for u in uses if _relative(modules[u.split(":")[0]]) not in PRIVATE_NAME_ALLOWED
+    ]
+    assert not not_allowed, (
+        "make the name public where it is defined, or move the use there:\n"
+        + "\n".join(not_allowed)
+    )
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -174,10 +252,25 @@ def test_imports_run_down_the_layers() -> None:
 
 
 def test_the_checks_can_fail() -> None:
-    """The cycle finder and the function measure see what they are meant to see."""
+    """The cycle finder, the function measure and the private-name finder see what they are
+    meant to see."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
     assert set(LAYERS) >= {p.name for p in PACKAGE.iterdir() if p.is_dir() and "_" not in p.name}
     long = "def f():\n" + "    x = 1\n" * 80
     assert _long_functions(long, "m.py") == {"m.py:f": 81}
     assert _long_functions(long.replace("    x = 1\n", "", 1), "m.py") == {}
+    modules = {"ds", "ds.a", "ds.a.b", "ds.a._k", "ds.c"}
+    source = (
+        "from ds.a.b import _helper, public\n"  # another module's private name
+        "from ds.a import b as other\n"
+        "import ds.c as c\n"
+        "other._x(c._y, other.public)\n"  # reached through module aliases
+        "from ds.a import _k\n"  # a private module, from outside its package
+    )
+    found = [use.split(": ", 1)[1] for use in _private_uses("ds.c", source, False, modules)]
+    assert sorted(found) == sorted(
+        ["from ds.a.b import _helper", "ds.a.b._x", "imports ds.a._k, private to ds.a"]
+    )  # c._y is the module's own name
+    inside = "from ds.a import _k\nfrom . import _k as k\nk._z\nfrom .b import __all__\n"
+    assert _private_uses("ds.a.b", inside, False, modules) == ["ds.a.b:3: ds.a._k._z"]

@@ -23,7 +23,7 @@ WRITER_STEPS = ("fence-check", "successor", "index", "recheck")
 """The points of :meth:`VersionWriter.commit` a test can pause at (its ``step_hook``)."""
 
 
-class _WriterKilled(BaseException):
+class WriterKilled(BaseException):
     """Stands for a writer process killed at a protocol step."""
 
 
@@ -89,7 +89,7 @@ def write_version(
     return writer.commit(index) if commit else index
 
 
-def _race_worker(
+def race_worker(
     url: str,
     options: dict[str, Any],
     version: int,
@@ -109,7 +109,7 @@ def _race_worker(
         results.put((token, f"error {exc!r}"))
 
 
-def _publish_in_child(
+def publish_in_child(
     url: str, options: dict[str, Any], version: int, base: int, token: str, results: Any
 ) -> None:
     try:
@@ -119,7 +119,7 @@ def _publish_in_child(
         results.put(f"error {exc!r}")
 
 
-def _fork_context() -> Any:
+def fork_context() -> Any:
     return multiprocessing.get_context("fork")
 
 

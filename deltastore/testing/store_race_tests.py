@@ -19,7 +19,7 @@ from deltastore.storage.writer import VersionWriter
 from deltastore.testing.store_helpers import (
     WRITER_STEPS,
     ConformanceBase,
-    _WriterKilled,
+    WriterKilled,
     fill_version,
     start_version,
     write_version,
@@ -67,7 +67,7 @@ class RaceConformance(ConformanceBase):
             if name == "index":
                 assert pruner.prune(keep=5, grace_s=0).delete == (2,)
             elif name == "recheck" and failure == "dies":
-                raise _WriterKilled
+                raise WriterKilled
             elif name == "recheck":
 
                 def unreachable(version: int) -> bool:
@@ -76,7 +76,7 @@ class RaceConformance(ConformanceBase):
                 writer.objects.is_fenced = unreachable  # type: ignore[method-assign]
 
         writer.step_hook = hook
-        with pytest.raises((_WriterKilled, StoreError)):
+        with pytest.raises((WriterKilled, StoreError)):
             writer.commit(index)
         assert INDEX_NAME in pruner.list_files(2), "the late index should have landed"
         for _ in range(2):  # and a later prune run does not resurrect it

@@ -41,10 +41,10 @@ from deltastore.storage.writer import VersionWriter
 from deltastore.testing.faults import Fault, FaultProxy
 from deltastore.testing.store_helpers import (
     FAST_RETRY,
-    _fork_context,
-    _publish_in_child,
-    _race_worker,
     fill_version,
+    fork_context,
+    publish_in_child,
+    race_worker,
     shard_bytes,
     start_version,
     write_version,
@@ -154,13 +154,13 @@ class StoreConformance(PruneConformance, RaceConformance):
         if not self.supports_processes:
             pytest.skip("this store lives inside one process")
         writers = 4
-        ctx = _fork_context()
+        ctx = fork_context()
         barrier = ctx.Barrier(writers)
         results = ctx.Queue()
         tokens = [new_token() for _ in range(writers)]
         procs = [
             ctx.Process(
-                target=_race_worker,
+                target=race_worker,
                 args=(store_url, storage_options, 1, token, barrier, results),
             )
             for token in tokens
@@ -198,11 +198,11 @@ class StoreConformance(PruneConformance, RaceConformance):
         write_version(store, 1)
         assert store.versions() == [1]
         assert store.list_files(1)  # warm whatever listing the reader keeps
-        ctx = _fork_context()
+        ctx = fork_context()
         results = ctx.Queue()
         token = new_token()
         child = ctx.Process(
-            target=_publish_in_child, args=(store_url, storage_options, 2, 1, token, results)
+            target=publish_in_child, args=(store_url, storage_options, 2, 1, token, results)
         )
         child.start()
         assert results.get(timeout=120) == "ok"
