@@ -22,3 +22,13 @@ def test_a_missing_extra_is_named_as_a_pip_command() -> None:
 @pytest.mark.parametrize("url", ["s3://b/run1", "/tmp/somewhere"])
 def test_other_urls_are_unchanged(url: str) -> None:
     assert VersionStore(url).url == url
+
+
+def test_prune_says_one_delta_in_the_singular() -> None:
+    from deltastore.storage.prune import PruneReport
+
+    report = PruneReport(
+        keep=(3, 4, 5), unpublish=(), fence=(), delete=(), waiting=(), stray=(),
+        dry_run=True, grace_s=0.0, chain_kept=(3, 4),
+    )  # fmt: skip
+    assert "v000005 is a delta whose chain needs v000003, v000004" in "\n".join(report.lines())
