@@ -14,6 +14,7 @@ from deltastore.cli.common import (
 )
 from deltastore.storage import VersionStore
 from deltastore.storage.listing import require_store
+from deltastore.storage.prune import check_prune_args
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,6 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_prune_args(args.keep, args.grace)  # a bad argument is named before the store is read
     store = VersionStore(args.url, parse_storage_options(args.storage_option))
     require_store(store)
     what = f"pruning {store.url}" + ("" if args.yes else " (dry run)")

@@ -105,8 +105,11 @@ class PullSource:
     def check_local_roots(self) -> None:
         """Raise the no-store :class:`ConfigError` when every store is a local path that does
         not exist (a free check, before a pull touches the host; remote stores and other
-        absent stores are found when the pull reads them)."""
+        absent stores are found when the pull reads them). Skipped where a pre-read hook runs:
+        the hook may be what fills the local root (a mirror of a bucket, say)."""
         stores = each_store(self.store)
+        if self.pre_read is not None or any(s.pre_read is not None for s in stores):
+            return
         if all(s.is_local and not os.path.isdir(s.root) for s in stores):
             require_stores(self.store)
 

@@ -266,6 +266,15 @@ def _delete(store: PrunableStore, version: int) -> None:
     log.info("%s: deleted the data of weight_v%06d", store.url, version)
 
 
+def check_prune_args(keep: int, grace_s: float) -> None:
+    """Raise :class:`ConfigError` for ``keep < 1`` or a negative grace period: the checks
+    :func:`prune` makes before it reads the store, for callers that check arguments first."""
+    if keep < 1:
+        raise ConfigError(f"prune keep={keep}: at least the latest version must be kept")
+    if grace_s < 0:
+        raise ConfigError(f"prune grace period {grace_s} s is negative")
+
+
 def prune(
     store: PrunableStore,
     *,
@@ -284,10 +293,7 @@ def prune(
     what was removed stays removed, the next run finishes the job. Returns a
     :class:`PruneReport`. Raises :class:`ConfigError` for ``keep < 1`` or a negative grace.
     """
-    if keep < 1:
-        raise ConfigError(f"prune keep={keep}: at least the latest version must be kept")
-    if grace_s < 0:
-        raise ConfigError(f"prune grace period {grace_s} s is negative")
+    check_prune_args(keep, grace_s)
     store.refresh()
     listing = store.listing()
     report = plan(store, keep, grace_s, listing, time.time())

@@ -256,7 +256,8 @@ def test_two_ranks_divergent_replicas_and_failing_rank_commit_nothing(tmp_path: 
         assert write_failed is not None and write_failed[0] == "PublishError"
         assert "failed on rank 1" in write_failed[1] and "injected write failure" in write_failed[1]
         assert diff_failed is not None and diff_failed[0] == "PublishError"
-        assert "failed on rank 1" in diff_failed[1] and "512 bytes" in diff_failed[1]
+        assert "failed on rank 1" in diff_failed[1]
+        assert "[4, 64], the base has [8, 64]" in diff_failed[1]
         assert ok is None
         assert out["next"] == [1, 1, 1, 2, 2]
     # After each failure rank 0 saw no version directory and no claim left behind.
