@@ -54,7 +54,8 @@ class PullRequest:
     source_dir: str | tuple[str, ...]
     """A local directory or a store URL (``s3://``, ``gs://``, ...), or several copies of one
     run's store, nearest first (each version is read from the first that has it)."""
-    target_version: int
+    target_version: int | str
+    """A version number, or ``"latest"``: the newest committed version when the pull runs."""
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -75,6 +76,13 @@ class PullRequest:
     def from_json(cls, data: bytes | str | Mapping[str, Any]) -> PullRequest:
         """Parse a request; :class:`FormatError` names the missing or mistyped field."""
         body = _load_object(data, "the request")
+        unknown = sorted(set(body) - set(REQUEST_FIELDS))
+        if unknown:
+            # A misspelt field would otherwise be dropped silently and its default used.
+            raise FormatError(
+                f"the request has unknown field {unknown[0]!r}; /pull_weights takes "
+                + ", ".join(REQUEST_FIELDS)
+            )
         local = body.get("local_checkpoint_dir")
         if not isinstance(local, str) or not local:
             raise FormatError("the request needs 'local_checkpoint_dir' as a non-empty string")
@@ -84,6 +92,9 @@ class PullRequest:
             _target_version(body.get("target_version")),
         )
 
+
+REQUEST_FIELDS = ("local_checkpoint_dir", "source_dir", "target_version")
+"""The fields of a ``POST /pull_weights`` body, as the reference engine endpoint takes them."""
 
 MAX_SOURCES = 8
 """Most stores one request may name in ``source_dir``."""
@@ -105,15 +116,18 @@ def _source_dir(raw: object) -> str | tuple[str, ...]:
     )
 
 
-def _target_version(raw: object) -> int:
-    """An integer in 0..MAX_TARGET_VERSION, or an all-digit string of at most 18 digits."""
+def _target_version(raw: object) -> int | str:
+    """An integer in 0..MAX_TARGET_VERSION, an all-digit string of at most 18 digits, or
+    ``"latest"`` (as the CLI and :func:`~deltastore.pull_weights` take it)."""
+    if raw == "latest":
+        return "latest"
     if isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) <= 18:
         raw = int(raw)
     if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw <= MAX_TARGET_VERSION:
         shown = repr(raw) if not isinstance(raw, (str, int)) or len(str(raw)) <= 40 else "..."
         raise FormatError(
-            f"the request needs 'target_version' as an integer in 0..{MAX_TARGET_VERSION}, "
-            f"got {shown}"
+            f"the request needs 'target_version' as an integer in 0..{MAX_TARGET_VERSION} "
+            f"or \"latest\", got {shown}"
         )
     return raw
 

@@ -188,7 +188,9 @@ class PullServer:
             return self._reply(PullReply(False, str(exc)))
         except PermissionError as exc:
             return self._reply(PullReply(False, str(exc)), 403)
-        request[PULL_DETAIL] = f"{local_dir} v{body.target_version:06d} from {', '.join(sources)}"
+        target = body.target_version
+        shown = f"v{target:06d}" if isinstance(target, int) else target
+        request[PULL_DETAIL] = f"{local_dir} {shown} from {', '.join(sources)}"
         lock = self.locks.setdefault(local_dir, asyncio.Lock())
         async with lock:  # one pull per local dir at a time; the flock covers other processes
             self.busy.add(local_dir)

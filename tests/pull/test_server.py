@@ -115,19 +115,32 @@ def test_paths_outside_the_allowed_roots_are_refused(world, tmp_path: Path):
     assert status == 403
 
 
+def test_latest_pulls_the_newest_version(world):
+    published, allowed, server = world
+    local = allowed / "h-latest"
+    body = pull_body(local, published, 1) | {"target_version": "latest"}
+    status, reply = http("POST", f"{server.url}/pull_weights", body)
+    assert status == 200 and reply["success"] is True, reply
+    status, state = http("GET", f"{server.url}/state?local_checkpoint_dir={local}")
+    assert status == 200 and state["version"] == max(published.states)
+
+
 def test_bad_requests_are_400(world):
     published, allowed, server = world
     good = pull_body(allowed / "h-bad", published, 1)
     for bad in (
         {k: v for k, v in good.items() if k != "source_dir"},
         good | {"target_version": -1},
-        good | {"target_version": "latest"},
+        good | {"target_version": "newest"},
         good | {"target_version": "\u00b2"},  # str.isdigit() is true, int() raises
         good | {"target_version": 1.5},
         good | {"local_checkpoint_dir": "relative/dir"},
     ):
         status, reply = http("POST", f"{server.url}/pull_weights", bad)
         assert status == 400 and reply["success"] is False and reply["message"]
+    status, reply = http("POST", f"{server.url}/pull_weights", good | {"target_versoin": 1})
+    assert status == 400 and "unknown field 'target_versoin'" in str(reply["message"])
+    assert not (allowed / "h-bad").exists()
     nested = b"[" * 30_000 + b"]" * 30_000  # deeper than json's recursion limit, < 64 KiB
     request = urllib.request.Request(
         f"{server.url}/pull_weights",
