@@ -127,7 +127,7 @@ def _target_version(raw: object) -> int | str:
         shown = repr(raw) if not isinstance(raw, (str, int)) or len(str(raw)) <= 40 else "..."
         raise FormatError(
             f"the request needs 'target_version' as an integer in 0..{MAX_TARGET_VERSION} "
-            f"or \"latest\", got {shown}"
+            f'or "latest", got {shown}'
         )
     return raw
 
