@@ -110,7 +110,13 @@ def _drop_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failed, 2 usage, 130 interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    try:
+        # Building the parser imports every subcommand (torch among them): seconds in which a
+        # Ctrl-C must end the command as it does later, not with a traceback.
+        parser = build_parser()
+    except KeyboardInterrupt:
+        print("deltastore: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     commands = list(COMMAND_MODULES)
     suggestion = suggest_command(argv, commands)
     if suggestion:
