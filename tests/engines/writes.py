@@ -25,11 +25,11 @@ class Writes:
     def __enter__(self) -> Writes:
         real = commit.put_words
 
-        def put_words(*args: Any) -> None:
+        def put_words(*args: Any, **kwargs: Any) -> bool:
             self.count += 1
             if self.count == self.fail_at:
                 raise self.error
-            real(*args)
+            return real(*args, **kwargs)
 
         self._patch.setattr(commit, "put_words", put_words)
         return self
