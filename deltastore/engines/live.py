@@ -380,6 +380,7 @@ class LiveWeights:
                 verify=verify,
                 expected=lambda patch: _expected(staged, patch),
                 version=staged.version,
+                workers=self._workers,
             )
             verified = verify if staged.patches else None
         self._version, self._stream, self._latest = staged.version, staged.stream_id, None

@@ -152,3 +152,28 @@ def test_patches_are_small(tmp_path: Path, run: TrainingRun) -> None:
     assert staged.bytes == 12 * staged.elements
     assert all(p.new.dtype == torch.int16 for p in staged.patches)
     assert raw(run.states[1]["model.norm.weight"])
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError("device lost"), KeyboardInterrupt()])
+def test_a_commit_spread_over_threads_is_exact_and_rolls_back(
+    tmp_path: Path, run: TrainingRun, error: BaseException | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deltastore.engines import commit
+
+    monkeypatch.setattr(commit, "SPREAD_ELEMENTS", 1)  # spread even a tiny model's commit
+    monkeypatch.setattr(commit, "CPU_CHUNK", 64)  # and cut its patches into pieces
+    engine, live = live_over(run, tmp_path, workers=3)
+    live.commit(live.stage(run.step()))
+    version = run.step()
+    staged = live.stage(version)
+    assert max(p.elements for p in staged.patches) > 4 * 64
+    before = live_bytes(engine)
+    if error is None:
+        live.commit(staged)
+        assert_at(engine, run, version)
+        return
+    with Writes(fail_at=5, error=error), pytest.raises(type(error)):
+        live.commit(staged)
+    assert live_bytes(engine) == before and live.version == 1
+    live.commit(staged)
+    assert_at(engine, run, version)
