@@ -122,11 +122,14 @@ def bench_size(size: str, args: argparse.Namespace, work: Path) -> dict[str, obj
             continue  # the first stage also seeds both local checkpoints from the base
         rows.append(
             {
-                "stage_s": stage_s, "pull_s": pull_s, "commit_s": commit.seconds,
-                "reload_s": reload_s, "density": commit.elements / params,
+                "stage_s": stage_s,
+                "pull_s": pull_s,
+                "commit_s": commit.seconds,
+                "reload_s": reload_s,
+                "density": commit.elements / params,
                 "staged_bytes": staged.bytes,  # type: ignore[attr-defined]
             }
-        )  # fmt: skip
+        )
     assert same(live_model, state) and same(ref_model, state), "an engine is not bit-exact"
     nochange = []
     for _ in range(3):
@@ -148,10 +151,19 @@ def bench_size(size: str, args: argparse.Namespace, work: Path) -> dict[str, obj
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["512x4", "1024x6"],
-                        help="HIDDENxLAYERS of each Llama (vocabulary 32000)")  # fmt: skip
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=["512x4", "1024x6"],
+        help="HIDDENxLAYERS of each Llama (vocabulary 32000)",
+    )
     parser.add_argument("--steps", type=int, default=5, help="measured AdamW steps (best of)")
-    parser.add_argument("--lr", type=float, default=3.3e-7, help="AdamW learning rate (about 0.4 %% of bf16 elements change a step)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=3.3e-7,
+        help="AdamW learning rate (about 0.4 %% of bf16 elements change a step)",
+    )
     parser.add_argument("--encoding", default="auto")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--json", action="store_true", help="print one JSON object per size")
