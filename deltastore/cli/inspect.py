@@ -17,6 +17,7 @@ from deltastore.cli.common import (
 )
 from deltastore.cli.ls import list_versions
 from deltastore.cli.pull import parse_target, resolve_target
+from deltastore.codecs import get_encoding
 from deltastore.codecs.compression import decompress
 from deltastore.errors import ConfigError, VersionNotFoundError
 from deltastore.format.checkpoint import scan_checkpoint
@@ -54,19 +55,31 @@ def tensor_density(
     size: int | None,
 ) -> float | None:
     """Changed bytes / tensor bytes of one payload (None when the tensor size is unknown:
-    an overwrite payload without --base, or a full version)."""
+    a payload other than ``xor`` without --base, or a full version)."""
     from deltastore.format.safetensors_io import TensorEntry
 
     assert isinstance(entry, TensorEntry)
-    if encoding not in ("xor", "overwrite"):
+    if encoding is None or (encoding not in ("xor", "overwrite") and size is None):
         return None
     frame = store.read_range(version, shard, entry.start, entry.end)
-    limit = 4 + 5 * size if size is not None else 1 << 40
-    raw = decompress(frame, max_size=limit, what=f"payload of {entry.name!r}")
+    what = f"payload of {entry.name!r}"
+    if encoding == "overwrite":
+        raw = decompress(frame, max_size=4 + 5 * size if size is not None else 1 << 40, what=what)
+        (count,) = struct.unpack_from("<I", raw[:4]) if len(raw) >= 4 else (0,)
+        return count / size if size else None
     if encoding == "xor":
+        raw = decompress(frame, max_size=size if size is not None else 1 << 40, what=what)
         return int(np.count_nonzero(np.frombuffer(raw, dtype=np.uint8))) / len(raw) if raw else 0.0
-    (count,) = struct.unpack_from("<I", raw[:4]) if len(raw) >= 4 else (0,)
-    return count / size if size else None
+    # Any other self-inverse encoding (auto, sparse-v2): applied to zeros, the payload leaves
+    # exactly the changed bytes non-zero (each holds old ^ new).
+    assert size is not None
+    codec = get_encoding(encoding)
+    if not codec.self_inverse or not size:
+        return None
+    raw = decompress(frame, max_size=codec.max_payload_size(size), what=what)
+    changed = np.zeros(size, dtype=np.uint8)
+    codec.apply(changed, memoryview(raw), tensor=entry.name)
+    return int(np.count_nonzero(changed)) / size
 
 
 def describe(store: VersionStore, version: int, base_dir: str | None = None) -> dict[str, object]:
