@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import struct
+import sys
 
 import numpy as np
 
@@ -174,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
             from deltastore.cli.plots import plot_history
 
             plot_history(rows, args.plot, title=store.url)
+            print(f"wrote {args.plot}", file=sys.stderr)  # stderr: --json keeps stdout clean
         if args.json:
             print_json({"url": store.url, "versions": rows})
         else:
@@ -191,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         from deltastore.cli.plots import plot_version
 
         plot_version(info, args.plot, title=f"{store.url} weight_v{version:06d}")
+        print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print_json(info)
     else:

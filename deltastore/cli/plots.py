@@ -38,7 +38,16 @@ def plot_version(info: dict[str, object], path: str, *, title: str) -> None:
 
 def plot_history(rows: Sequence[dict[str, object]], path: str, *, title: str) -> None:
     """Per version: wire bytes (bars; full versions marked) and density (line)."""
+    fig = history_figure(rows, title=title)
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+
+
+def history_figure(rows: Sequence[dict[str, object]], *, title: str):  # type: ignore[no-untyped-def]
+    """The figure :func:`plot_history` saves."""
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     healthy = [r for r in rows if r["kind"] != "corrupt"]
     versions = [int(r["version"]) for r in healthy]  # type: ignore[call-overload]
     wire_mb = [int(r["wire_bytes"]) / 1e6 for r in healthy]  # type: ignore[call-overload]
@@ -46,6 +55,7 @@ def plot_history(rows: Sequence[dict[str, object]], path: str, *, title: str) ->
     fig, ax_wire = plt.subplots(figsize=(10, 4.5))
     ax_wire.bar(versions, wire_mb, color=colors)
     ax_wire.set_xlabel("version")
+    ax_wire.xaxis.set_major_locator(MaxNLocator(integer=True))  # versions are whole numbers
     ax_wire.set_ylabel("wire MB (bars; red = full version)")
     ax_density = ax_wire.twinx()
     points = [
@@ -78,5 +88,4 @@ def plot_history(rows: Sequence[dict[str, object]], path: str, *, title: str) ->
         )
     ax_wire.set_title(f"{title}: {len(healthy)} version(s)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -1,4 +1,5 @@
-"""``deltastore inspect`` gives every delta encoding a density, not only the reference ones."""
+"""``deltastore inspect``: a density for every delta encoding; plots with whole-version ticks
+that say where they were written."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltastore.cli import main
 from deltastore.cli.inspect import describe
 from deltastore.storage import VersionStore
 from tests.conftest import make_checkpoint, publish_run
@@ -25,3 +27,28 @@ def test_inspect_gives_each_encoding_its_changed_share(tmp_path: Path, encoding:
     assert changed is not None and 3 / 8192 <= changed <= 6 / 8192
     assert tensors.get("b", {"density": 0.0})["density"] in (None, 0.0)
     assert describe(VersionStore(str(tmp_path / "store")), 1)["shards"]  # no --base: no crash
+
+
+def test_the_history_plot_ticks_whole_versions_and_says_where_it_wrote(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    from deltastore.cli.plots import history_figure
+
+    rows = [
+        {"version": v, "kind": "delta", "wire_bytes": 1000 * v, "density": 0.001 * v}
+        for v in (1, 2, 3)
+    ]
+    ticks = history_figure(rows, title="t").axes[0].get_xticks()
+    assert len(ticks) and all(float(t).is_integer() for t in ticks)
+    base = {"w": torch.zeros(8, 8, dtype=torch.bfloat16)}
+    new = {"w": base["w"].clone()}
+    new["w"][0, 0] = 1.0
+    base_dir = make_checkpoint(tmp_path / "base", base)
+    publish_run(tmp_path / "store", base_dir, [new], encoding="xor")
+    png = tmp_path / "h.png"
+    assert (
+        main(["inspect", str(tmp_path / "store"), "--history", "--plot", str(png), "--json"]) == 0
+    )
+    out, err = capsys.readouterr()
+    assert png.stat().st_size > 0 and f"wrote {png}" in err and str(png) not in out
