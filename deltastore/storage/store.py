@@ -209,7 +209,7 @@ class VersionStore:
             return dict(found) if isinstance(found, dict) else {}
 
         try:
-            found = self._guard(f"listing {self.url}", find)
+            found = self._guard("listing", find)  # translate() names the URL once
         except FileNotFoundError:
             if self._backend.is_remote:
                 raise self._objects.missing_root_error() from None

@@ -32,3 +32,19 @@ def test_prune_says_one_delta_in_the_singular() -> None:
         dry_run=True, grace_s=0.0, chain_kept=(3, 4),
     )  # fmt: skip
     assert "v000005 is a delta whose chain needs v000003, v000004" in "\n".join(report.lines())
+
+
+def test_a_failed_listing_names_its_url_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from deltastore.errors import StoreError
+    from deltastore.storage import RetryPolicy
+
+    store = VersionStore(str(tmp_path), retry=RetryPolicy(attempts=1))
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise ValueError("no credentials found")  # what a backend without credentials raises
+
+    monkeypatch.setattr(store.fs, "find", refused)
+    with pytest.raises(StoreError) as caught:
+        store.listing()
+    message = str(caught.value)
+    assert message.count(str(tmp_path)) == 1 and "listing on" in message, message
