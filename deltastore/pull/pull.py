@@ -160,8 +160,8 @@ def _re_resolve(
                 f"version is v{latest:06d}"
             ) from None
         raise VersionNotFoundError(
-            f"weight_v{target_version:06d} is no longer in {store.url} (pruned while this pull "
-            f"read it: {lost}); the latest version is v{latest:06d}: pull that instead"
+            f"weight_v{target_version:06d} is no longer in {store.url}: it was pruned while this "
+            f"pull read it; the latest version is v{latest:06d}: pull that instead"
         ) from lost
     log.warning(
         "a version vanished while pulling v%06d (%s); re-resolving its chain once",
