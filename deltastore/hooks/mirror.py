@@ -390,10 +390,11 @@ def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int)
                 what = (
                     "is" if version == target_version else f"(needed by v{target_version:06d}) is"
                 )
+                # The store's own message says the same thing again: chained, not pasted in.
                 raise HookError(
                     f"weight_v{version:06d} {what} not committed in {remote.url}; has the "
-                    f"trainer's commit hook finished? ({exc})"
-                ) from None
+                    "trainer's commit hook finished?"
+                ) from exc
             index = VersionIndex.from_json(
                 raw, version=version, source=f"{remote.url}/{version_dir_name(version)}"
             )

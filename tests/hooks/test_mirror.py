@@ -279,3 +279,13 @@ def test_refresh_refuses_a_local_version_of_another_store(
     old_run.prune(keep=1, grace_s=0)
     assert old_run.versions() == [2]
     assert mirror_from_store(old_run, str(engine_dir), 1) == []
+
+
+def test_a_missing_version_is_named_once_with_the_hook_question(tmp_path: Path) -> None:
+    remote = VersionStore(str(tmp_path / "remote"))
+    with pytest.raises(HookError) as caught:
+        mirror_from_store(remote, str(tmp_path / "engine"), 3)
+    message = str(caught.value)
+    assert "weight_v000003 is not committed in" in message and "commit hook finished?" in message
+    assert message.count("not committed") == 1, message  # the store's own words are the cause
+    assert isinstance(caught.value.__cause__, ds.VersionNotFoundError)
