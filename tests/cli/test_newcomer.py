@@ -83,7 +83,7 @@ def test_common_flags_after_the_subcommand_version_and_did_you_mean(tmp_path: Pa
     debug = deltastore("pull", *args, "--debug", check=False)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
     plain = deltastore("pull", *args, "-v", check=False)
-    _one_line_error(plain, "weight_v000003")
+    _one_line_error(plain, str(tmp_path / "b"))  # the missing --base, checked first
     version = deltastore("--version")
     assert version.stdout.startswith("deltastore ") and version.stdout.split()[1][0].isdigit()
     typo = deltastore("lss", str(tmp_path), check=False)
