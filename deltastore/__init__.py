@@ -26,7 +26,14 @@ from deltastore.errors import (
 from deltastore.format import VersionIndex
 from deltastore.progress import ProgressCallback
 from deltastore.publish import DeltaPublisher, PublisherConfig, PublishResult
-from deltastore.pull import HostOutcome, PullResult, RepairSummary, pull_weights, verify_local
+from deltastore.pull import (
+    HostOutcome,
+    PullResult,
+    RepairSummary,
+    pull_weights,
+    verify_local,
+    wait_durable,
+)
 from deltastore.replicate import ReplicationReport, replicate
 from deltastore.storage import RetryPolicy, VersionStore
 
@@ -60,6 +67,7 @@ __all__ = [
     "register_encoding",
     "replicate",
     "verify_local",
+    "wait_durable",
 ]
 
 

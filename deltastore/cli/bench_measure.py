@@ -16,7 +16,7 @@ import torch
 from deltastore.cli.reference import reference_publish, reference_pull
 from deltastore.publish import DeltaPublisher
 from deltastore.publish.device import host_bytes
-from deltastore.pull import pull_weights
+from deltastore.pull import pull_weights, wait_durable
 from deltastore.storage import VersionStore
 
 Model = dict[str, torch.Tensor]
@@ -93,6 +93,15 @@ class Bench:
             pull_s,
             {**phases.seconds, **{f"pull_{k}": v for k, v in pulled.seconds.items()}},
         )
+        # The same pull without the final msync, as the upstream engine readers apply a
+        # version (the engine reloads from the page cache).
+        shutil.copyfile(base_file, host_file)
+        settle()
+        begun = time.perf_counter()
+        reference_pull(shard, host_file, self.workers, flush=False)
+        upstream = self.paths.setdefault("upstream", Path())
+        upstream.wire_bytes = wire
+        upstream.keep(publish_s, time.perf_counter() - begun, {})
 
     def measure_deltastore(self, encoding: str) -> None:
         """Seed a fresh store, publish the step with ``encoding``, pull it onto a host at v0."""
@@ -111,12 +120,19 @@ class Bench:
         publish_s = time.perf_counter() - begun
         metrics = publisher.pop_metrics()
         settle()
+        # Timed to the reply (what an engine waits for); the flush and the state after it.
         begun = time.perf_counter()
-        pull_weights(host, store, result.version, base_dir=self.base_dir, workers=self.workers)
+        pull_weights(
+            host, store, result.version, base_dir=self.base_dir, workers=self.workers,
+            flush_after_reply=True,
+        )  # fmt: skip
         pull_s = time.perf_counter() - begun
+        wait_durable(host)
+        durable_s = time.perf_counter() - begun - pull_s
         path = self.paths.setdefault(encoding, Path())
         path.wire_bytes = result.wire_bytes
-        path.keep(publish_s, pull_s, {k: float(metrics[k]) for k in PUBLISH_PHASES if k in metrics})
+        phases = {k: float(metrics[k]) for k in PUBLISH_PHASES if k in metrics}
+        path.keep(publish_s, pull_s, {**phases, "pull_durable_after_reply_s": durable_s})
         if "://" not in root:
             shutil.rmtree(root, ignore_errors=True)
 

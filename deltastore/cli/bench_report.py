@@ -33,7 +33,9 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b > 0 else None
 
 
-def _path_figures(path: Path, ref: Path, full: Path, model_bytes: int) -> dict[str, Any]:
+def _path_figures(
+    path: Path, ref: Path, upstream: Path, full: Path, model_bytes: int
+) -> dict[str, Any]:
     return {
         "wire_bytes": path.wire_bytes,
         "wire_pct_of_full": round(100 * path.wire_bytes / model_bytes, 4),
@@ -44,6 +46,7 @@ def _path_figures(path: Path, ref: Path, full: Path, model_bytes: int) -> dict[s
         "publish_gbps": _gbps(model_bytes, path.publish_s),
         "pull_s": round(path.pull_s, 4),
         "pull_vs_reference": _ratio(path.pull_s, ref.pull_s),
+        "pull_vs_upstream": _ratio(path.pull_s, upstream.pull_s),
         "pull_vs_full_copy": _ratio(path.pull_s, full.pull_s),
         "pull_gbps": _gbps(model_bytes, path.pull_s),
         "phase_s": {k: round(v, 4) for k, v in path.phases.items()},
@@ -61,6 +64,7 @@ def _targets(
         ("wire_vs_reference", WIRE_TARGET),
         ("publish_vs_reference", publish_target),
         ("pull_vs_reference", PULL_TARGET),
+        ("pull_vs_upstream", PULL_TARGET),
     )
     return [
         {
@@ -86,10 +90,10 @@ def report(
 ) -> dict[str, Any]:
     """The bench's one JSON object (see docs/benchmarks.md for each key)."""
     model_bytes = sum(t.numel() * t.element_size() for t in before.values())
-    ref, full = bench.paths["reference"], bench.paths["full"]
+    ref, upstream, full = bench.paths["reference"], bench.paths["upstream"], bench.paths["full"]
     paths = {
-        name: _path_figures(bench.paths[name], ref, full, model_bytes)
-        for name in ["reference", *encodings]
+        name: _path_figures(bench.paths[name], ref, upstream, full, model_bytes)
+        for name in ["reference", "upstream", *encodings]
     }
     own = "auto" if "auto" in encodings else encodings[-1]
     table = bench.paths[args.encoding or encodings[0]]
@@ -147,13 +151,13 @@ def print_tables(result: dict[str, Any], encoding: str) -> None:
     print()
     print(
         f"{'path':<12}{'wire %':>10}{'wire/ref':>10}{'publish s':>11}{'pub/ref':>9}"
-        f"{'pull s':>9}{'pull/ref':>10}"
+        f"{'pull s':>9}{'pull/ref':>10}{'pull/up':>9}"
     )
     for name, row in paths.items():
         print(
             f"{name:<12}{row['wire_pct_of_full']:>10.3f}{row['wire_vs_reference']:>10.3f}"
             f"{row['publish_s']:>11.3f}{row['publish_vs_reference']:>9.3f}{row['pull_s']:>9.3f}"
-            f"{row['pull_vs_reference']:>10.3f}"
+            f"{row['pull_vs_reference']:>10.3f}{row['pull_vs_upstream']:>9.3f}"
         )
     print()
     for target in result["targets"]:

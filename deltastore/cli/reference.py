@@ -8,7 +8,8 @@ process on the same bytes with the same thread count:
   of the new bytes, the new bytes copied into the snapshot; then one safetensors shard of U8
   payloads written and fsynced;
 * read: the shard read back, each frame decompressed, XORed into a writable map of the host's
-  file in place, the result's digest checked, the map flushed (msync) once.
+  file in place, the result's digest checked, the map flushed (msync) once (or, as the
+  upstream engine readers do, not flushed at all).
 
 It keeps no index, no commit protocol and no lineage: it is the work a delta costs, nothing more.
 """
@@ -130,8 +131,11 @@ def _write_shard(path: str, frames: list[Frame]) -> int:
     return 8 + len(raw) + offset
 
 
-def reference_pull(shard: str, host_file: str, workers: int) -> Phases:
-    """Apply the delta shard at ``shard`` in place to the safetensors file ``host_file``."""
+def reference_pull(shard: str, host_file: str, workers: int, *, flush: bool = True) -> Phases:
+    """Apply the delta shard at ``shard`` in place to the safetensors file ``host_file``.
+
+    ``flush=False`` skips the final msync, as the upstream engine readers do (the engine
+    reloads from the page cache; a host that loses it rebuilds from the base)."""
     phases = Phases()
     t0 = time.perf_counter()
     with open(shard, "rb") as shard_file:
@@ -162,7 +166,8 @@ def reference_pull(shard: str, host_file: str, workers: int) -> Phases:
 
     with cf.ThreadPoolExecutor(workers) as pool:
         list(pool.map(apply, list(header)))
-    t4 = time.perf_counter()
-    mapped.flush()  # the map is closed when the last view of it goes
-    phases.add(durable_s=time.perf_counter() - t4)
+    if flush:
+        t4 = time.perf_counter()
+        mapped.flush()  # the map is closed when the last view of it goes
+        phases.add(durable_s=time.perf_counter() - t4)
     return phases

@@ -12,6 +12,7 @@ import logging
 import warnings
 
 import deltastore.errors
+from deltastore.codecs import get_encoding, warm_up
 from deltastore.errors import ConfigError, DeltastoreError, PublishError, UnsignedVersionWarning
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.publish.config import PublisherConfig
@@ -179,4 +180,6 @@ def seed_rank(
     )
     held = RankSnapshot(snapshot, sources, store, workers=config.threads)
     held.pool()  # the worker threads start here, not in the first publish
+    if not get_encoding(config.encoding).reference_format:
+        warm_up()  # so are deltastore's compiled kernels (numba's import and cache: ~1 s or more)
     return held, decision.stream

@@ -4,12 +4,14 @@ Modules: ``pull`` (``pull_weights``), ``source`` (store, hook, target), ``recove
 (interrupted transitions, trusting the state), ``chain`` (resolving and planning), ``apply``
 (deltas in place), ``fold`` (payloads in memory, undo), ``history`` (payloads per tensor),
 ``mapped`` (writable maps, private files), ``full`` (staged full versions), ``verify``
-(digests, ``verify_local``), ``repair``, ``local`` (lock, state), ``stats``, ``fanout``,
+(digests, ``verify_local``), ``repair``, ``local`` (lock, state), ``completion`` (a
+catch-up made durable after the reply), ``stats``, ``fanout``,
 ``result``, ``server``/``client``/``protocol`` (HTTP).
 """
 
 from deltastore.errors import GroupPullError
 from deltastore.pull.client import EndpointReply, fetch_state, pull_all
+from deltastore.pull.completion import wait_durable
 from deltastore.pull.local import LocalCheckpoint
 from deltastore.pull.protocol import PullReply, PullRequest
 from deltastore.pull.pull import pull_weights
@@ -30,4 +32,5 @@ __all__ = [
     "pull_all",
     "pull_weights",
     "verify_local",
+    "wait_durable",
 ]

@@ -20,7 +20,9 @@ on exactly that.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -218,6 +220,26 @@ class _ChainApplier:
             log.warning("%s: put back %d tensors already written", self.last, len(self.written))
 
 
+_pools: dict[int, cf.ThreadPoolExecutor] = {}
+_pools_guard = threading.Lock()
+
+
+def _apply_pool(workers: int) -> cf.ThreadPoolExecutor:
+    """The process's apply threads for ``workers`` (kept between pulls: starting a thread
+    waits for it to be scheduled, which on a loaded host costs more than a small pull)."""
+    workers = max(1, workers)
+    with _pools_guard:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = cf.ThreadPoolExecutor(
+                workers, thread_name_prefix=f"deltastore-apply-{workers}"
+            )
+        return pool
+
+
+os.register_at_fork(after_in_child=_pools.clear)  # a child has none of its parent's threads
+
+
 def _run_windows(applier: _ChainApplier, windows: Sequence[Window], workers: int) -> None:
     """Read each window (one request per span) and apply it in tasks on a thread pool.
 
@@ -237,8 +259,9 @@ def _run_windows(applier: _ChainApplier, windows: Sequence[Window], workers: int
             failed.set()
             errors.append(exc)
 
-    with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-apply") as pool:
-        in_flight: deque[list[cf.Future[None]]] = deque()
+    pool = _apply_pool(workers)
+    in_flight: deque[list[cf.Future[None]]] = deque()
+    try:
         for window in windows:
             if failed.is_set():
                 break
@@ -252,6 +275,9 @@ def _run_windows(applier: _ChainApplier, windows: Sequence[Window], workers: int
             in_flight.append([pool.submit(guarded, window, frames, run) for run in runs])
             while len(in_flight) > 1:
                 cf.wait(in_flight.popleft())
+    finally:
+        for started in in_flight:
+            cf.wait(started)
     if errors:
         raise errors[0]
 
@@ -265,6 +291,7 @@ def apply_chain(
     workers: int = 4,
     tensors: dict[str, CheckpointTensor] | None = None,
     stats: ApplyStats | None = None,
+    files: MappedFiles | None = None,
 ) -> None:
     """Apply a run of deltas in place, one pass per changed tensor, verified before writing.
 
@@ -273,8 +300,12 @@ def apply_chain(
     changed tensor's result is checked against the digest of the last delta that changes it;
     on any failure the tensors already written are put back (and flushed), so the checkpoint
     still holds ``applied_version`` when the error is raised (:class:`PutBackError` when the
-    put-back itself fails). The data is flushed (msync + fsync) before returning, and a flush
-    that fails raises :class:`PutBackError` too; the caller records the state.
+    put-back itself fails).
+
+    Without ``files`` the data is flushed (msync + fsync) before returning, and a flush that
+    fails raises :class:`PutBackError` too; the caller records the state. Given ``files``
+    (open maps the caller owns), the written files stay mapped there, verified but not
+    flushed: the caller flushes them before it records the state.
     """
     if not deltas:
         return
@@ -285,23 +316,32 @@ def apply_chain(
     if stats is not None and stats.progress is not None:
         stats.report("apply", sum(p.end - p.start for t in history.values() for p in t.payloads))
     last = version_dir_name(deltas[-1].version)
-    with mapped_files() as files:
+    owned = files is None
+    with contextlib.ExitStack() as stack:
+        if files is None:
+            files = stack.enter_context(mapped_files())
         applier = _ChainApplier(store, files, local_tensors, applied_version, last, stats)
         try:
             _run_windows(applier, plan_windows(list(history.values())), workers)
         except BaseException as exc:
             applier.put_back(exc, local.dir)
             raise
-        try:
-            files.flush()
-        except BaseException as exc:
-            # Every tensor is written but maybe not durable: neither version can be named.
-            raise PutBackError(
-                f"the tensors of {last} were applied in {local.dir} but could not be flushed "
-                f"({exc}); its pending record stays and the next pull repairs it"
-            ) from exc
+        if owned:
+            flush_applied(files, last, local.dir)
     if stats is not None:
         stats.versions.extend(d.version for d in deltas)
+
+
+def flush_applied(files: MappedFiles, last: str, local_dir: str) -> None:
+    """Flush the files a run of deltas was applied to; :class:`PutBackError` if that fails
+    (every tensor is written but maybe not durable: neither version can be named)."""
+    try:
+        files.flush()
+    except BaseException as exc:
+        raise PutBackError(
+            f"the tensors of {last} were applied in {local_dir} but could not be flushed "
+            f"({exc}); its pending record stays and the next pull repairs it"
+        ) from exc
 
 
 def apply_delta(
@@ -320,4 +360,4 @@ def apply_delta(
     )
 
 
-__all__ = ["ApplyStats", "apply_chain", "apply_delta"]
+__all__ = ["ApplyStats", "apply_chain", "apply_delta", "flush_applied"]

@@ -19,6 +19,7 @@ from deltastore.errors import ConfigError, FormatError, IntegrityError, LockTime
 from deltastore.format.names import INDEX_NAME, LOCK_NAME, PENDING_NAME, STATE_DIR, STATE_NAME
 from deltastore.format.state import AppliedState, PendingTransition
 from deltastore.progress import ProgressCallback, ProgressMeter
+from deltastore.pull.completion import wait_recorded
 from deltastore.storage.durable import atomic_replace, fsync_path
 
 log = logging.getLogger("deltastore.pull")
@@ -87,8 +88,31 @@ def same_dir(a: str, b: str) -> bool:
         return False
 
 
+class HostLock:
+    """The per-host ``flock`` held through one open descriptor; closing it releases the lock."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def hand_over(self) -> HostLock:
+        """A new owner of the held lock; this one no longer releases it."""
+        fd, self._fd = self._fd, None
+        assert fd is not None, "the host lock was already released or handed over"
+        return HostLock(fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing releases the flock
+            self._fd = None
+
+
 class LocalCheckpoint:
-    """A host-local HF checkpoint kept in step by :func:`pull_weights`."""
+    """A host-local HF checkpoint kept in step by :func:`pull_weights`.
+
+    Its ``read_state`` and ``read_pending`` first wait for this process's pull of the same
+    dir to be durable and recorded (see :mod:`deltastore.pull.completion`): a pull replies
+    before its state is written, and a reader in the same process sees the recorded outcome.
+    """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.dir = os.path.abspath(os.fspath(directory))
@@ -97,10 +121,15 @@ class LocalCheckpoint:
         self.pending_path = os.path.join(self.state_dir, PENDING_NAME)
 
     @contextlib.contextmanager
-    def lock(self, timeout_s: float = 3600.0) -> Iterator[None]:
-        """Hold the per-host ``flock``; co-located ranks serialise on it."""
+    def lock(self, timeout_s: float = 3600.0) -> Iterator[HostLock]:
+        """Hold the per-host ``flock``; co-located ranks serialise on it.
+
+        Released on exit unless it was handed over (:meth:`HostLock.hand_over`) to the
+        completion that finishes the pull after its reply.
+        """
         os.makedirs(self.state_dir, exist_ok=True)
         fd = os.open(os.path.join(self.state_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        held = HostLock(fd)
         deadline = time.monotonic() + timeout_s
         try:
             while True:
@@ -115,13 +144,14 @@ class LocalCheckpoint:
                             f"{self.dir} is locked by another pull for over {timeout_s:.0f} s"
                         ) from None
                     time.sleep(0.05)
-            yield
+            yield held
         finally:
-            os.close(fd)  # closing releases the flock
+            held.release()
 
     # ------------------------------------------------------------------ state
     def read_state(self) -> AppliedState | None:
         """The applied state, or None when there is none (or it is unreadable)."""
+        wait_recorded(self.dir)
         try:
             with open(self.state_path, "rb") as fh:
                 return AppliedState.from_json(fh.read(), source=self.state_path)
@@ -131,11 +161,11 @@ class LocalCheckpoint:
             log.warning("%s; treating %s as holding nothing", exc, self.dir)
             return None
 
-    def write_state(self, state: AppliedState) -> None:
+    def write_state(self, state: AppliedState, *, sync_dir: bool = True) -> None:
         """Record ``state`` with the weight files' fingerprints as they are now."""
         os.makedirs(self.state_dir, exist_ok=True)
         state = dataclasses.replace(state, files=self.fingerprints())
-        atomic_replace(self.state_path, state.to_json())
+        atomic_replace(self.state_path, state.to_json(), sync_dir=sync_dir)
 
     def fingerprints(self) -> dict[str, tuple[int, int]]:
         """Weight file name → (size, mtime_ns), following links (one ``stat`` per file)."""
@@ -160,6 +190,8 @@ class LocalCheckpoint:
             fsync_path(self.state_dir)
 
     def read_pending(self) -> PendingTransition | None:
+        """The record of a transition in progress or interrupted, or None."""
+        wait_recorded(self.dir)
         try:
             with open(self.pending_path, "rb") as fh:
                 return PendingTransition.from_json(fh.read(), source=self.pending_path)
@@ -170,17 +202,26 @@ class LocalCheckpoint:
             return PendingTransition(None, 0)
 
     def begin(self, pending: PendingTransition) -> None:
-        """Before the first in-place write: drop the state, then record the transition."""
+        """Before the first in-place write: record the transition and drop the state.
+
+        The pending record is renamed in and the state removed under one directory fsync: a
+        crash before it leaves either the old state alone (nothing written yet) or both, and a
+        pending record beside a state that does not name its target is repaired from.
+        """
         os.makedirs(self.state_dir, exist_ok=True)
-        self.invalidate_state()
-        atomic_replace(self.pending_path, pending.to_json())
+        atomic_replace(self.pending_path, pending.to_json(), sync_dir=False)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.state_path)
+        fsync_path(self.state_dir)
 
     def finish(self, state: AppliedState) -> None:
-        """After the data is durable: write the new state, then clear the pending record."""
-        self.write_state(state)
+        """After the data is durable: write the new state, then clear the pending record
+        (one directory fsync for both: a crash before it that keeps the record beside the
+        new state is finished by the next pull)."""
+        self.write_state(state, sync_dir=False)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.pending_path)
-            fsync_path(self.state_dir)
+        fsync_path(self.state_dir)
 
     # ---------------------------------------------------------------- seeding
     def weight_files(self) -> list[str]:

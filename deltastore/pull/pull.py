@@ -17,14 +17,17 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
+from deltastore.format.names import version_dir_name
 from deltastore.format.state import AppliedState, PendingTransition
 from deltastore.gc_pause import gc_paused
 from deltastore.progress import ProgressCallback
-from deltastore.pull.apply import apply_chain
+from deltastore.pull.apply import apply_chain, flush_applied
 from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain, resolve_onto
+from deltastore.pull.completion import complete_behind, wait_recorded
 from deltastore.pull.fanout import pull_in_group, resolve_group
 from deltastore.pull.full import discard_staging, stage_full, swap_in
 from deltastore.pull.local import LocalCheckpoint, same_dir
+from deltastore.pull.mapped import MappedFiles
 from deltastore.pull.recover import recover, trusted_state
 from deltastore.pull.repair import RepairSummary
 from deltastore.pull.result import PullResult
@@ -59,6 +62,7 @@ def pull_weights(
     process_group: Any = None,
     trusted_keys: TrustedKeys | None = None,
     progress: ProgressCallback | None = None,
+    flush_after_reply: bool = False,
 ) -> PullResult:
     """Bring ``local_checkpoint_dir`` to ``target_version`` of the store at ``source_dir``.
 
@@ -96,6 +100,15 @@ def pull_weights(
     catch-up puts back what it wrote and the checkpoint stays at its verified version; a
     reseed from the base is repaired by the next pull.
 
+    ``flush_after_reply=True`` returns as soon as every tensor a catch-up wrote is verified
+    in the mapped files (the page cache an engine reloads from): the flush of the patched
+    files, then the state, follow on a thread that holds the host lock, and until both are
+    done the pending record stays, so a crash in between is repaired by the next pull. The
+    next pull of the dir, ``verify_local`` and ``LocalCheckpoint``'s state reads in this
+    process wait for it; :func:`~deltastore.pull.wait_durable` waits and raises what stopped
+    it (docs/engines.md says what such a reply promises). By default the call returns once
+    the state is recorded.
+
     Raises a :class:`DeltastoreError` subclass naming the version and tensor at fault
     (:class:`SignatureError` for a version the trusted keys do not vouch for,
     :class:`ConfigError` for a local dir overlapping a local store,
@@ -115,6 +128,7 @@ def pull_weights(
         lock_timeout_s=lock_timeout_s,
         keys=keys,
         progress=progress,
+        flush_after_reply=flush_after_reply,
     )
     pull_here = functools.partial(_re_resolving, source.store, target, attempt)
     if group is None:
@@ -271,26 +285,40 @@ class _PullRun:
                     continue
         return None
 
-    def catch_up(self, chain: Chain, plan: Plan) -> None:
-        """Apply ``plan``'s deltas in place inside a pending record, then record the target."""
+    def catch_up(self, chain: Chain, plan: Plan) -> Callable[[], None]:
+        """Apply ``plan``'s deltas in place inside a pending record, verified in the mapped
+        files; returns the steps left once the pull replies: flush the patched files, then
+        record the target (see :mod:`deltastore.pull.completion`)."""
         current, target = plan.start, chain.target
         from_stream = chain.stream_at(current)
         self.local.begin(
             PendingTransition(current, target, chain.stream_id, from_stream, plan.versions)
         )
+        files = MappedFiles()
         try:
             apply_chain(
                 self.checked.delta_store or self.store, plan.deltas, self.local, current,
                 workers=self.workers, tensors=self.checked.local_tensors, stats=self.stats,
+                files=files,
             )  # fmt: skip
-        except PutBackError:
-            raise  # the pending record stays: the next pull repairs
-        except Exception:
-            # apply_chain put back what it wrote (whatever failed, a progress callback
-            # included): the bytes hold `current` again.
-            self.local.finish(self.applied(current, from_stream))
+        except BaseException as exc:
+            files.close()
+            if isinstance(exc, Exception) and not isinstance(exc, PutBackError):
+                # apply_chain put back (and flushed) what it wrote, whatever failed (a
+                # progress callback included): the bytes hold `current` again. After a
+                # PutBackError the pending record stays: the next pull repairs.
+                self.local.finish(self.applied(current, from_stream))
             raise
-        self.local.finish(self.applied(target, chain.stream_id))
+        state = self.applied(target, chain.stream_id)
+
+        def make_durable() -> None:
+            try:
+                flush_applied(files, version_dir_name(target), self.local.dir)
+            finally:
+                files.close()
+            self.local.finish(state)
+
+        return make_durable
 
 
 def _pull_here(
@@ -303,6 +331,7 @@ def _pull_here(
     lock_timeout_s: float,
     keys: tuple[TrustedKey, ...] | None = None,
     progress: ProgressCallback | None = None,
+    flush_after_reply: bool = False,
 ) -> PullResult:
     base = os.path.abspath(os.fspath(base_dir)) if base_dir is not None else None
     local = LocalCheckpoint(local_checkpoint_dir)
@@ -322,18 +351,27 @@ def _pull_here(
     os.makedirs(local.dir, exist_ok=True)
     stats = ApplyStats(progress=progress)
     run = _PullRun(source, local, base, workers, stats, time.perf_counter())
-    with local.lock(lock_timeout_s), gc_paused():
+    wait_recorded(local.dir, lock_timeout_s)  # this process's last pull of the dir, first
+    with local.lock(lock_timeout_s) as held, gc_paused():
         # The collector resumes once the pull's objects (headers, histories, the scanned
         # checkpoint) are gone with _pull_locked's frame, so its first collection is short.
-        done = _pull_locked(run, target_version, keys)
+        done, make_durable = _pull_locked(run, target_version, keys, flush_after_reply)
+        if make_durable is not None:
+            # Reply now: every written tensor is verified in the page cache the engine
+            # reloads from; the flush and the state follow under the host lock.
+            complete_behind(local.dir, make_durable, held.hand_over().release)
     log.info("%s: %s", local.dir, done.message)
     return done
 
 
 def _pull_locked(
-    run: _PullRun, target_version: int, keys: tuple[TrustedKey, ...] | None
-) -> PullResult:
-    """The pull itself, under the host's lock: recover, plan, apply or reseed, record."""
+    run: _PullRun,
+    target_version: int,
+    keys: tuple[TrustedKey, ...] | None,
+    flush_after_reply: bool = False,
+) -> tuple[PullResult, Callable[[], None] | None]:
+    """The pull itself, under the host's lock: recover, plan, apply or reseed, record; with
+    ``flush_after_reply``, the steps a catch-up leaves for after the reply (None: all done)."""
     source, local, base, workers = run.source, run.local, run.base, run.workers
     state = local.read_state()
     pending = local.read_pending()
@@ -360,7 +398,9 @@ def _pull_locked(
     log.info("%s: plan: %s", local.dir, plan.describe())
     if plan.action == "noop":
         assert state is not None
-        return run.result(plan, state.version, "noop" if repair is None else "repaired", repair)
+        action = "noop" if repair is None else "repaired"
+        return run.result(plan, state.version, action, repair), None
+    make_durable = None
     with preflight(source.store, chain, plan, local, base, keys, workers=workers) as checked:
         run.checked = checked
         run.phase_done("prepare")
@@ -368,9 +408,11 @@ def _pull_locked(
             run.reseed(chain, state, plan.reason or "the target builds on version 0")
             run.phase_done("reseed")
         if plan.deltas:
-            run.catch_up(chain, plan)
+            make_durable = run.catch_up(chain, plan)
+            if not flush_after_reply:
+                make_durable()  # (the flush counts as part of the apply)
+                make_durable = None
             run.phase_done("apply")
     run.checked = CheckedPlan()  # (the scanned checkpoint goes before the collector resumes)
-    return run.result(
-        plan, target_version, "reseeded" if plan.action == "reseed" else "applied", repair
-    )
+    action = "reseeded" if plan.action == "reseed" else "applied"
+    return run.result(plan, target_version, action, repair), make_durable

@@ -125,8 +125,17 @@ def preflight(
                 if base is not None:
                     check_base(base, first, workers=workers)
             else:
+                # The tensors the plan changes are verified after the apply (and put back on
+                # a mismatch); the base check hashes only the ones no delta of it touches.
                 checked.local_tensors = scan_checkpoint(local.dir)
-                check_base(local.dir, first, workers=workers, tensors=checked.local_tensors)
+                changed = {name for delta in plan.deltas for name in delta.weight_map}
+                check_base(
+                    local.dir,
+                    first,
+                    workers=workers,
+                    tensors=checked.local_tensors,
+                    covered=changed,
+                )
         yield checked
     finally:
         shutil.rmtree(staging, ignore_errors=True)

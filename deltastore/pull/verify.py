@@ -15,6 +15,7 @@ from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.pull.chain import Chain, resolve_chain
+from deltastore.pull.completion import wait_recorded
 from deltastore.pull.history import check_digest, recorded_digests
 from deltastore.pull.local import LocalCheckpoint
 from deltastore.pull.source import open_store, require_stores
@@ -201,8 +202,13 @@ def verify_local(
     keys = load_trusted(trusted_keys)
     local = LocalCheckpoint(local_checkpoint_dir)
     store = open_store(source_dir, storage_options)
+    wait_recorded(local.dir)  # a pull of the dir in this process that replied before its flush
     if version is None:
         state = local.read_state()
+        if state is None and local.read_pending() is not None and os.path.isdir(local.dir):
+            # A pull in another process may be making its reply durable: it holds the lock.
+            with local.lock():
+                state = local.read_state()
         if state is None:
             raise IntegrityError(
                 f"{local.dir} records no applied version (no state, or a pull was interrupted); "

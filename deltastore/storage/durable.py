@@ -80,10 +80,11 @@ def atomic_writer(path: str, *, sync_dir: bool = True) -> Iterator[BinaryIO]:
         fsync_path(directory)
 
 
-def atomic_replace(path: str, data: bytes) -> None:
+def atomic_replace(path: str, data: bytes, *, sync_dir: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically and durably (the file may exist or not).
 
-    See :func:`atomic_writer`: readers see the old content or the new, never a mix.
+    See :func:`atomic_writer`: readers see the old content or the new, never a mix;
+    ``sync_dir=False`` leaves the directory fsync to the caller.
     """
-    with atomic_writer(path) as fh:
+    with atomic_writer(path, sync_dir=sync_dir) as fh:
         fh.write(data)

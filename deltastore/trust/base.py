@@ -15,7 +15,7 @@ import concurrent.futures as cf
 import contextlib
 import mmap
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from deltastore.codecs import Checksum, get_checksum
@@ -146,11 +146,15 @@ def check_base(
     *,
     workers: int = 4,
     tensors: dict[str, CheckpointTensor] | None = None,
+    covered: Collection[str] = (),
 ) -> bool:
     """Refuse a base that is not the one the stream was published from.
 
     ``first_delta`` is the delta built on version 0 that a seed from the base applies first.
-    ``tensors`` is ``scan_checkpoint(base_dir)`` when the caller has it already. Returns False
+    ``tensors`` is ``scan_checkpoint(base_dir)`` when the caller has it already. ``covered``
+    names tensors the caller checks against a published digest after writing them anyway (a
+    catch-up verifies every tensor it changes and puts it back if it does not match, which a
+    wrong base byte makes it do): they are not hashed here. Returns False
     (nothing checked) when it carries no record (older publishers, reference trainers).
     Raises :class:`IntegrityError` naming the first differing tensors, and
     :class:`NameMismatchError` when the base lacks or adds tensors.
@@ -163,7 +167,7 @@ def check_base(
     checksum, expected = parsed
     algorithm = get_checksum(checksum)
     where = f"base {base_dir} (checked against weight_v{first_delta.version:06d})"
-    names = sorted(expected)
+    names = sorted(set(expected).difference(covered))
     digests = hash_tensors([local[n] for n in names], algorithm, workers=workers)
     wrong = [n for n, d in zip(names, digests) if d != expected[n]]
     if wrong:

@@ -1,0 +1,45 @@
+"""A pull with ``flush_after_reply=True`` in a child process, for the kill -9 trials between the
+reply and durability.
+
+Imports everything and prints ``READY``; reads one JSON line (``local``, ``store``, ``target``,
+``base``, ``hold_s``), prints ``GO``, pulls, prints ``REPLIED`` when ``pull_weights`` returns,
+then waits for the flush-and-record thread. ``hold_s`` delays each msync of a patched file in
+this child (a slow disk), so a kill sent after ``REPLIED`` lands before the data is durable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import deltastore.pull.mapped as mapped
+from deltastore import pull_weights, wait_durable
+
+
+def main() -> int:
+    print("READY", flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    args = json.loads(line)
+    real_msync = mapped.msync
+
+    def slow_msync(mm, path):  # type: ignore[no-untyped-def]
+        time.sleep(args["hold_s"])
+        real_msync(mm, path)
+
+    mapped.msync = slow_msync
+    print("GO", flush=True)
+    result = pull_weights(
+        args["local"], args["store"], args["target"], args["base"], workers=1,
+        flush_after_reply=True,
+    )  # fmt: skip
+    print("REPLIED", json.dumps({"version": result.version, "action": result.action}), flush=True)
+    wait_durable(args["local"])
+    print("DURABLE", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
