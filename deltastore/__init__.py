@@ -26,14 +26,7 @@ from deltastore.errors import (
 from deltastore.format import VersionIndex
 from deltastore.progress import ProgressCallback
 from deltastore.publish import DeltaPublisher, PublisherConfig, PublishResult
-from deltastore.pull import (
-    HostOutcome,
-    PullResult,
-    RepairSummary,
-    pull_weights,
-    verify_local,
-    wait_durable,
-)
+from deltastore.pull import HostOutcome, PullResult, RepairSummary, pull_weights, verify_local
 from deltastore.replicate import ReplicationReport, replicate
 from deltastore.storage import RetryPolicy, VersionStore
 
@@ -67,7 +60,6 @@ __all__ = [
     "register_encoding",
     "replicate",
     "verify_local",
-    "wait_durable",
 ]
 
 

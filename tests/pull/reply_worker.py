@@ -14,7 +14,8 @@ import sys
 import time
 
 import deltastore.pull.mapped as mapped
-from deltastore import pull_weights, wait_durable
+from deltastore import pull_weights
+from deltastore.pull import wait_durable
 
 
 def main() -> int:

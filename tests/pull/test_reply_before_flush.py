@@ -23,7 +23,7 @@ import deltastore as ds
 import deltastore.pull.mapped as mapped
 from deltastore.errors import PutBackError
 from deltastore.format.names import LOCK_NAME
-from deltastore.pull import LocalCheckpoint
+from deltastore.pull import LocalCheckpoint, wait_durable
 from tests.conftest import checkpoint_bytes, perturb, raw_bytes
 from tests.pull.helpers import (
     local_bytes,
@@ -93,7 +93,7 @@ def test_the_reply_comes_verified_and_the_flush_then_the_state_follow(
         assert _lock_is_held(host)
     finally:
         gate.set()
-    ds.wait_durable(host)
+    wait_durable(host)
     assert _on_disk(host) == (True, False) and not _lock_is_held(host)
     changed = [p for p, data in _file_bytes(host).items() if data != files_before[p]]
     assert changed
@@ -117,7 +117,7 @@ def test_a_flush_failing_after_the_reply_keeps_the_pending_record_for_the_next_p
     monkeypatch.setattr(mapped, "msync", failing_msync)
     assert ds.pull_weights(host, store, 3, base_dir=base_dir, flush_after_reply=True).version == 3
     with pytest.raises(PutBackError, match="could not be flushed"):
-        ds.wait_durable(host)
+        wait_durable(host)
     assert _on_disk(host) == (False, True) and not _lock_is_held(host)
     monkeypatch.undo()
     again = ds.pull_weights(host, store, 3, base_dir=base_dir)
