@@ -100,14 +100,8 @@ def pull_weights(
     catch-up puts back what it wrote and the checkpoint stays at its verified version; a
     reseed from the base is repaired by the next pull.
 
-    ``flush_after_reply=True`` returns as soon as every tensor a catch-up wrote is verified
-    in the mapped files (the page cache an engine reloads from): the flush of the patched
-    files, then the state, follow on a thread that holds the host lock, and until both are
-    done the pending record stays, so a crash in between is repaired by the next pull. The
-    next pull of the dir, ``verify_local`` and ``LocalCheckpoint``'s state reads in this
-    process wait for it; :func:`~deltastore.pull.wait_durable` waits and raises what stopped
-    it (docs/engines.md says what such a reply promises). By default the call returns once
-    the state is recorded.
+    ``flush_after_reply=True`` returns once a catch-up's tensors are verified in the mapped
+    files; the flush and the state follow (:mod:`deltastore.pull.completion`, docs/engines.md).
 
     Raises a :class:`DeltastoreError` subclass naming the version and tensor at fault
     (:class:`SignatureError` for a version the trusted keys do not vouch for,
@@ -133,12 +127,8 @@ def pull_weights(
     pull_here = functools.partial(_re_resolving, source.store, target, attempt)
     if group is None:
         return pull_here()
-    return pull_in_group(
-        group,
-        pull_here,
-        local_dir=os.path.abspath(os.fspath(local_checkpoint_dir)),
-        target_version=target,
-    )
+    local_dir = os.path.abspath(os.fspath(local_checkpoint_dir))
+    return pull_in_group(group, pull_here, local_dir=local_dir, target_version=target)
 
 
 def _re_resolving(
