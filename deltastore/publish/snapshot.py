@@ -267,18 +267,9 @@ _TORCH_DTYPES: dict[str, str] = {
     "float8_e8m0fnu": "F8_E8M0",
 }
 _NUMPY_DTYPES: dict[str, str] = {
-    "float16": "F16",
-    "float32": "F32",
-    "float64": "F64",
-    "int8": "I8",
-    "uint8": "U8",
-    "int16": "I16",
-    "int32": "I32",
-    "int64": "I64",
-    "uint16": "U16",
-    "uint32": "U32",
-    "uint64": "U64",
-    "bool": "BOOL",
+    name: code
+    for name, code in _TORCH_DTYPES.items()
+    if not name.startswith(("bfloat", "float8"))  # torch dtypes numpy has no name for
 }
 
 
