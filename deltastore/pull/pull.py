@@ -337,7 +337,7 @@ def _pull_here(
             "trainer was seeded from"
         )
     if target_version > 0:
-        source.check_local_roots()
+        source.check_roots(list_remote=not os.path.exists(local.dir))
     os.makedirs(local.dir, exist_ok=True)
     stats = ApplyStats(progress=progress)
     run = _PullRun(source, local, base, workers, stats, time.perf_counter())

@@ -102,15 +102,17 @@ class PullSource:
             raise ConfigError(f"target version {target} is negative")
         return target
 
-    def check_local_roots(self) -> None:
-        """Raise the no-store :class:`ConfigError` when every store is a local path that does
-        not exist (a free check, before a pull touches the host; remote stores and other
-        absent stores are found when the pull reads them). Skipped where a pre-read hook runs:
-        the hook may be what fills the local root (a mirror of a bucket, say)."""
+    def check_roots(self, *, list_remote: bool) -> None:
+        """Raise the no-store :class:`ConfigError` before a pull touches the host: when every
+        store is a local path that does not exist (free), and with ``list_remote`` (a host dir
+        the pull would create) when no store holds anything a publisher wrote (one listing
+        each, so a mistyped bucket prefix leaves no host dir, lock or state behind). Other
+        absent stores are found when the pull reads them. Skipped where a pre-read hook runs:
+        the hook may be what fills the root (a mirror of a bucket, say)."""
         stores = each_store(self.store)
         if self.pre_read is not None or any(s.pre_read is not None for s in stores):
             return
-        if all(s.is_local and not os.path.isdir(s.root) for s in stores):
+        if list_remote or all(s.is_local and not os.path.isdir(s.root) for s in stores):
             require_stores(self.store)
 
     def check_apart_from(self, local_dir: str) -> None:

@@ -223,14 +223,21 @@ def _bench_json(*args: str) -> dict:  # type: ignore[type-arg]
 
 def test_bench_json_has_paths_phases_and_targets() -> None:
     result = _bench_json("--density", "0.01")
-    assert set(result["paths"]) == {"reference", "xor", "sparse-v2", "auto"}
+    assert set(result["paths"]) == {"reference", "upstream", "xor", "sparse-v2", "auto"}
     for row in result["paths"].values():
         assert row["wire_bytes"] > 0 and row["publish_s"] > 0 and row["pull_s"] > 0
         assert {"wire_pct_of_full", "publish_vs_reference", "pull_vs_full_copy"} <= set(row)
     assert {"encode_s", "diff_s", "write_s"} <= set(result["paths"]["auto"]["phase_s"])
     assert result["paths"]["reference"]["wire_vs_reference"] == 1.0
     targets = {t["target"]: t for t in result["targets"]}
-    assert set(targets) == {"wire_vs_reference", "publish_vs_reference", "pull_vs_reference"}
+    assert set(targets) == {
+        "wire_vs_reference",
+        "publish_vs_reference",
+        "pull_vs_reference",
+        "pull_vs_upstream",
+    }
+    # 'upstream' is the reference pull without the final msync, as the engine readers apply.
+    assert result["paths"]["upstream"]["wire_bytes"] == result["paths"]["reference"]["wire_bytes"]
     assert all(t["encoding"] == "auto" for t in targets.values())
     for target in targets.values():
         assert target["met"] == (target["measured"] <= target["at_most"])

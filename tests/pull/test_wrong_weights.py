@@ -255,6 +255,7 @@ def test_a_mistyped_object_store_prefix_is_no_store_for_pull_and_verify(
             ds.pull_weights(tmp_path / "host", store, target, base_dir=base_dir)
     with pytest.raises(ConfigError, match=r"no store at s3://.*nothing was ever published"):
         ds.verify_local(tmp_path / "host", store, 3, base_dir=base_dir)
+    assert not (tmp_path / "host").exists(), "no host dir, lock or state for a pull that cannot run"
 
 
 def test_verify_and_pull_give_a_wrong_base_the_same_diagnosis(
