@@ -201,12 +201,26 @@ def main() -> None:
             runs.append((args.workers[-1], args.density[0], True))
         for i, (workers, density, full) in enumerate(runs):
             cmd = [
-                sys.executable, __file__, "--child", "--base", str(base),
-                "--store", str(Path(tmp, f"store{i}")), "--tensors", str(args.tensors),
-                "--tensor-mib", str(args.tensor_mib), "--workers", str(workers),
-                "--density", str(density), "--ranks", str(args.ranks),
-                "--spool-mib", str(args.spool_mib),
-            ] + (["--full"] if full else [])  # fmt: skip
+                sys.executable,
+                __file__,
+                "--child",
+                "--base",
+                str(base),
+                "--store",
+                str(Path(tmp, f"store{i}")),
+                "--tensors",
+                str(args.tensors),
+                "--tensor-mib",
+                str(args.tensor_mib),
+                "--workers",
+                str(workers),
+                "--density",
+                str(density),
+                "--ranks",
+                str(args.ranks),
+                "--spool-mib",
+                str(args.spool_mib),
+            ] + (["--full"] if full else [])
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             records.extend(json.loads(line) for line in out.splitlines() if line.startswith("{"))
     if args.json:

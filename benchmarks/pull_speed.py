@@ -108,8 +108,11 @@ def reference_apply(local: str, version_dir: str, workers: int) -> None:
         position = 0
         while chunk := reader.read(CHUNK):
             part = np.frombuffer(chunk, np.uint8)
-            np.bitwise_xor(view[position : position + part.size], part,
-                           out=view[position : position + part.size])  # fmt: skip
+            np.bitwise_xor(
+                view[position : position + part.size],
+                part,
+                out=view[position : position + part.size],
+            )
             position += part.size
         if position != target.entry.nbytes or xxhash.xxh3_128_hexdigest(view) != digest:
             raise SystemExit(f"reference apply: {name} does not verify")
@@ -148,9 +151,13 @@ def s3_reseed(work: str, base: str, model: dict[str, torch.Tensor], args: argpar
         fs, root = fsspec.core.url_to_fs(url, **options)
         files = [f for f in fs.find(root + "/weight_v000001") if f.endswith(".safetensors")]
         times: dict[str, list[float]] = {
-            "s3fs.get": [], "s3fs.get one stream": [], "s3fs.get one stream + fsync": [],
-            "deltastore": [], "s3fs.put": [], "deltastore publish": [],
-        }  # fmt: skip
+            "s3fs.get": [],
+            "s3fs.get one stream": [],
+            "s3fs.get one stream + fsync": [],
+            "deltastore": [],
+            "s3fs.put": [],
+            "deltastore publish": [],
+        }
         local_copy = os.path.join(work, "s3copy")
         os.makedirs(local_copy)
         fs.get(files, local_copy + "/")
@@ -218,8 +225,9 @@ def main() -> None:
                 shutil.rmtree(host, ignore_errors=True)
                 shutil.copytree(template, host)
             started = time.perf_counter()
-            reference_apply(os.path.join(work, "reference"), os.path.join(store, "weight_v000001"),
-                            args.workers)  # fmt: skip
+            reference_apply(
+                os.path.join(work, "reference"), os.path.join(store, "weight_v000001"), args.workers
+            )
             times["reference"].append(time.perf_counter() - started)
             started = time.perf_counter()
             pull_weights(os.path.join(work, "deltastore"), store, 1, base, workers=args.workers)

@@ -13,6 +13,6 @@ PYTHON="${PYTHON:-python3}"
 # torch is pinned: an unpinned torch pulls a several-GB CUDA build.
 .venv/bin/python -m pip install -q -e ".[test]" "torch==2.13.0"
 .venv/bin/ruff check deltastore tests hooks benchmarks
-.venv/bin/ruff format --check deltastore
+.venv/bin/ruff format --check deltastore tests hooks benchmarks
 .venv/bin/mypy
 .venv/bin/python -m pytest -q "$@"

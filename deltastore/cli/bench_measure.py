@@ -123,9 +123,13 @@ class Bench:
         # Timed to the reply (what an engine waits for); the flush and the state after it.
         begun = time.perf_counter()
         pull_weights(
-            host, store, result.version, base_dir=self.base_dir, workers=self.workers,
+            host,
+            store,
+            result.version,
+            base_dir=self.base_dir,
+            workers=self.workers,
             flush_after_reply=True,
-        )  # fmt: skip
+        )
         pull_s = time.perf_counter() - begun
         wait_durable(host)
         durable_s = time.perf_counter() - begun - pull_s

@@ -342,9 +342,14 @@ class DeltaPublisher:
         try:
             meter = write_meter(progress, jobs, full, diff.encoded, held.snapshot.sources)
             writer = ShardWriter(
-                slot.open_write, diff.encoded, spool, self.encoding, self.checksum,
-                self.config.threads, meter,
-            )  # fmt: skip
+                slot.open_write,
+                diff.encoded,
+                spool,
+                self.encoding,
+                self.checksum,
+                self.config.threads,
+                meter,
+            )
             entries, wire, facts = writer.write_all(jobs, full=full, held=held, stream=stream)
         except Exception as exc:
             return Written(self.rank, describe(exc)), exc

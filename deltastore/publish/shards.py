@@ -81,9 +81,10 @@ class ShardWriter:
             header = build_header(layouts, {n: encoded[n].digest for n in job.names})
         else:
             header = build_packed_header(
-                job.names, [encoded[n].length for n in job.names],
+                job.names,
+                [encoded[n].length for n in job.names],
                 [encoded[n].digest for n in job.names],
-            )  # fmt: skip
+            )
         entries = {}
         offset = len(header)
         with self.open_write(job.shard) as sink:

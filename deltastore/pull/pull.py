@@ -213,12 +213,20 @@ class _PullRun:
         except (DeltastoreError, OSError):
             total = s.tensors
         return PullResult(
-            version, action, s.versions, s.tensors, s.bytes_read, seconds, plan.describe(),
-            repair, s.payloads, bytes_reconstructed=s.bytes_written,
+            version,
+            action,
+            s.versions,
+            s.tensors,
+            s.bytes_read,
+            seconds,
+            plan.describe(),
+            repair,
+            s.payloads,
+            bytes_reconstructed=s.bytes_written,
             tensors_skipped=0 if action == "reseeded" else max(0, total - s.tensors),
             reseeds=int(action == "reseeded"),
             phase_seconds=dict(self.phases),
-        )  # fmt: skip
+        )
 
     def applied(self, version: int, stream: str | None) -> AppliedState:
         """The state recording ``version``: the store it came from, and, when reading from
@@ -250,9 +258,13 @@ class _PullRun:
             self.stats.report("download", chain.start_index.totals.get("wire_bytes"))
             try:
                 staging = stage_full(
-                    self.store, chain.start_index, self.local, model=self._model(),
-                    workers=self.workers, stats=self.stats,
-                )  # fmt: skip
+                    self.store,
+                    chain.start_index,
+                    self.local,
+                    model=self._model(),
+                    workers=self.workers,
+                    stats=self.stats,
+                )
                 self.checked.check_staged(staging, chain.start_index)
                 self.stats.end_report()
             except BaseException:
@@ -287,10 +299,15 @@ class _PullRun:
         files = MappedFiles()
         try:
             apply_chain(
-                self.checked.delta_store or self.store, plan.deltas, self.local, current,
-                workers=self.workers, tensors=self.checked.local_tensors, stats=self.stats,
+                self.checked.delta_store or self.store,
+                plan.deltas,
+                self.local,
+                current,
+                workers=self.workers,
+                tensors=self.checked.local_tensors,
+                stats=self.stats,
                 files=files,
-            )  # fmt: skip
+            )
         except BaseException as exc:
             files.close()
             if isinstance(exc, Exception) and not isinstance(exc, PutBackError):

@@ -66,8 +66,19 @@ def test_publish_pull_ls_verify(tmp_path: Path, checkpoints: list[Path], encodin
         "publish", "--store", store, "--prev", base, "--new", v1, "--encoding", encoding
     )
     assert "weight_v000001" in out.stdout
-    deltastore("publish", "--store", store, "--prev", v1, "--new", v2, "--encoding", encoding,
-               "--checksum", "blake3")  # fmt: skip
+    deltastore(
+        "publish",
+        "--store",
+        store,
+        "--prev",
+        v1,
+        "--new",
+        v2,
+        "--encoding",
+        encoding,
+        "--checksum",
+        "blake3",
+    )
 
     listing = json.loads(deltastore("ls", store, "--json").stdout)["versions"]
     assert [row["version"] for row in listing] == [1, 2]
@@ -88,8 +99,18 @@ def test_publish_pull_ls_verify(tmp_path: Path, checkpoints: list[Path], encodin
     )
 
     # The local bytes are at v2, so verifying them against v1 must fail, by digest.
-    bad = deltastore("verify", "--store", store, "--local", str(local), "--base", base,
-                     "--version", "1", check=False)  # fmt: skip
+    bad = deltastore(
+        "verify",
+        "--store",
+        store,
+        "--local",
+        str(local),
+        "--base",
+        base,
+        "--version",
+        "1",
+        check=False,
+    )
     assert bad.returncode != 0 and "do not match" in bad.stderr
 
     deltastore("pull", "--store", store, "--local", str(local), "--base", base, "--version", "1")
@@ -128,18 +149,40 @@ def test_pull_creates_local_dir_and_reseeds_dir_without_state(
 
 def test_errors_are_one_line_unless_debug(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope")
-    proc = deltastore("pull", "--store", str(tmp_path / "store"), "--local", str(tmp_path / "h"),
-                      "--base", missing, "--version", "3", check=False)  # fmt: skip
+    proc = deltastore(
+        "pull",
+        "--store",
+        str(tmp_path / "store"),
+        "--local",
+        str(tmp_path / "h"),
+        "--base",
+        missing,
+        "--version",
+        "3",
+        check=False,
+    )
     assert proc.returncode == 1
     assert proc.stderr.startswith("deltastore pull: error:") and missing in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     store, host = str(tmp_path / "store"), str(tmp_path / "h")
-    debug = deltastore("--debug", "pull", "--store", store, "--local", host,
-                       "--base", missing, "--version", "3", check=False)  # fmt: skip
+    debug = deltastore(
+        "--debug",
+        "pull",
+        "--store",
+        store,
+        "--local",
+        host,
+        "--base",
+        missing,
+        "--version",
+        "3",
+        check=False,
+    )
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
-    bad_encoding = deltastore("publish", "--store", "x", "--prev", "a", "--new", "b",
-                              "--encoding", "lz4", check=False)  # fmt: skip
+    bad_encoding = deltastore(
+        "publish", "--store", "x", "--prev", "a", "--new", "b", "--encoding", "lz4", check=False
+    )
     assert bad_encoding.returncode == 2 and "invalid choice" in bad_encoding.stderr
 
 
@@ -184,8 +227,9 @@ def test_publish_refuses_prev_with_tensors_the_full_version_lacks(tmp_path: Path
     extra = torch.arange(16, dtype=torch.float32)
     prev = make_checkpoint(tmp_path / "prev", {**states[1], "lm_head.weight": extra})
     new = make_checkpoint(tmp_path / "new", {**states[2], "lm_head.weight": extra + 1})
-    proc = deltastore("publish", "--store", store, "--prev", str(prev), "--new", str(new),
-                      check=False)  # fmt: skip
+    proc = deltastore(
+        "publish", "--store", store, "--prev", str(prev), "--new", str(new), check=False
+    )
     assert proc.returncode == 1, proc.stdout
     assert "lm_head.weight" in proc.stderr and "Traceback" not in proc.stderr
     assert [
@@ -199,8 +243,18 @@ def test_pull_latest_from_a_missing_store_is_an_error(
     base = str(checkpoints[0])
     local = tmp_path / "host"
     typo = str(tmp_path / "no-such-store")
-    proc = deltastore("pull", "--store", typo, "--local", str(local), "--base", base,
-                      "--version", "latest", check=False)  # fmt: skip
+    proc = deltastore(
+        "pull",
+        "--store",
+        typo,
+        "--local",
+        str(local),
+        "--base",
+        base,
+        "--version",
+        "latest",
+        check=False,
+    )
     assert proc.returncode == 1 and "no store at" in proc.stderr
     assert not local.exists() or not list(local.glob("*.safetensors")), "the host was reseeded"
 
@@ -208,8 +262,17 @@ def test_pull_latest_from_a_missing_store_is_an_error(
 @pytest.mark.parametrize("backend", ["s3", "gcs", "memory"])
 def test_demo_on_other_backends(tmp_path: Path, backend: str) -> None:
     """``--backend s3|gcs`` starts its own embedded emulator (no account, no docker)."""
-    proc = deltastore("demo", "--backend", backend, "--size", "4", "--steps", "1",
-                      "--workdir", str(tmp_path / "demo"))  # fmt: skip
+    proc = deltastore(
+        "demo",
+        "--backend",
+        backend,
+        "--size",
+        "4",
+        "--steps",
+        "1",
+        "--workdir",
+        str(tmp_path / "demo"),
+    )
     assert "000001" in proc.stdout and "verified on both hosts" in proc.stdout
     assert ("s3://" in proc.stdout) == (backend == "s3")
     assert ("gs://" in proc.stdout) == (backend == "gcs")

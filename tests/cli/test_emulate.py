@@ -22,8 +22,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 def test_emulate_prints_the_environment_and_stops_on_ctrl_c(tmp_path: Path, kind: str) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "deltastore.cli", "emulate", kind, "--bucket", "newcomer"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         env: dict[str, str] = {}
         assert proc.stdout is not None
@@ -41,8 +43,10 @@ def test_emulate_prints_the_environment_and_stops_on_ctrl_c(tmp_path: Path, kind
         child_env.update(env)
         base = make_checkpoint(tmp_path / "base", _model(0))
         new = make_checkpoint(tmp_path / "new", _step(_model(0), 1))
-        for args in (["publish", "--store", url, "--prev", str(base), "--new", str(new)],
-                     ["ls", url, "--json"]):  # fmt: skip
+        for args in (
+            ["publish", "--store", url, "--prev", str(base), "--new", str(new)],
+            ["ls", url, "--json"],
+        ):
             command = [sys.executable, "-m", "deltastore.cli", *args]
             done = subprocess.run(
                 command, capture_output=True, text=True, env=child_env, timeout=180

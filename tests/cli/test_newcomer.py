@@ -78,8 +78,16 @@ def test_ls_lists_healthy_versions_beside_a_corrupt_index(store3) -> None:  # ty
 
 
 def test_common_flags_after_the_subcommand_version_and_did_you_mean(tmp_path: Path) -> None:
-    args = ("--store", str(tmp_path / "s"), "--local", str(tmp_path / "h"),
-            "--base", str(tmp_path / "b"), "--version", "3")  # fmt: skip
+    args = (
+        "--store",
+        str(tmp_path / "s"),
+        "--local",
+        str(tmp_path / "h"),
+        "--base",
+        str(tmp_path / "b"),
+        "--version",
+        "3",
+    )
     debug = deltastore("pull", *args, "--debug", check=False)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
     plain = deltastore("pull", *args, "-v", check=False)
@@ -162,8 +170,12 @@ def test_progress_on_a_terminal_only(store3, tmp_path: Path) -> None:  # type: i
 
     def stderr_on_tty(*extra: str) -> str:
         controller, terminal = pty.openpty()
-        proc = subprocess.run([sys.executable, "-m", "deltastore.cli", *args, *extra],
-                              stdout=subprocess.PIPE, stderr=terminal, timeout=120)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "deltastore.cli", *args, *extra],
+            stdout=subprocess.PIPE,
+            stderr=terminal,
+            timeout=120,
+        )
         os.close(terminal)
         chunks = []
         while True:
@@ -185,10 +197,22 @@ def test_progress_on_a_terminal_only(store3, tmp_path: Path) -> None:  # type: i
 
 def test_interrupt_exits_130(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltastore.cli", "demo", "--size", "96", "--steps", "50",
-         "--workdir", str(tmp_path / "demo")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "deltastore.cli",
+            "demo",
+            "--size",
+            "96",
+            "--steps",
+            "50",
+            "--workdir",
+            str(tmp_path / "demo"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     for line in proc.stdout:
         if "synthetic model" in line:
@@ -261,7 +285,17 @@ def test_a_mistyped_store_gets_one_message_everywhere(
 def test_a_pull_with_a_missing_base_creates_nothing_on_the_host(tmp_path: Path, store3) -> None:  # type: ignore[no-untyped-def]
     store, _ = store3
     host = tmp_path / "host"
-    proc = deltastore("pull", "--store", store, "--local", str(host), "--base",
-                      str(tmp_path / "no-base"), "--version", "3", check=False)  # fmt: skip
+    proc = deltastore(
+        "pull",
+        "--store",
+        store,
+        "--local",
+        str(host),
+        "--base",
+        str(tmp_path / "no-base"),
+        "--version",
+        "3",
+        check=False,
+    )
     _one_line_error(proc, "no-base does not exist")
     assert not host.exists()

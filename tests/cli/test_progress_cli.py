@@ -130,9 +130,17 @@ def test_bench_shows_a_byte_bar_on_a_terminal() -> None:
 def test_json_and_quiet_keep_the_terminal_clean(store_and_host, flag: str) -> None:
     base, _, store, host = store_and_host
     rc, out, err = run_on_tty(
-        "pull", "--store", str(store), "--local", str(host), "--base", str(base),
-        "--version", "1", flag,
-    )  # fmt: skip
+        "pull",
+        "--store",
+        str(store),
+        "--local",
+        str(host),
+        "--base",
+        str(base),
+        "--version",
+        "1",
+        flag,
+    )
     assert rc == 0 and out
     assert err.strip() == ""
 

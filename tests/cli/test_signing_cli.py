@@ -33,10 +33,12 @@ def test_keygen_publish_pull_verify_round_trip(tmp_path: Path) -> None:
     old, new = str(tmp_path / "keys" / "old"), str(tmp_path / "keys" / "new")
     deltastore("keygen", old)
     deltastore("keygen", new)
-    deltastore("publish", "--store", store, "--prev", ckpt[0], "--new", ckpt[1],
-               "--sign-key", old + ".key")  # fmt: skip
-    deltastore("publish", "--store", store, "--prev", ckpt[1], "--new", ckpt[2],
-               "--sign-key", new + ".key")  # fmt: skip
+    deltastore(
+        "publish", "--store", store, "--prev", ckpt[0], "--new", ckpt[1], "--sign-key", old + ".key"
+    )
+    deltastore(
+        "publish", "--store", store, "--prev", ckpt[1], "--new", ckpt[2], "--sign-key", new + ".key"
+    )
     deltastore("publish", "--store", store, "--prev", ckpt[2], "--new", ckpt[3])  # unsigned
     assert SIGNATURE_KEY in VersionStore(store).index(2).extra
     host = str(tmp_path / "host")
@@ -63,18 +65,21 @@ def test_serve_trust_applies_to_every_request(tmp_path: Path) -> None:
     (tmp_path / "keys").mkdir()
     key = str(tmp_path / "keys" / "run")
     deltastore("keygen", key)
-    deltastore("publish", "--store", store, "--prev", ckpt[0], "--new", ckpt[1],
-               "--sign-key", key + ".key")  # fmt: skip
+    deltastore(
+        "publish", "--store", store, "--prev", ckpt[0], "--new", ckpt[1], "--sign-key", key + ".key"
+    )
     deltastore("publish", "--store", store, "--prev", ckpt[1], "--new", ckpt[2])  # unsigned
     server = start_server("--base", ckpt[0], "--allow", str(allowed), "--trust", key + ".pub")
     try:
         host = str(allowed / "host")
         body = {"local_checkpoint_dir": host, "source_dir": store}
-        status, reply = http("POST", server.url + "/pull_weights", {**body, "target_version": 1},
-                             token=None)  # fmt: skip
+        status, reply = http(
+            "POST", server.url + "/pull_weights", {**body, "target_version": 1}, token=None
+        )
         assert status == 200 and reply["success"], reply
-        status, reply = http("POST", server.url + "/pull_weights", {**body, "target_version": 2},
-                             token=None)  # fmt: skip
+        status, reply = http(
+            "POST", server.url + "/pull_weights", {**body, "target_version": 2}, token=None
+        )
         assert not reply["success"] and "not signed" in str(reply["message"]), reply
         assert checkpoint_bytes(host) == checkpoint_bytes(ckpt[1])
     finally:
@@ -91,10 +96,20 @@ def test_keygen_creates_the_key_dir_and_an_unsigned_publish_warns_or_is_refused(
     key = str(tmp_path / "keys" / "run1")  # keys/ does not exist
     deltastore("keygen", key)
     assert (tmp_path / "keys" / "run1.key").stat().st_mode & 0o777 == 0o600
-    deltastore("publish", "--store", store, "--prev", ckpt[0], "--new", ckpt[1],
-               "--sign-key", key + ".key")  # fmt: skip
-    refused = deltastore("publish", "--store", store, "--prev", ckpt[1], "--new", ckpt[2],
-                         "--require-signed", check=False)  # fmt: skip
+    deltastore(
+        "publish", "--store", store, "--prev", ckpt[0], "--new", ckpt[1], "--sign-key", key + ".key"
+    )
+    refused = deltastore(
+        "publish",
+        "--store",
+        store,
+        "--prev",
+        ckpt[1],
+        "--new",
+        ckpt[2],
+        "--require-signed",
+        check=False,
+    )
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert "weight_v000001 in" in refused.stderr
     assert "is signed but this publisher" in refused.stderr
@@ -102,6 +117,16 @@ def test_keygen_creates_the_key_dir_and_an_unsigned_publish_warns_or_is_refused(
     warned = deltastore("publish", "--store", store, "--prev", ckpt[1], "--new", ckpt[2])
     assert "is signed but this publisher has no signing key" in warned.stderr
     assert VersionStore(store).versions() == [1, 2]
-    signed = deltastore("publish", "--store", store, "--prev", ckpt[2], "--new", ckpt[3],
-                        "--sign-key", key + ".key", "--require-signed")  # fmt: skip
+    signed = deltastore(
+        "publish",
+        "--store",
+        store,
+        "--prev",
+        ckpt[2],
+        "--new",
+        ckpt[3],
+        "--sign-key",
+        key + ".key",
+        "--require-signed",
+    )
     assert "is signed but" not in signed.stderr

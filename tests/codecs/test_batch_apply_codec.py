@@ -195,9 +195,12 @@ def test_a_tensor_outside_the_target_is_refused_before_the_kernel():
     )
     with pytest.raises(ValueError, match="outside"):
         CompactSparseEncoding(use_jit=True).apply_batch(
-            np.zeros(10, np.uint8), np.array([4], np.int64), np.array([8], np.int64),
-            _batch([payload]), ["t"],
-        )  # fmt: skip
+            np.zeros(10, np.uint8),
+            np.array([4], np.int64),
+            np.array([8], np.int64),
+            _batch([payload]),
+            ["t"],
+        )
 
 
 def test_no_jit_applyes_apply_one_by_one(monkeypatch: pytest.MonkeyPatch):
@@ -263,8 +266,12 @@ def test_decompress_many_refuses_like_decompress(monkeypatch: pytest.MonkeyPatch
         with pytest.raises(FormatError) as many:
             decompress_many(broken, limits_of, exact, lambda i: f"frame {i}")
         with pytest.raises(FormatError) as one:
-            decompress(broken[3], max_size=limits_of[3], exact_size=limits_of[3] if exact else None,
-                       what="frame 3")  # fmt: skip
+            decompress(
+                broken[3],
+                max_size=limits_of[3],
+                exact_size=limits_of[3] if exact else None,
+                what="frame 3",
+            )
         assert str(many.value) == str(one.value), case
 
 
@@ -380,8 +387,18 @@ def test_crafted_payloads_at_every_edge_are_judged_alike(case: str, tagged: bool
     expected = _one_by_one(numpy_path, by_numpy, starts, sizes, [payload], ["t"])
     assert (done, None if error is None else str(error)) == expected
     assert target.tobytes() == by_numpy.tobytes()
-    valid = {"valid", "last element", "7 padding bits", "k at its bound", "patches",
-             "patch index at the last",
-             "patches, last index", "w = 16 with no patch", "w = 0, all patched", "no change",
-             "itemsize 8, wide patch", "itemsize 8, w = 64"}  # fmt: skip
+    valid = {
+        "valid",
+        "last element",
+        "7 padding bits",
+        "k at its bound",
+        "patches",
+        "patch index at the last",
+        "patches, last index",
+        "w = 16 with no patch",
+        "w = 0, all patched",
+        "no change",
+        "itemsize 8, wide patch",
+        "itemsize 8, w = 64",
+    }
     assert (error is None) == (case in valid), error

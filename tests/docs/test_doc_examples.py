@@ -111,8 +111,11 @@ def test_doc_block_runs(block: Block, shim: dict[str, str], tmp_path: Path) -> N
 def test_example_script_runs(tmp_path: Path, shim: dict[str, str]) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_publish_pull.py"), str(tmp_path)],
-        env=shim, capture_output=True, text=True, timeout=110,
-    )  # fmt: skip
+        env=shim,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("both hosts verified") == 3
     assert "versions [1, 2, 3]" in proc.stdout

@@ -106,9 +106,12 @@ class SglangStandIn:
                 continue
             try:
                 await asyncio.to_thread(
-                    ds.pull_weights, self.on(host, body["local_checkpoint_dir"]),
-                    body["source_dir"], body["target_version"], base_dir=self.model_path,
-                )  # fmt: skip
+                    ds.pull_weights,
+                    self.on(host, body["local_checkpoint_dir"]),
+                    body["source_dir"],
+                    body["target_version"],
+                    base_dir=self.model_path,
+                )
             except ds.DeltastoreError as exc:
                 errors.append(f"host {host}: {exc}")
         if errors:
@@ -139,8 +142,13 @@ class SglangStandIn:
             loaded = await asyncio.to_thread(load_checkpoint, self.on(host, body["model_path"]))
             self.state.weights[host] = loaded
         self.state.weight_version = body.get("weight_version")
-        return _json({"success": True, "message": "Succeeded to update model weights.",
-                      "num_paused_requests": 0})  # fmt: skip
+        return _json(
+            {
+                "success": True,
+                "message": "Succeeded to update model weights.",
+                "num_paused_requests": 0,
+            }
+        )
 
     async def resume(self, request: web.Request) -> web.Response:
         await self._record(request)
@@ -163,9 +171,13 @@ class VllmStandIn:
     def app(self) -> web.Application:
         app = web.Application()
         for route in (
-            "init_weight_transfer_engine", "start_weight_update", "update_weights",
-            "finish_weight_update", "pause", "resume",
-        ):  # fmt: skip
+            "init_weight_transfer_engine",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+            "pause",
+            "resume",
+        ):
             app.router.add_post(f"/{route}", self.handle)
         return app
 

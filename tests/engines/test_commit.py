@@ -130,9 +130,12 @@ def test_a_stage_whose_checkpoint_moved_is_refused(tmp_path: Path, run: Training
     # In loader mode the tensors are read from the checkpoint at commit time.
     got: list[str] = []
     live = LiveWeights(
-        None, tmp_path / "local", str(run.store_dir), base_dir=run.base_dir,
+        None,
+        tmp_path / "local",
+        str(run.store_dir),
+        base_dir=run.base_dir,
         loader=lambda weights: got.extend(n for n, _ in weights),
-    )  # fmt: skip
+    )
     staged = live.stage(run.step())
     from deltastore import pull_weights
 

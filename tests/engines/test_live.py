@@ -147,9 +147,12 @@ def test_loader_tensors_have_the_checkpoint_dtype_and_shape(
 ) -> None:
     seen: dict[str, torch.Tensor] = {}
     live = LiveWeights(
-        None, tmp_path / "local", str(run.store_dir), base_dir=run.base_dir,
+        None,
+        tmp_path / "local",
+        str(run.store_dir),
+        base_dir=run.base_dir,
         loader=lambda weights: seen.update({n: t.clone() for n, t in weights}),
-    )  # fmt: skip
+    )
     version = run.step()
     live.commit(live.stage(version))
     for name, tensor in seen.items():
@@ -176,9 +179,12 @@ def test_name_map_and_mapping_targets(tmp_path: Path, run: TrainingRun) -> None:
     engine = engine_model(run.config, run.states[0])
     renamed = {f"engine.{n}": t for n, t in engine.state_dict(keep_vars=True).items()}
     live = LiveWeights(
-        renamed, tmp_path / "local", str(run.store_dir), base_dir=run.base_dir,
+        renamed,
+        tmp_path / "local",
+        str(run.store_dir),
+        base_dir=run.base_dir,
         name_map=lambda name: f"engine.{name}",
-    )  # fmt: skip
+    )
     version = run.step()
     live.commit(live.stage(version))
     assert_at(engine, run, version)

@@ -142,9 +142,14 @@ def test_a_failed_reload_is_retried_once_from_the_verified_checkpoint(run: Run):
         result = _sync(run, url).sync(1)
     assert result.retried
     assert engine.state.calls == [
-        "/pull_weights", "/pause_generation", "/flush_cache", "/update_weights_from_disk",
-        "/pull_weights", "/update_weights_from_disk", "/continue_generation",
-    ]  # fmt: skip
+        "/pull_weights",
+        "/pause_generation",
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/pull_weights",
+        "/update_weights_from_disk",
+        "/continue_generation",
+    ]
     assert run.matches(engine.state.weights[0], 1) and not engine.state.paused
 
 
@@ -192,9 +197,13 @@ def test_several_hosts_through_deltastore_serve(tmp_path: Path):
     with running_server(config) as s0, running_server(config) as s1, serving(engine.app()) as url:
         dirs = {s0.url: str(hosts[0] / "ckpt"), s1.url: str(hosts[1] / "ckpt")}
         sync = EngineSync(
-            "sglang", url, str(run.store_dir), dirs, engine_checkpoint_dir="/ckpt",
+            "sglang",
+            url,
+            str(run.store_dir),
+            dirs,
+            engine_checkpoint_dir="/ckpt",
             serve_urls=[s0.url, s1.url],
-        )  # fmt: skip
+        )
         result = sync.sync(2)
         assert engine.state.calls == FULL_CYCLE[1:]  # the engine's own puller is not used
         assert [r.success for r in result.hosts] == [True, True]

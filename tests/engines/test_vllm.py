@@ -188,11 +188,15 @@ def test_engine_sync_over_vllms_routes(tmp_path: Path):
         result = sync.sync(run.step())
         assert standin.state.calls == [
             "init_weight_transfer_engine",
-            "start_weight_update", "update_weights", "finish_weight_update",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
             "pause",
-            "start_weight_update", "update_weights", "finish_weight_update",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
             "resume",
-        ]  # fmt: skip
+        ]
         phases = [
             b["update_info"]["phase"] for b in standin.state.bodies if b and "update_info" in b
         ]

@@ -87,7 +87,12 @@ def test_many_small_tensors_in_batches_under_a_tiny_budget(tmp_path: Path) -> No
         if i % 3 == 0:
             tensor[i % 1024] += 1.0
     pulled = _publish_and_pull(
-        tmp_path, base_dir, [after], encoding="auto", workers=2,
-        max_inflight_bytes=64 * 1024, stage_host_tensors=True,
-    )  # fmt: skip
+        tmp_path,
+        base_dir,
+        [after],
+        encoding="auto",
+        workers=2,
+        max_inflight_bytes=64 * 1024,
+        stage_host_tensors=True,
+    )
     assert pulled == {n: raw_bytes(t) for n, t in after.items()}

@@ -129,6 +129,7 @@ def test_the_worker_threads_are_kept_across_publishes_and_a_failed_one(
 ):
     """Encode threads are started once, by seed(), not per publish (each start waited for the
     GIL), and a publish refused midway leaves none of its encodes running."""
+
     def workers() -> set[int | None]:
         return {t.ident for t in threading.enumerate() if t.name.startswith("deltastore-publish")}
 

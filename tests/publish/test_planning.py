@@ -95,8 +95,14 @@ def test_anchor_rules(stream: StreamState, every: int | None, chain: float | Non
         total_bytes=1000,
     )
     assert got is full
-    assert wants_full([report(0, {}, full=True)], STREAM, anchor_every=None,
-                      anchor_chain_bytes=None, wire_estimate=0, total_bytes=1000)  # fmt: skip
+    assert wants_full(
+        [report(0, {}, full=True)],
+        STREAM,
+        anchor_every=None,
+        anchor_chain_bytes=None,
+        wire_estimate=0,
+        total_bytes=1000,
+    )
 
 
 def test_full_layout_keeps_owners_then_holders_then_balances_and_bounds_shards():

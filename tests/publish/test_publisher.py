@@ -415,8 +415,10 @@ def test_a_dense_version_warns_once_and_says_why(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert publisher.publish(v1.items()).density < 0.2, "an RL-like step does not warn"
-    dense = {n: (t.reshape(-1).view(torch.uint8) ^ 0xFF).view(t.dtype).reshape(t.shape)
-             for n, t in v1.items()}  # fmt: skip
+    dense = {
+        n: (t.reshape(-1).view(torch.uint8) ^ 0xFF).view(t.dtype).reshape(t.shape)
+        for n, t in v1.items()
+    }
     with pytest.warns(RuntimeWarning, match="bf16") as record:
         result = publisher.publish(dense.items())
     assert result.density > 0.9 and len(record) == 1

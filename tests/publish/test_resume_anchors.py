@@ -175,9 +175,18 @@ def test_anchors_reset_the_chain_and_late_hosts_seed_from_them(tmp_path: Path) -
     # Publish v1..v4 (v3 an anchor), prune v1 and v2, resume from v3 + v4, publish v5, v6.
     outs = run_ranks(2, _anchored, tmp_path / "ranks", base=str(base), store_url=str(store_dir))
     # v1, v2 deltas; v3 full (every 3rd); v4, v5 deltas; v6 full (its wire would pass 50 %).
-    assert outs[0]["kinds"] == outs[1]["kinds"] == [
-        "delta", "delta", "full", "delta", "delta", "full",
-    ]  # fmt: skip
+    assert (
+        outs[0]["kinds"]
+        == outs[1]["kinds"]
+        == [
+            "delta",
+            "delta",
+            "full",
+            "delta",
+            "delta",
+            "full",
+        ]
+    )
     assert outs[0]["metrics"]["full"] == 1.0
     store = VersionStore(str(store_dir))
 

@@ -33,9 +33,13 @@ def main() -> int:
     mapped.msync = slow_msync
     print("GO", flush=True)
     result = pull_weights(
-        args["local"], args["store"], args["target"], args["base"], workers=1,
+        args["local"],
+        args["store"],
+        args["target"],
+        args["base"],
+        workers=1,
         flush_after_reply=True,
-    )  # fmt: skip
+    )
     print("REPLIED", json.dumps({"version": result.version, "action": result.action}), flush=True)
     wait_durable(args["local"])
     print("DURABLE", flush=True)

@@ -37,8 +37,10 @@ PATHS = [
 def _experts(count: int, step: int) -> Model:
     """``count`` bf16 tensors of 1 KB (``step`` 0: the base; else a few elements moved a ulp)."""
     generator = torch.Generator().manual_seed(0)
-    model = {f"experts.{i:03d}.weight": torch.randn(512, generator=generator).to(torch.bfloat16)
-             for i in range(count)}  # fmt: skip
+    model = {
+        f"experts.{i:03d}.weight": torch.randn(512, generator=generator).to(torch.bfloat16)
+        for i in range(count)
+    }
     if step:
         for i, tensor in enumerate(model.values()):
             tensor.view(torch.int16)[[(7 * i + 3 * step) % 512, (11 * i + step) % 512]] += 1

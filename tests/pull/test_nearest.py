@@ -103,10 +103,22 @@ def test_cli_pull_with_two_stores(tmp_path: Path, base_dir: Path, run) -> None:
     host = tmp_path / "host"
     args = ["pull", "--store", str(near), "--store", str(far), "--local", str(host)]
     proc = subprocess.run(
-        [sys.executable, "-m", "deltastore.cli", *args, "--base", str(base_dir), "--version",
-         "latest", "--json"],
-        capture_output=True, text=True, timeout=180, env=dict(os.environ),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "deltastore.cli",
+            *args,
+            "--base",
+            str(base_dir),
+            "--version",
+            "latest",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ),
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["version"] == 3
     assert checkpoint_bytes(host) == states[3]
@@ -140,9 +152,13 @@ def _publish(publisher: ds.DeltaPublisher, model: Model, steps: range, states: d
 @pytest.mark.parametrize("kind", ["local", "s3"])
 @pytest.mark.parametrize("lag", [1, 3])
 def test_replicas_where_the_near_one_lags_pull_together(
-    kind: str, lag: int, tmp_path: Path, base_dir: Path, small_model: Model,
+    kind: str,
+    lag: int,
+    tmp_path: Path,
+    base_dir: Path,
+    small_model: Model,
     request: pytest.FixtureRequest,
-) -> None:  # fmt: skip
+) -> None:
     src = tmp_path / "src"
     near, far = (_replica(kind, tmp_path, n, request) for n in ("near", "far"))
     options = _options(kind, request)
@@ -180,24 +196,42 @@ def test_cli_pull_from_lagging_replicas(tmp_path: Path, base_dir: Path, small_mo
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "deltastore.cli", *args], capture_output=True, text=True,
-            timeout=180, env=dict(os.environ),
-        )  # fmt: skip
+            [sys.executable, "-m", "deltastore.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=dict(os.environ),
+        )
 
     assert cli("replicate", src, near, "-q").returncode == 0
     _publish(publisher, model, range(3, 4), states)
     assert cli("replicate", src, far, "-q").returncode == 0
-    proc = cli("pull", "--store", near, "--store", far, "--local", host, "--base", str(base_dir),
-               "--version", "3", "--json")  # fmt: skip
+    proc = cli(
+        "pull",
+        "--store",
+        near,
+        "--store",
+        far,
+        "--local",
+        host,
+        "--base",
+        str(base_dir),
+        "--version",
+        "3",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["version"] == 3 and checkpoint_bytes(host) == states[3]
 
 
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_replicas_of_different_runs_are_refused(
-    kind: str, tmp_path: Path, base_dir: Path, small_model: Model,
+    kind: str,
+    tmp_path: Path,
+    base_dir: Path,
+    small_model: Model,
     request: pytest.FixtureRequest,
-) -> None:  # fmt: skip
+) -> None:
     """Two runs seeded from the same base, publishing the same steps: replicas of one cannot
     stand in for the other's, even where their tensors happen to agree."""
     options = _options(kind, request)

@@ -148,16 +148,22 @@ def test_kill_9_between_the_reply_and_durability_is_repaired_by_the_next_pull(
     shutil.copytree(template, local)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     proc = subprocess.Popen(
-        [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True, env=env,
-    )  # fmt: skip
+        [sys.executable, str(WORKER)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdin is not None and proc.stdout is not None
     try:
         assert proc.stdout.readline().strip() == "READY"
         args = {
-            "local": str(local), "store": str(published.store_dir), "target": 10,
-            "base": str(published.base_dir), "hold_s": 30.0,
-        }  # fmt: skip
+            "local": str(local),
+            "store": str(published.store_dir),
+            "target": 10,
+            "base": str(published.base_dir),
+            "hold_s": 30.0,
+        }
         proc.stdin.write(json.dumps(args) + "\n")
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == "GO"

@@ -80,8 +80,10 @@ def test_follow_picks_up_new_versions_and_mirrors_pruning(tmp_path: Path) -> Non
 @pytest.mark.parametrize("piece", [1, 7, 4096])
 def test_streamed_digests_match_codecs(algorithm: str, piece: int, tmp_path: Path) -> None:
     checksum = get_checksum(algorithm)
-    tensors = [(TensorLayout(f"t{i}", "U8", (n,)), bytes(range(256)) * (n // 256) + bytes(n % 256))
-               for i, n in enumerate([0, 1, 300, 5000])]  # fmt: skip
+    tensors = [
+        (TensorLayout(f"t{i}", "U8", (n,)), bytes(range(256)) * (n // 256) + bytes(n % 256))
+        for i, n in enumerate([0, 1, 300, 5000])
+    ]
     metadata = {layout.name: checksum.hexdigest(data) for layout, data in tensors}
     path = tmp_path / "shard.safetensors"
     with open(path, "wb") as fh:

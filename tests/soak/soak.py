@@ -178,18 +178,29 @@ def _run_processes(
     trainer = _start(
         ctx,
         trainer_main,
-        TrainerJob(url, proxied if config.trainer_faults else direct, workdir, config.versions,
-                   config.size_mb, config.anchor_every, config.prune_every, config.keep,
-                   config.grace_s, config.lr, config.seed),
+        TrainerJob(
+            url,
+            proxied if config.trainer_faults else direct,
+            workdir,
+            config.versions,
+            config.size_mb,
+            config.anchor_every,
+            config.prune_every,
+            config.keep,
+            config.grace_s,
+            config.lr,
+            config.seed,
+        ),
         "soak-trainer",
-    )  # fmt: skip
+    )
     processes = [trainer]
     try:
         # A trainer that fails to seed reports why; the hosts, never started, report nothing.
         seeded = _wait_for(report_path(workdir, "seeded"), trainer, _SEED_TIMEOUT_S)
         for host in range(config.hosts if seeded else 0):
-            job = HostJob(host, url, proxied, workdir, config.versions, config.workers,
-                          config.deadline_s)  # fmt: skip
+            job = HostJob(
+                host, url, proxied, workdir, config.versions, config.workers, config.deadline_s
+            )
             processes.append(_start(ctx, host_main, job, f"soak-host{host}"))
         deadline = time.monotonic() + config.deadline_s + _JOIN_GRACE_S
         for process in processes:

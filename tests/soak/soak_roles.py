@@ -352,8 +352,9 @@ def _verify_claim(job: HostJob, store: Any, local: str, version: int, tally: _Ho
     injected faults is tried again (a few times), a version pruned meanwhile is counted."""
     for attempt in range(_VERIFY_ATTEMPTS):
         try:
-            ds.verify_local(local, store, version, base_dir=base_dir(job.workdir),
-                            workers=job.workers)  # fmt: skip
+            ds.verify_local(
+                local, store, version, base_dir=base_dir(job.workdir), workers=job.workers
+            )
         except TransientStoreError:
             tally.retried_errors["TransientStoreError in verify_local"] += 1
             if attempt == _VERIFY_ATTEMPTS - 1:

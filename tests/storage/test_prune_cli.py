@@ -59,11 +59,15 @@ def test_prune_on_s3_with_storage_options(
     options = s3_server.storage_options
     fill(VersionStore(s3_url, options))
     flags = [
-        "-o", f"key={options['key']}",
-        "-o", f"secret={options['secret']}",
-        "-o", f"client_kwargs.endpoint_url={s3_server.endpoint_url}",
-        "-o", "client_kwargs.region_name=us-east-1",
-    ]  # fmt: skip
+        "-o",
+        f"key={options['key']}",
+        "-o",
+        f"secret={options['secret']}",
+        "-o",
+        f"client_kwargs.endpoint_url={s3_server.endpoint_url}",
+        "-o",
+        "client_kwargs.region_name=us-east-1",
+    ]
     assert main(["prune", s3_url, "--keep", "2", "--grace", "0", "--yes", *flags]) == 0
     assert "did unpublish (2): v000001, v000002" in capsys.readouterr().out
     assert VersionStore(s3_url, options).versions() == [3, 4]

@@ -28,9 +28,16 @@ def test_prune_says_one_delta_in_the_singular() -> None:
     from deltastore.storage.prune import PruneReport
 
     report = PruneReport(
-        keep=(3, 4, 5), unpublish=(), fence=(), delete=(), waiting=(), stray=(),
-        dry_run=True, grace_s=0.0, chain_kept=(3, 4),
-    )  # fmt: skip
+        keep=(3, 4, 5),
+        unpublish=(),
+        fence=(),
+        delete=(),
+        waiting=(),
+        stray=(),
+        dry_run=True,
+        grace_s=0.0,
+        chain_kept=(3, 4),
+    )
     assert "v000005 is a delta whose chain needs v000003, v000004" in "\n".join(report.lines())
 
 

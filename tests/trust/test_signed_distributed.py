@@ -42,8 +42,14 @@ def test_two_ranks_sign_and_a_trusting_host_pulls(tmp_path: Path) -> None:
     tensors = base_tensors(NAMES)
     base = write_base(tmp_path / "base", tensors)
     store_dir = tmp_path / "store"
-    outs = run_ranks(2, _publish_signed, tmp_path / "ranks", base=str(base),
-                     store_url=str(store_dir), key=pair.private_path)  # fmt: skip
+    outs = run_ranks(
+        2,
+        _publish_signed,
+        tmp_path / "ranks",
+        base=str(base),
+        store_url=str(store_dir),
+        key=pair.private_path,
+    )
     assert outs == [[1, 2], [1, 2]]
     store = ds.VersionStore(str(store_dir))
     for version in (1, 2):

@@ -127,11 +127,24 @@ def test_signed_round_trip(store_at: tuple[str, Any], tmp_path: Path, keys: Keys
     assert not os.path.exists(host / ".weight_sync" / "verified-deltas")
     assert run.pull(host, 5, keys.k1.public_path).version == 5  # one key: a path is enough
     assert checkpoint_bytes(host) == expected(run.states, 5)
-    assert verify_local(host, url, base_dir=run.base, storage_options=options,
-                        trusted_keys=[keys.k1.public_path]) == 5  # fmt: skip
+    assert (
+        verify_local(
+            host,
+            url,
+            base_dir=run.base,
+            storage_options=options,
+            trusted_keys=[keys.k1.public_path],
+        )
+        == 5
+    )
     with pytest.raises(SignatureError, match="not trusted"):
-        verify_local(host, url, base_dir=run.base, storage_options=options,
-                     trusted_keys=[keys.k2.public_path])  # fmt: skip
+        verify_local(
+            host,
+            url,
+            base_dir=run.base,
+            storage_options=options,
+            trusted_keys=[keys.k2.public_path],
+        )
 
 
 def test_reference_reader_reads_a_signed_store(tmp_path: Path, keys: Keys) -> None:
@@ -207,8 +220,9 @@ def test_tampered_version_is_refused_before_a_write(
 
 def test_untrusted_key_and_rotation(tmp_path: Path, keys: Keys) -> None:
     run = publish_run(str(tmp_path / "store"), None, tmp_path, keys.k1.private_path, 2)
-    rotated = DeltaPublisher(run.store, run.base, signing_key=keys.k2.private_path, workers=1,
-                             resume=True)  # fmt: skip
+    rotated = DeltaPublisher(
+        run.store, run.base, signing_key=keys.k2.private_path, workers=1, resume=True
+    )
     rotated.seed()
     run.states[3] = perturb(run.states[2], 3)
     rotated.publish(run.states[3].items())
