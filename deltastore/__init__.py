@@ -9,10 +9,12 @@ the bytes that changed.
 >>> ds.pull_weights("/nvme/ckpt", "/shared/run1", 1, base_dir="/ckpt/hf")
 """
 
-from typing import Any
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 from deltastore import errors as _errors
-from deltastore.codecs import register_encoding
 from deltastore.errors import (
     ApplyError,
     ConfigError,
@@ -23,12 +25,36 @@ from deltastore.errors import (
     StoreError,
     VersionNotFoundError,
 )
-from deltastore.format import VersionIndex
-from deltastore.progress import ProgressCallback
-from deltastore.publish import DeltaPublisher, PublisherConfig, PublishResult
-from deltastore.pull import HostOutcome, PullResult, RepairSummary, pull_weights, verify_local
-from deltastore.replicate import ReplicationReport, replicate
-from deltastore.storage import RetryPolicy, VersionStore
+
+# The rest of the surface is imported on first use: `import deltastore` (and so the
+# `deltastore` command, whose module sits in this package) costs only the error tree, and a
+# Ctrl-C while the command starts lands in its own handler, not in an import of torch here.
+_LAZY = {
+    "register_encoding": "deltastore.codecs",
+    "VersionIndex": "deltastore.format",
+    "ProgressCallback": "deltastore.progress",
+    "DeltaPublisher": "deltastore.publish",
+    "PublisherConfig": "deltastore.publish",
+    "PublishResult": "deltastore.publish",
+    "HostOutcome": "deltastore.pull",
+    "PullResult": "deltastore.pull",
+    "RepairSummary": "deltastore.pull",
+    "pull_weights": "deltastore.pull",
+    "verify_local": "deltastore.pull",
+    "ReplicationReport": "deltastore.replicate",
+    "replicate": "deltastore.replicate",
+    "RetryPolicy": "deltastore.storage",
+    "VersionStore": "deltastore.storage",
+}
+
+if TYPE_CHECKING:
+    from deltastore.codecs import register_encoding
+    from deltastore.format import VersionIndex
+    from deltastore.progress import ProgressCallback
+    from deltastore.publish import DeltaPublisher, PublisherConfig, PublishResult
+    from deltastore.pull import HostOutcome, PullResult, RepairSummary, pull_weights, verify_local
+    from deltastore.replicate import ReplicationReport, replicate
+    from deltastore.storage import RetryPolicy, VersionStore
 
 __version__ = "0.1.0"
 
@@ -64,6 +90,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # looked up once
+        return value
     # The other error classes were exported here before; they still resolve, with a warning,
     # so code written against the old top level keeps running while it moves over.
     found = getattr(_errors, name, None)
@@ -78,3 +109,21 @@ def __getattr__(name: str) -> Any:
         )
         return found
     raise AttributeError(f"module 'deltastore' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _TopLevel(types.ModuleType):
+    """``deltastore.replicate`` is the verb, as it was when this module imported it eagerly:
+    the import system binds each subpackage it loads as an attribute here, and the package
+    ``deltastore.replicate`` (loaded on first use now) must not replace the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _TopLevel

@@ -4,8 +4,11 @@ categories worth catching."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 
 import pytest
 
@@ -70,3 +73,24 @@ def test_every_other_error_resolves_from_the_top_level_with_a_warning_naming_its
 def test_a_group_outside_torch_distributed_is_a_config_error():
     with pytest.raises(deltastore.ConfigError, match="not initialised"):
         deltastore.pull_weights("/nonexistent/h", "/nonexistent/s", 1, process_group="world")
+
+
+def test_the_lazy_top_level_gives_each_name_from_its_home_whatever_was_imported_first():
+    """The top level imports its surface on first use; a subpackage loaded before (here
+    ``deltastore.replicate``, whose name is also the verb's) must not take a verb's place."""
+    code = (
+        "import inspect, sys\n"
+        "from deltastore.replicate.replicator import ReplicationPolicy\n"
+        "import deltastore as ds\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert inspect.isfunction(ds.replicate), ds.replicate\n"
+        "from deltastore import replicate\n"
+        "assert inspect.isfunction(replicate)\n"
+        "assert set(ds.__all__) <= set(dir(ds))\n"
+        "print(sorted(n for n in ds.__all__ if getattr(ds, n) is None))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    for name, module in deltastore._LAZY.items():
+        assert getattr(deltastore, name) is getattr(importlib.import_module(module), name)

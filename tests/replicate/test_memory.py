@@ -52,9 +52,9 @@ def peak_while_replicating(src: VersionStore, server: Any) -> int:
         capture_output=True,
         text=True,
         timeout=300,
-        check=True,
-    ).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["copied"] == [1]
     dst = VersionStore(dst_url, server.storage_options)
     assert dst.file_size(1, NAME) == src.file_size(1, NAME)
