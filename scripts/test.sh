@@ -4,7 +4,7 @@
 # suite, slow tests included). Arguments go to pytest: `bash scripts/test.sh -m "not slow"` is
 # the fast tier for the inner loop, without the tests marked slow (the CLI end to end, real
 # gloo ranks, the kill -9 loops, the soak run); once .venv exists,
-# `.venv/bin/python -m pytest -m "not slow" -q` runs the same tier without reinstalling.
+# `.venv/bin/python -m pytest -n 2 -m "not slow" -q` runs the same tier without reinstalling.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -15,4 +15,8 @@ PYTHON="${PYTHON:-python3}"
 .venv/bin/ruff check deltastore tests hooks benchmarks
 .venv/bin/ruff format --check deltastore tests hooks benchmarks
 .venv/bin/mypy
-.venv/bin/python -m pytest -q "$@"
+# Compile the numba kernels once (tens of seconds on a fresh checkout; cached after), before
+# the test processes that would each compile them at once.
+.venv/bin/python -c "import deltastore.codecs as c; c.warm_up()"
+# PYTEST_WORKERS=0 runs in one process (-n 0); the default is CI's two cores.
+.venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@"

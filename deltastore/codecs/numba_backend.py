@@ -35,7 +35,6 @@ from deltastore.codecs.base import ByteArray, FramedDelta, XorChanges
 from deltastore.codecs.compression import compress
 from deltastore.codecs.sparse_format import (
     ELEMENT_DTYPES,
-    LOG2,
     MARK,
     PATCHES_BAD,
     POSITIONS_BAD,
@@ -431,55 +430,33 @@ _pointer: Any = intrinsic(_pointer_of)
 
 
 @numba.njit(cache=True, nogil=True)
-def _one(old_at, new_at, nbytes, size):  # type: ignore[no-untyped-def]
-    """(payload, positions, XOR values as uint64) of one tensor of ``size``-byte elements."""
+def _write_as(old_at, new_at, nbytes, element, bits, mark):  # type: ignore[no-untyped-def]
+    """:func:`_write` of the tensor at ``old_at`` / ``new_at`` read as ``element`` ints (a
+    numpy integer type: one compiled copy per element size)."""
     whole = nbytes // 8
-    old_words = numba.carray(_pointer(old_at), whole, np.uint64)
-    new_words = numba.carray(_pointer(new_at), whole, np.uint64)
-    count = nbytes // size
-    if size == 8:
-        payload, positions, xored = _write(
-            old_words,
-            new_words,
-            numba.carray(_pointer(old_at), count, np.uint64),
-            numba.carray(_pointer(new_at), count, np.uint64),
-            64,
-            MARK | 3,
-            nbytes,
-        )
-        return payload, positions, xored.astype(np.uint64)
-    if size == 4:
-        payload, positions, xored = _write(
-            old_words,
-            new_words,
-            numba.carray(_pointer(old_at), count, np.uint32),
-            numba.carray(_pointer(new_at), count, np.uint32),
-            32,
-            MARK | 2,
-            nbytes,
-        )
-        return payload, positions, xored.astype(np.uint64)
-    if size == 2:
-        payload, positions, xored = _write(
-            old_words,
-            new_words,
-            numba.carray(_pointer(old_at), count, np.uint16),
-            numba.carray(_pointer(new_at), count, np.uint16),
-            16,
-            MARK | 1,
-            nbytes,
-        )
-        return payload, positions, xored.astype(np.uint64)
     payload, positions, xored = _write(
-        old_words,
-        new_words,
-        numba.carray(_pointer(old_at), count, np.uint8),
-        numba.carray(_pointer(new_at), count, np.uint8),
-        8,
-        MARK,
+        numba.carray(_pointer(old_at), whole, np.uint64),
+        numba.carray(_pointer(new_at), whole, np.uint64),
+        numba.carray(_pointer(old_at), nbytes // (bits // 8), element),
+        numba.carray(_pointer(new_at), nbytes // (bits // 8), element),
+        bits,
+        mark,
         nbytes,
     )
     return payload, positions, xored.astype(np.uint64)
+
+
+@numba.njit(cache=True, nogil=True)
+def _one(old_at, new_at, nbytes, size):  # type: ignore[no-untyped-def]
+    """(payload, positions, XOR values as uint64) of one tensor of ``size``-byte elements: the
+    one writer of a single tensor and of a batch's."""
+    if size == 8:
+        return _write_as(old_at, new_at, nbytes, np.uint64, 64, MARK | 3)
+    if size == 4:
+        return _write_as(old_at, new_at, nbytes, np.uint32, 32, MARK | 2)
+    if size == 2:
+        return _write_as(old_at, new_at, nbytes, np.uint16, 16, MARK | 1)
+    return _write_as(old_at, new_at, nbytes, np.uint8, 8, MARK)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -793,19 +770,12 @@ def _apply_batch(target, starts, sizes, data, offsets, first, tagged):  # type: 
 
 # ------------------------------------------------------------------ the backend's interface
 def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[memoryview, XorChanges]:
-    """The payload turning ``old`` into ``new`` and the changes (see :class:`SparseBackend`)."""
-    dtype = ELEMENT_DTYPES[itemsize]
-    whole = old.size // 8 * 8
-    out, positions, xored = _write(
-        old[:whole].view(np.uint64),
-        new[:whole].view(np.uint64),
-        old.view(dtype),
-        new.view(dtype),
-        itemsize * 8,
-        MARK | LOG2[itemsize],
-        old.size,
+    """The payload turning ``old`` into ``new`` and the changes (see :class:`SparseBackend`):
+    a batch's writer on one tensor (``old`` and ``new`` are held for the call)."""
+    out, positions, xored = _one(
+        np.int64(old.ctypes.data), np.int64(new.ctypes.data), np.int64(old.size), np.int64(itemsize)
     )
-    return memoryview(out), XorChanges(positions, xored)
+    return memoryview(out), XorChanges(positions, xored.astype(ELEMENT_DTYPES[itemsize]))
 
 
 def encode_framed(

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import pty
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,17 +43,28 @@ def _one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> No
         assert needle in proc.stderr, proc.stderr
 
 
-@pytest.fixture
-def store3(tmp_path: Path) -> tuple[str, list[Path]]:
-    """A store with three chained deltas (v1..v3) and the four checkpoints behind them."""
+@pytest.fixture(scope="module")
+def published3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Published once per module through the CLI (three processes): the checkpoints and the
+    store each test gets a copy of."""
+    root = tmp_path_factory.mktemp("published3")
     states = [_model(0)]
     for k in (1, 2, 3):
         states.append(_step(states[-1], k))
-    ckpts = [make_checkpoint(tmp_path / f"ckpt{i}", s) for i, s in enumerate(states)]
-    store = str(tmp_path / "store")
+    ckpts = [make_checkpoint(root / f"ckpt{i}", s) for i, s in enumerate(states)]
     for prev, new in itertools.pairwise(ckpts):
-        deltastore("publish", "--store", store, "--prev", str(prev), "--new", str(new))
-    return store, ckpts
+        deltastore(
+            "publish", "--store", str(root / "store"), "--prev", str(prev), "--new", str(new)
+        )
+    return root
+
+
+@pytest.fixture
+def store3(tmp_path: Path, published3: Path) -> tuple[str, list[Path]]:
+    """A store with three chained deltas (v1..v3) and the four checkpoints behind them: this
+    test's own copy, which it may change."""
+    run = shutil.copytree(published3, tmp_path / "run")
+    return str(run / "store"), [run / f"ckpt{i}" for i in range(4)]
 
 
 def test_ls_of_a_missing_path_or_a_model_dir_fails(tmp_path: Path, store3) -> None:  # type: ignore[no-untyped-def]

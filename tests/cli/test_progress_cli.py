@@ -11,6 +11,7 @@ import fcntl
 import os
 import pty
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import deltastore as ds
 from tests.conftest import make_checkpoint
 
 # Slow: every test runs the CLI in fresh processes.
@@ -69,21 +71,30 @@ def _model(seed: int) -> dict[str, torch.Tensor]:
     return {f"layer.{i}.weight": torch.randn(64, 64, generator=g) for i in range(4)}
 
 
-@pytest.fixture
-def store_and_host(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
-    """A base (v0), the next checkpoint, a store holding v1, and a host pulled to v0."""
-    base = make_checkpoint(tmp_path / "base", _model(0))
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A base (v0), the next checkpoint and a store holding v1, published once per module
+    through the CLI; each test gets a copy."""
+    root = tmp_path_factory.mktemp("published")
+    base = make_checkpoint(root / "base", _model(0))
     step = {n: t.clone() for n, t in _model(0).items()}
     for t in step.values():
         t.view(-1)[::97] += 1
-    new = make_checkpoint(tmp_path / "new", step)
-    store, host = tmp_path / "store", tmp_path / "host"
-    rc = run_piped("publish", "--store", str(store), "--prev", str(base), "--new", str(new))
-    assert rc.returncode == 0, rc.stderr
-    pulled = run_piped(
-        "pull", "--store", str(store), "--local", str(host), "--base", str(base), "--version", "0"
+    new = make_checkpoint(root / "new", step)
+    rc = run_piped(
+        "publish", "--store", str(root / "store"), "--prev", str(base), "--new", str(new)
     )
-    assert pulled.returncode == 0, pulled.stderr
+    assert rc.returncode == 0, rc.stderr
+    return root
+
+
+@pytest.fixture
+def store_and_host(tmp_path: Path, published: Path) -> tuple[Path, Path, Path, Path]:
+    """A base (v0), the next checkpoint, a store holding v1, and a host pulled to v0 (this
+    test's own copies)."""
+    run = shutil.copytree(published, tmp_path / "run")
+    base, new, store, host = run / "base", run / "new", run / "store", tmp_path / "host"
+    ds.pull_weights(host, ds.VersionStore(store), 0, base_dir=base)
     return base, new, store, host
 
 
