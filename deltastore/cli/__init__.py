@@ -14,6 +14,7 @@ import difflib
 import importlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -107,16 +108,52 @@ def _drop_stdout() -> None:
         pass
 
 
+class _Interrupts:
+    """Notes a Ctrl-C as it arrives. An extension module whose import it interrupts can turn
+    the KeyboardInterrupt into an ImportError of its own (numpy does: "PyCapsule_Import could
+    not import module 'datetime'"), so "was there a Ctrl-C" is asked, not the exception."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> _Interrupts:
+        try:
+            self.previous = signal.signal(signal.SIGINT, self)
+        except ValueError:  # not the main thread: signals go to the main thread's handler
+            self.previous = None
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _interrupted() -> int:
+    print("deltastore: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failed, 2 usage, 130 interrupted)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        # Building the parser imports every subcommand (torch among them): seconds in which a
-        # Ctrl-C must end the command as it does later, not with a traceback.
-        parser = build_parser()
-    except KeyboardInterrupt:
-        print("deltastore: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    with _Interrupts() as interrupts:
+        try:
+            return _main(list(sys.argv[1:] if argv is None else argv))
+        except KeyboardInterrupt:
+            return _interrupted()
+        except Exception:
+            if interrupts.seen:
+                return _interrupted()
+            raise
+
+
+def _main(argv: list[str]) -> int:
+    # Building the parser imports every subcommand (numpy, torch among them): seconds in
+    # which a Ctrl-C must end the command as it does later, not with a traceback.
+    parser = build_parser()
     commands = list(COMMAND_MODULES)
     suggestion = suggest_command(argv, commands)
     if suggestion:
@@ -131,9 +168,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or EXIT_OK)
-    except KeyboardInterrupt:
-        print("deltastore: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader of our output went away (`| head`): stop writing, quietly, with the
         # status rich's tables exit with in the same case (Python's documented convention).

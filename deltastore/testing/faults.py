@@ -20,8 +20,9 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from typing import Any
+
+from deltastore.testing.servers import StoppedOnExit
 
 __all__ = ["Fault", "FaultProxy", "Injected"]
 
@@ -113,7 +114,7 @@ class _QuietServer(ThreadingHTTPServer):
         pass  # a client that hung up (a dropped or stalled request) is expected here
 
 
-class FaultProxy:
+class FaultProxy(StoppedOnExit):
     """Forwards HTTP requests to ``upstream`` (``http://host:port``), injecting faults.
 
     Start it with :meth:`start` (or use it as a context manager); add rules with :meth:`add`.
@@ -172,14 +173,6 @@ class FaultProxy:
 
     def __enter__(self) -> FaultProxy:
         return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def _take(self, method: str, target: str, body: bytes) -> Fault | None:
         with self._lock:

@@ -41,11 +41,9 @@ import urllib.request
 import weakref
 from importlib import resources
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Final
+from typing import IO, TYPE_CHECKING, Any, Final, TypeVar
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     # Imported lazily at run time: moto is a test-only dependency and slow to import.
     from moto.server import ThreadedMotoServer
 
@@ -88,7 +86,23 @@ def _http(method: str, url: str, body: bytes | None = None, timeout: float = 10.
     return data
 
 
-class S3Server:
+_Stopped = TypeVar("_Stopped", bound="StoppedOnExit")
+
+
+class StoppedOnExit:
+    """A server that ``with`` starts nothing for and stops on the way out (``stop()``)."""
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Stopped) -> _Stopped:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class S3Server(StoppedOnExit):
     """A moto S3 server running in a daemon thread of this process.
 
     Create it with :func:`start_moto_s3`. Usable as a context manager, which stops it on exit.
@@ -149,17 +163,6 @@ class S3Server:
         if wsgi_server is not None:
             wsgi_server.server_close()
 
-    def __enter__(self) -> S3Server:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         return f"S3Server(endpoint_url={self._endpoint_url!r}, stopped={self._stopped})"
 
@@ -214,7 +217,7 @@ def s3_env(server: S3Server) -> dict[str, str]:
     }
 
 
-class GCSServer:
+class GCSServer(StoppedOnExit):
     """A fake-gcs-server child process with the in-memory backend.
 
     Create it with :func:`start_fake_gcs`. Usable as a context manager, which stops it on
@@ -268,17 +271,6 @@ class GCSServer:
     def stop(self) -> None:
         """Terminate the process and reap it (no zombie is left). Idempotent."""
         self._finalizer()
-
-    def __enter__(self) -> GCSServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         stopped = not self._finalizer.alive

@@ -35,10 +35,15 @@ def _loaded(proc: subprocess.Popen[str], library: str) -> bool:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/PID/maps")
-def test_a_real_ctrl_c_while_numpy_loads_exits_130_without_a_traceback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("after_s", [0.0, 0.002, 0.006])
+def test_a_real_ctrl_c_while_numpy_loads_exits_130_without_a_traceback(
+    tmp_path: Path, after_s: float
+) -> None:
     """A real SIGINT as the command's process loads numpy (the first heavy import of its
     start-up): that happens inside ``main``'s handler, not in ``import deltastore`` before it
-    runs (the top level imports its surface on first use)."""
+    runs (the top level imports its surface on first use). Inside numpy's own import the
+    interrupt can come back as an ImportError ("PyCapsule_Import could not import module
+    'datetime'"): still one line, no traceback."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "deltastore", "demo"],
         cwd=tmp_path,
@@ -49,10 +54,12 @@ def test_a_real_ctrl_c_while_numpy_loads_exits_130_without_a_traceback(tmp_path:
     deadline = time.monotonic() + 60
     while not _loaded(proc, "_multiarray_umath") and time.monotonic() < deadline:
         time.sleep(0.002)
+    time.sleep(after_s)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert "Traceback" not in err, err
-    assert proc.returncode == cli.EXIT_INTERRUPTED, (proc.returncode, err)
+    # 130, or ended by the SIGINT itself once the message is out (a shell shows 130 for both).
+    assert proc.returncode in (cli.EXIT_INTERRUPTED, -signal.SIGINT), (proc.returncode, err)
     assert err.strip() == "deltastore: interrupted"
 
 
