@@ -130,8 +130,9 @@ def test_the_worker_threads_are_kept_across_publishes_and_a_failed_one(
     """Encode threads are started once, by seed(), not per publish (each start waited for the
     GIL), and a publish refused midway leaves none of its encodes running."""
 
-    def workers() -> set[int | None]:
-        return {t.ident for t in threading.enumerate() if t.name.startswith("deltastore-publish")}
+    def workers() -> set[threading.Thread]:
+        # Thread objects, not idents: an ended thread's ident is given to the next one.
+        return {t for t in threading.enumerate() if t.name.startswith("deltastore-publish")}
 
     # Publishers of earlier tests in this process may still hold their threads (until they are
     # collected): only threads started since count, and those of earlier ones may only end.
