@@ -6,8 +6,8 @@ the snapshot plus this publish's payloads. Files are opened through ``open_write
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
@@ -27,18 +27,53 @@ OpenWrite = Callable[[str], AbstractContextManager[BinaryIO]]
 
 class _HashingWriter:
     """Passes writes through to ``out`` and hashes them: a shard's size and whole-file BLAKE3
-    come from the bytes as streamed, so a signing publisher never reads a shard back."""
+    come from the bytes as streamed, so a signing publisher never reads a shard back.
+
+    Each piece is hashed on a thread of its own while the next is written (an object store's
+    file blocks in its part uploads, which need no GIL), one piece behind at most. The pieces
+    must not change once written: every caller here passes new bytes, or views of arrays it
+    no longer changes.
+    """
 
     def __init__(self, out: BinaryIO) -> None:
         self._out = out
-        self.hasher = ShardHasher()
+        self._hasher = ShardHasher()
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="deltastore-shard-hash")
+        self._hashing: cf.Future[None] | None = None
 
     def write(self, data: Any) -> int:
-        self.hasher.update(data)
+        if self._hashing is not None:
+            self._hashing.result()
+        self._hashing = self._pool.submit(self._hasher.update, data)
         return self._out.write(data)
+
+    def fact(self) -> ShardFact:
+        """Size and BLAKE3 of everything written (waits for the last piece's hash)."""
+        self.close()
+        return self._hasher.fact()
+
+    def close(self) -> None:
+        """Wait for the pending hash and end the thread; idempotent."""
+        try:
+            if self._hashing is not None:
+                self._hashing.result()
+        finally:
+            self._hashing = None
+            self._pool.shutdown()
 
     def as_binary(self) -> BinaryIO:
         return cast(BinaryIO, self)
+
+
+@contextmanager
+def _hashing(sink: BinaryIO) -> Iterator[_HashingWriter]:
+    """A :class:`_HashingWriter` over ``sink`` whose thread ends with the block, however it
+    ends (its pending hash waited for)."""
+    writer = _HashingWriter(sink)
+    try:
+        yield writer
+    finally:
+        writer.close()
 
 
 @dataclass(frozen=True)
@@ -87,10 +122,9 @@ class ShardWriter:
             )
         entries = {}
         offset = len(header)
-        with self.open_write(job.shard) as sink:
-            out = _HashingWriter(sink)
+        spans = [(encoded[n].offset, encoded[n].length) for n in job.names]
+        with self.open_write(job.shard) as sink, _hashing(sink) as out:
             out.write(header)
-            spans = [(encoded[n].offset, encoded[n].length) for n in job.names]
             self.spool.copy_many_to(out.as_binary(), spans)
         if self.meter is not None:
             self.meter.advance(sum(length for _, length in spans))
@@ -98,7 +132,7 @@ class ShardWriter:
             end = offset + encoded[n].length
             entries[n] = Placement(job.shard, offset, end, encoded[n].digest)
             offset = end
-        return entries, offset, out.hasher.fact()
+        return entries, offset, out.fact()
 
     def write_full(
         self, job: ShardJob, held: RankSnapshot, stream: StreamState
@@ -115,8 +149,7 @@ class ShardWriter:
         header = build_header(layouts, {"format": "pt", **digests})
         entries = {}
         offset = len(header)
-        with self.open_write(job.shard) as sink:
-            out = _HashingWriter(sink)
+        with self.open_write(job.shard) as sink, _hashing(sink) as out:
             out.write(header)
             for n in job.names:
                 data = self._new_bytes(n, held, stream)
@@ -128,7 +161,7 @@ class ShardWriter:
                 entries[n] = Placement(job.shard, offset, end, digests[n])
                 offset = end
                 del data
-        return entries, offset, out.hasher.fact()
+        return entries, offset, out.fact()
 
     def _digest(self, name: str, held: RankSnapshot, stream: StreamState) -> str:
         """A tensor's digest after this publish, reusing a verified one where it can."""
