@@ -165,9 +165,14 @@ class PullServer:
         except PermissionError as exc:
             return self._reply(PullReply(False, str(exc)), 403)
         local = LocalCheckpoint(real)
-        status = CheckpointStatus.of(
-            path, local.read_state(), local.read_pending(), busy=real in self.busy
-        )
+        busy = real in self.busy
+
+        def read() -> CheckpointStatus:
+            # The state reads wait for a flush still running after a pull's reply: off the
+            # event loop, so /healthz and other dirs' requests answer meanwhile.
+            return CheckpointStatus.of(path, local.read_state(), local.read_pending(), busy=busy)
+
+        status = await asyncio.get_running_loop().run_in_executor(None, read)
         return web.json_response(status.to_dict())
 
     async def pull_weights(self, request: web.Request) -> web.Response:
@@ -213,6 +218,10 @@ class PullServer:
                 pre_read=self.config.pre_read,
                 workers=self.config.workers,
                 trusted_keys=self.config.trusted_keys,
+                # The engine reloads from the page cache: reply once the tensors are verified
+                # there; the flush and the state follow (docs/engines.md, "Replying before
+                # the flush"), and the next pull of the dir waits for them.
+                flush_after_reply=True,
             )
         except (DeltastoreError, OSError) as exc:
             self.metrics.failed(local_dir)

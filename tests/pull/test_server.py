@@ -344,3 +344,62 @@ def test_a_list_of_sources_is_read_nearest_first_and_each_is_checked(world, tmp_
     for bad in ([], [""], [1], ["a"] * 9):
         status, reply = http("POST", f"{server.url}/pull_weights", body | {"source_dir": bad})
         assert status == 400 and "source_dir" in str(reply["message"]), reply
+
+
+def test_serve_replies_once_verified_and_the_flush_and_state_follow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A catch-up through ``serve`` (in this process, msync held): the reply comes with the
+    new bytes verified in the files and no state naming either version yet; ``/state`` still
+    answers (off the event loop, once the flush is done) and then names the target."""
+    import asyncio
+    import threading
+
+    import deltastore.pull.mapped as mapped
+    from deltastore.pull import wait_durable
+    from deltastore.pull.access import ServerConfig
+    from deltastore.pull.server import serve_async
+
+    base = many_tensors(8, seed=120, elements=4096)
+    write_checkpoint(tmp_path / "base", base)
+    published = publish_versions(tmp_path / "store", tmp_path / "base", base, 2, seed=121)
+    gate, held = threading.Event(), threading.Event()
+    real_msync = mapped.msync
+
+    def gated_msync(*args: object, **kwargs: object) -> object:
+        held.set()
+        assert gate.wait(60)
+        return real_msync(*args, **kwargs)
+
+    urls: list[str] = []
+    stop = asyncio.Event()
+    loop = asyncio.new_event_loop()
+    config = ServerConfig(base_dir=str(tmp_path / "base"), port=0)
+    thread = threading.Thread(
+        target=lambda: loop.run_until_complete(serve_async(config, urls.append, stop))
+    )
+    thread.start()
+    try:
+        while not urls:
+            threading.Event().wait(0.01)
+        local = tmp_path / "h"
+        status, reply = http("POST", f"{urls[0]}/pull_weights", pull_body(local, published, 1))
+        assert status == 200 and reply["success"] is True, reply
+        monkeypatch.setattr(mapped, "msync", gated_msync)
+        status, reply = http("POST", f"{urls[0]}/pull_weights", pull_body(local, published, 2))
+        assert status == 200 and reply["success"] is True, reply
+        assert held.is_set(), "the reply came before the flush started"
+        sync = local / ".weight_sync"
+        assert (sync / "pending.json").exists() and not (sync / "state.json").exists()
+        with cf.ThreadPoolExecutor(1) as pool:
+            state = pool.submit(http, "GET", f"{urls[0]}/state?local_checkpoint_dir={local}")
+            assert http("GET", f"{urls[0]}/healthz", token=None)[0] == 200, "loop blocked"
+            gate.set()
+            assert state.result()[1]["version"] == 2
+        wait_durable(local)
+        assert not (sync / "pending.json").exists()
+        assert verify_local(local, published.store_dir, 2, base_dir=tmp_path / "base") == 2
+    finally:
+        gate.set()
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
