@@ -139,6 +139,13 @@ class CompactSparseEncoding(Encoding):
     def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
         """Payload turning ``old`` into ``new``; ``itemsize`` is the element size in bytes (one
         other than 1, 2, 4, 8, or one that does not divide the tensor, codes bytes)."""
+        if old.size != new.size:
+            raise ConfigError(
+                f"sparse-v2 encode got {old.size} old bytes and {new.size} new ones; pass both "
+                "states of the same tensor"
+            )
+        # The compiled writer reads both through their addresses: one contiguous run each.
+        old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)
         size = element_size(old.size, itemsize)
         payload, changes = backend(self.use_jit).encode(old, new, size)
         changed = int(np.count_nonzero(changes.values.view(np.uint8))) if len(changes.values) else 0

@@ -356,3 +356,25 @@ def test_warm_up_loads_the_compiled_kernels_where_they_are_used(monkeypatch: pyt
     assert sparse.warm_up() is False
     monkeypatch.setenv(sparse.NO_JIT_VARIABLE, "0")
     assert sparse.warm_up() is HAVE_NUMBA
+
+
+@pytest.mark.parametrize("use_jit", PATHS)
+def test_strided_inputs_encode_as_their_contiguous_copies_and_sizes_must_match(use_jit: bool):
+    """The compiled writer reads tensors by address: a strided view is made contiguous first
+    (it read whatever lay between the elements before), and unequal sizes are refused."""
+    rng = np.random.default_rng(5)
+    wide_old = rng.integers(0, 255, 8192, dtype=np.uint8)
+    wide_new = wide_old.copy()
+    changed = rng.choice(wide_new.size, 300, replace=False)
+    wide_new[changed] ^= rng.integers(1, 255, 300, dtype=np.uint8)
+    old, new = wide_old[::2], wide_new[::2]
+    assert not old.flags.c_contiguous
+    encoding = CompactSparseEncoding(use_jit=use_jit)
+    strided = encoding.encode(old, new, itemsize=2)
+    copied = encoding.encode(old.copy(), new.copy(), itemsize=2)
+    assert bytes(strided.payload) == bytes(copied.payload)
+    target = old.copy()
+    encoding.apply(target, memoryview(bytes(strided.payload)), tensor="t")
+    assert target.tobytes() == new.tobytes()
+    with pytest.raises(ConfigError, match="4096 old bytes and 4095 new"):
+        encoding.encode(old, new[:-1], itemsize=1)
