@@ -354,7 +354,10 @@ def _pull_here(
             "trainer was seeded from"
         )
     if target_version > 0:
-        source.check_roots(list_remote=not os.path.exists(local.dir))
+        fresh = not os.path.exists(local.dir)
+        source.check_roots(list_remote=fresh)
+        if fresh:
+            source.check_published(target_version)
     os.makedirs(local.dir, exist_ok=True)
     stats = ApplyStats(progress=progress)
     run = _PullRun(source, local, base, workers, stats, time.perf_counter())

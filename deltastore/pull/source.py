@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deltastore.errors import ConfigError, StoreError
+from deltastore.errors import ConfigError, StoreError, VersionNotFoundError
 from deltastore.pull.nearest import NearestStores
 from deltastore.storage import VersionStore
 from deltastore.storage.listing import require_store
@@ -114,6 +114,28 @@ class PullSource:
             return
         if list_remote or all(s.is_local and not os.path.isdir(s.root) for s in stores):
             require_stores(self.store)
+
+    def check_published(self, target: int) -> None:
+        """Raise :class:`VersionNotFoundError` when no store has ``target`` committed: asked
+        before a pull creates a host dir, so a version not (or no longer) published leaves
+        no dir or lock behind. Skipped where a pre-read hook runs (it may bring the version)."""
+        stores = each_store(self.store)
+        if self.pre_read is not None or any(s.pre_read is not None for s in stores):
+            return
+        self.store.refresh()
+        committed = self.store.versions()
+        if target in committed:
+            return
+        latest = committed[-1] if committed else 0
+        if target > latest:
+            raise VersionNotFoundError(
+                f"weight_v{target:06d} is not published in {self.store.url}; the latest "
+                f"version is v{latest:06d}"
+            )
+        raise VersionNotFoundError(
+            f"weight_v{target:06d} is no longer in {self.store.url} (pruned); the latest "
+            f"version is v{latest:06d}: pull that instead"
+        )
 
     def check_apart_from(self, local_dir: str) -> None:
         """Refuse a local checkpoint dir that is, is inside, or contains a local store's root.

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import deltastore as ds
-from deltastore.errors import ConfigError, IntegrityError, NameMismatchError
+from deltastore.errors import ConfigError, IntegrityError, NameMismatchError, VersionNotFoundError
 from tests.conftest import checkpoint_bytes, make_checkpoint, perturb, raw_bytes
 from tests.pull.helpers import write_tensor
 
@@ -307,3 +307,17 @@ def test_stray_staging_from_a_killed_reseed_is_cleared(
     assert not staging.exists()
     shutil.rmtree(host)
     os.makedirs(host)
+
+
+def test_a_version_not_published_creates_nothing_on_a_fresh_host(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    """A fresh host's pull of a version the store does not have fails before the host dir,
+    its lock or its state exist (as a mistyped store does)."""
+    store = ds.VersionStore(tmp_path / "store")
+    _publish(store, base_dir, small_model, "dd")
+    host = tmp_path / "host"
+    with pytest.raises(VersionNotFoundError, match=r"weight_v000009 is not published.*v000002"):
+        ds.pull_weights(host, store, 9, base_dir=base_dir)
+    assert not host.exists()
+    assert ds.pull_weights(host, store, 2, base_dir=base_dir).version == 2
