@@ -37,7 +37,7 @@ from deltastore.pull.source import (
     StoreSpec,
     each_store,
     make_source,
-    require_stores,
+    require_committed,
     source_of,
 )
 from deltastore.pull.stats import ApplyStats
@@ -152,21 +152,7 @@ def _re_resolve(
     Whatever was applied before the loss is verified and recorded (or put back), so starting
     over is safe. When the target itself is gone, the error names the newest version instead.
     """
-    store.refresh()
-    committed = store.versions()
-    if not committed:
-        require_stores(store)  # a mistyped URL: say so, not "the latest version is v000000"
-    if target_version not in committed:
-        latest = committed[-1] if committed else 0
-        if target_version > latest:
-            raise VersionNotFoundError(
-                f"weight_v{target_version:06d} is not published in {store.url}; the latest "
-                f"version is v{latest:06d}"
-            ) from None
-        raise VersionNotFoundError(
-            f"weight_v{target_version:06d} is no longer in {store.url}: it was pruned while this "
-            f"pull read it; the latest version is v{latest:06d}: pull that instead"
-        ) from lost
+    require_committed(store, target_version, lost=lost)
     log.warning(
         "a version vanished while pulling v%06d (%s); re-resolving its chain once",
         target_version,

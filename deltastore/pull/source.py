@@ -60,6 +60,36 @@ def require_stores(store: VersionStore) -> None:
     )
 
 
+def require_committed(
+    store: VersionStore, target: int, *, lost: VersionNotFoundError | None = None
+) -> None:
+    """Raise :class:`VersionNotFoundError` unless ``target`` is committed in ``store`` (listed
+    afresh): "not published" past the newest version, "no longer in" (pruned) below it, the
+    read error ``lost`` chained where a pull met the pruning while it read. A store holding
+    nothing at all gets the no-store :class:`ConfigError` (:func:`require_stores`)."""
+    store.refresh()
+    committed = store.versions()
+    if not committed:
+        require_stores(store)  # a mistyped URL: say so, not "the latest version is v000000"
+    if target in committed:
+        return
+    latest = committed[-1] if committed else 0
+    if target > latest:
+        raise VersionNotFoundError(
+            f"weight_v{target:06d} is not published in {store.url}; the latest "
+            f"version is v{latest:06d}"
+        ) from None
+    if lost is None:
+        raise VersionNotFoundError(
+            f"weight_v{target:06d} is no longer in {store.url} (pruned); the latest "
+            f"version is v{latest:06d}: pull that instead"
+        )
+    raise VersionNotFoundError(
+        f"weight_v{target:06d} is no longer in {store.url}: it was pruned while this "
+        f"pull read it; the latest version is v{latest:06d}: pull that instead"
+    ) from lost
+
+
 def source_of(store: VersionStore, version: int) -> str:
     """URL of the store ``version`` was read from."""
     return store.source_of(version) if isinstance(store, NearestStores) else store.url
@@ -109,33 +139,25 @@ class PullSource:
         each, so a mistyped bucket prefix leaves no host dir, lock or state behind). Other
         absent stores are found when the pull reads them. Skipped where a pre-read hook runs:
         the hook may be what fills the root (a mirror of a bucket, say)."""
-        stores = each_store(self.store)
-        if self.pre_read is not None or any(s.pre_read is not None for s in stores):
+        if self._hooked():
             return
+        stores = each_store(self.store)
         if list_remote or all(s.is_local and not os.path.isdir(s.root) for s in stores):
             require_stores(self.store)
 
-    def check_published(self, target: int) -> None:
-        """Raise :class:`VersionNotFoundError` when no store has ``target`` committed: asked
-        before a pull creates a host dir, so a version not (or no longer) published leaves
-        no dir or lock behind. Skipped where a pre-read hook runs (it may bring the version)."""
-        stores = each_store(self.store)
-        if self.pre_read is not None or any(s.pre_read is not None for s in stores):
-            return
-        self.store.refresh()
-        committed = self.store.versions()
-        if target in committed:
-            return
-        latest = committed[-1] if committed else 0
-        if target > latest:
-            raise VersionNotFoundError(
-                f"weight_v{target:06d} is not published in {self.store.url}; the latest "
-                f"version is v{latest:06d}"
-            )
-        raise VersionNotFoundError(
-            f"weight_v{target:06d} is no longer in {self.store.url} (pruned); the latest "
-            f"version is v{latest:06d}: pull that instead"
+    def _hooked(self) -> bool:
+        """Whether a pre-read hook runs before reads (this pull's or a store's own)."""
+        return self.pre_read is not None or any(
+            s.pre_read is not None for s in each_store(self.store)
         )
+
+    def check_published(self, target: int) -> None:
+        """Raise :class:`VersionNotFoundError` when no store has ``target`` committed
+        (:func:`require_committed`): asked before a pull creates a host dir, so a version not
+        (or no longer) published leaves no dir or lock behind. Skipped where a pre-read hook
+        runs (it may bring the version)."""
+        if not self._hooked():
+            require_committed(self.store, target)
 
     def check_apart_from(self, local_dir: str) -> None:
         """Refuse a local checkpoint dir that is, is inside, or contains a local store's root.
