@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 from deltastore import pull_weights
 
 
-def main() -> int:
+def read_job() -> dict[str, Any] | None:
+    """Say ``READY`` (everything imported), then read the job's JSON line from stdin; None
+    when the parent closed stdin instead."""
     print("READY", flush=True)
     line = sys.stdin.readline()
-    if not line:
+    return json.loads(line) if line else None
+
+
+def main() -> int:
+    args = read_job()
+    if args is None:
         return 0
-    args = json.loads(line)
     print("GO", flush=True)
     result = pull_weights(
         args["local"], args["store"], args["target"], args["base"], workers=args["workers"]

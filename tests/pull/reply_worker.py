@@ -13,17 +13,17 @@ import json
 import sys
 import time
 
+from pull_worker import read_job  # beside this script (run as a file, its dir is on the path)
+
 import deltastore.pull.mapped as mapped
 from deltastore import pull_weights
 from deltastore.pull import wait_durable
 
 
 def main() -> int:
-    print("READY", flush=True)
-    line = sys.stdin.readline()
-    if not line:
+    args = read_job()
+    if args is None:
         return 0
-    args = json.loads(line)
     real_msync = mapped.msync
 
     def slow_msync(mm, path):  # type: ignore[no-untyped-def]
