@@ -5,6 +5,7 @@ hashed before and after) at its verified previous version."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -127,24 +128,10 @@ def test_signed_round_trip(store_at: tuple[str, Any], tmp_path: Path, keys: Keys
     assert not os.path.exists(host / ".weight_sync" / "verified-deltas")
     assert run.pull(host, 5, keys.k1.public_path).version == 5  # one key: a path is enough
     assert checkpoint_bytes(host) == expected(run.states, 5)
-    assert (
-        verify_local(
-            host,
-            url,
-            base_dir=run.base,
-            storage_options=options,
-            trusted_keys=[keys.k1.public_path],
-        )
-        == 5
-    )
+    verify = functools.partial(verify_local, host, url, base_dir=run.base, storage_options=options)
+    assert verify(trusted_keys=[keys.k1.public_path]) == 5
     with pytest.raises(SignatureError, match="not trusted"):
-        verify_local(
-            host,
-            url,
-            base_dir=run.base,
-            storage_options=options,
-            trusted_keys=[keys.k2.public_path],
-        )
+        verify(trusted_keys=[keys.k2.public_path])
 
 
 def test_reference_reader_reads_a_signed_store(tmp_path: Path, keys: Keys) -> None:
