@@ -38,8 +38,6 @@ from deltastore.codecs.sparse_format import (
 Ints = npt.NDArray[np.int64]
 CHUNK_WORDS = 1 << 18
 """Words compared per step (2 MiB of each input): the mask and gathers stay in cache."""
-SMALL_BYTES = 2 * 1024**2
-"""A tensor alone up to this size is compared in one step (fewer numpy calls)."""
 GROUP_BYTES = 4 * 1024**2
 """Tensors coded in one pass hold at most this many bytes."""
 GROUP_CHANGES = 1 << 17
@@ -57,62 +55,46 @@ offset then fits a 32-bit window of four bytes."""
 
 
 # ------------------------------------------------------------------ finding changes
-def changed_elements(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[Positions, np.ndarray]:
-    """Indices (int64, ascending) of the ``itemsize``-byte elements that differ, and ``old XOR
-    new`` of each (unsigned, little-endian). Both inputs are 1-D uint8 of equal length, a
-    multiple of ``itemsize`` (one of 1, 2, 4, 8)."""
-    dtype = ELEMENT_DTYPES[itemsize]
-    per_word = 8 // itemsize
-    whole = old.size // 8 * 8
-    positions: list[Positions] = []
-    values: list[np.ndarray] = []
-    if whole:
-        old_words = old[:whole].view("<u8")
-        new_words = new[:whole].view("<u8")
-        mask = np.empty(min(CHUNK_WORDS, old_words.size), dtype=bool)
-        for start in range(0, old_words.size, CHUNK_WORDS):
-            stop = min(start + CHUNK_WORDS, old_words.size)
-            differs = mask[: stop - start]
-            np.not_equal(old_words[start:stop], new_words[start:stop], out=differs)
-            words = np.flatnonzero(differs)
-            if not words.size:
-                continue
-            xored = np.bitwise_xor(old_words[start:stop][words], new_words[start:stop][words])
-            elements = xored.view(dtype)
-            inside = np.flatnonzero(elements)
-            # Shifts, not // and %: numpy's integer division was a fifth of this loop's time.
-            word_of = words[inside >> LOG2[per_word]] + start
-            positions.append(word_of * per_word + (inside & (per_word - 1)))
-            values.append(elements[inside])
-    if whole < old.size:  # the last < 8 bytes, still a whole number of elements
-        tail = np.bitwise_xor(old[whole:].view(dtype), new[whole:].view(dtype))
-        inside = np.flatnonzero(tail)
-        positions.append(inside + whole // itemsize)
-        values.append(tail[inside])
-    if not positions:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=dtype)
-    return np.concatenate(positions).astype(np.int64, copy=False), np.concatenate(values)
+def changed_elements(
+    old: ByteArray, new: ByteArray, itemsize: int
+) -> tuple[Positions, np.ndarray, np.ndarray]:
+    """Indices (int64, ascending) of the ``itemsize``-byte elements that differ, the old value
+    and ``old XOR new`` of each (unsigned, little-endian). Both inputs are 1-D uint8 of equal
+    length, a multiple of ``itemsize`` (one of 1, 2, 4, 8).
 
-
-def changed_in_words(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[Positions, np.ndarray]:
-    """As :func:`changed_elements` in fewer numpy calls, for a tensor that fits in cache (no
-    chunks; the chunk loop's extra calls cost more than the work below ``SMALL_BYTES``)."""
-    dtype = ELEMENT_DTYPES[itemsize]
+    The words are compared in chunks that stay in cache (one chunk up to 2 MiB: no loop)."""
     whole = old.size // 8 * 8
     old_words, new_words = old[:whole].view(np.uint64), new[:whole].view(np.uint64)
-    words = np.flatnonzero(old_words != new_words)  # on bools: 2-3 times faster than on words
-    values = (old_words[words] ^ new_words[words]).view(dtype)
+    found = []
+    for start in range(0, old_words.size, CHUNK_WORDS):
+        old_chunk = old_words[start : start + CHUNK_WORDS]
+        new_chunk = new_words[start : start + CHUNK_WORDS]
+        words = np.flatnonzero(old_chunk != new_chunk)  # on bools: 2-3 times faster than on words
+        at = words + start if start else words
+        found.append(split_words(at, old_chunk[words], new_chunk[words], itemsize))
+    if whole < old.size or not found:  # the last < 8 bytes, still a whole number of elements
+        dtype = ELEMENT_DTYPES[itemsize]
+        before = old[whole:].view(dtype)
+        tail = np.bitwise_xor(before, new[whole:].view(dtype))
+        inside = np.flatnonzero(tail)
+        found.append((inside + whole // itemsize, before[inside], tail[inside]))
+    if len(found) == 1:
+        return found[0]
+    return tuple(np.concatenate(part) for part in zip(*found, strict=True))  # type: ignore[return-value]
+
+
+def split_words(
+    words: Ints, old_words: np.ndarray, new_words: np.ndarray, itemsize: int
+) -> tuple[Positions, np.ndarray, np.ndarray]:
+    """(positions, old values, XOR values) of the changed ``itemsize``-byte elements inside the
+    differing u64 ``words`` (their indices, and their old and new values)."""
+    dtype = ELEMENT_DTYPES[itemsize]
+    values = (old_words ^ new_words).view(dtype)
     inside = np.flatnonzero(values)
-    shift = LOG2[8 // itemsize]
+    # Shifts, not // and %: numpy's integer division was a fifth of the chunk loop's time.
+    shift = LOG2[8 // itemsize]  # elements per word: 2**shift
     positions = (words[inside >> shift] << shift) | (inside & ((1 << shift) - 1))
-    if whole == old.size:
-        return positions, values[inside]
-    tail = np.bitwise_xor(old[whole:].view(dtype), new[whole:].view(dtype))
-    last = np.flatnonzero(tail)
-    return (
-        np.concatenate((positions, last + whole // itemsize)),
-        np.concatenate((values[inside], tail[last])),
-    )
+    return positions, old_words.view(dtype)[inside], values[inside]
 
 
 def encode_gaps(positions: Positions) -> npt.NDArray[np.uint64]:
@@ -367,17 +349,13 @@ def read_unary(stream: ByteArray, count: int) -> np.ndarray | None:
 
 def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[bytes, XorChanges]:
     """The payload turning ``old`` into ``new`` and the changes (see :class:`SparseBackend`)."""
-    if old.size <= SMALL_BYTES:
-        positions, xored = changed_in_words(old, new, itemsize)
-    else:
-        positions, xored = changed_elements(old, new, itemsize)
+    positions, before, xored = changed_elements(old, new, itemsize)
     count = positions.size
     head = bytes((MARK | LOG2[itemsize],)) + varint(old.size) + varint(count)
     if not count:
         return head, XorChanges(positions, xored)
     gaps = encode_gaps(positions)
     k = rice_parameter(gaps)
-    before = old.view(ELEMENT_DTYPES[itemsize])[positions]
     fields = step_fields(before, before ^ xored)
     width = field_width(fields, itemsize * 8)
     parts = (
@@ -554,7 +532,6 @@ def _changes(
 ) -> tuple[Ints, np.ndarray, np.ndarray, Ints]:
     """(positions of the changed elements, counted over the tensors end to end; their old
     values; their XOR values; each tensor's first element) from the :func:`_changed_words`."""
-    dtype = ELEMENT_DTYPES[itemsize]
     at = word_at.tolist()
     bounds = np.searchsorted(words, word_at).tolist()
     old_parts, new_parts = [], []
@@ -565,11 +542,8 @@ def _changes(
             new_parts.append(new.view(np.uint64)[inside_tensor])
     old_words = np.concatenate(old_parts) if old_parts else np.zeros(0, np.uint64)
     new_words = np.concatenate(new_parts) if new_parts else np.zeros(0, np.uint64)
-    values = (old_words ^ new_words).view(dtype)
-    inside = np.flatnonzero(values)
-    shift = LOG2[8 // itemsize]  # elements per word: 2**shift
-    positions = (words[inside >> shift] << shift) | (inside & ((1 << shift) - 1))
-    return positions, old_words.view(dtype)[inside], values[inside], word_at << shift
+    positions, before, xored = split_words(words, old_words, new_words, itemsize)
+    return positions, before, xored, word_at << LOG2[8 // itemsize]
 
 
 @dataclass(frozen=True)
