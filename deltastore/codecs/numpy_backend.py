@@ -646,11 +646,8 @@ def encode_group(
     firsts = bounds[:-1][counts > 0]
     tensor_of = np.repeat(np.arange(len(olds)), counts)
     local = positions - starts[:-1][tensor_of]
-    gaps = np.empty(positions.size, dtype=np.int64)
-    if positions.size:
-        gaps[0] = local[0]
-        np.subtract(local[1:], local[:-1] + 1, out=gaps[1:])
-        gaps[firsts] = local[firsts]
+    gaps = encode_gaps(local).view(np.int64)
+    gaps[firsts] = local[firsts]  # each tensor's first counts from -1
     fields = step_fields(before, before ^ xored)
     streams = _Streams(
         counts=counts,
