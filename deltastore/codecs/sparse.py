@@ -84,13 +84,20 @@ def backend(use_jit: bool | None) -> SparseBackend:
     return compiled_backend(use_jit) or cast("SparseBackend", numpy_backend)
 
 
-def warm_up(use_jit: bool | None = None) -> bool:
+def warm_up(use_jit: bool | None = None, *, changes_only: bool = False) -> bool:
     """Load (or compile, the first time on a machine) the compiled kernels now, for every
     element size, instead of at the first encode or decode; True when the compiled backend is
-    in use. Cheap once done in a process."""
+    in use. ``changes_only``: just the one :func:`apply_changes` uses (a publisher of the
+    reference encodings needs no other). Cheap once done in a process."""
     chosen = compiled_backend(use_jit)
     if chosen is None:
         return False
+    for dtype in ELEMENT_DTYPES.values():
+        count = COMPILED_XOR_CHANGES
+        changes = XorChanges(np.arange(count, dtype=np.int64), np.ones(count, dtype))
+        apply_changes(np.zeros(count * dtype.itemsize, np.uint8), changes)
+    if changes_only:
+        return True
     encoding = CompactSparseEncoding(use_jit=True)
     old = np.zeros(64, np.uint8)
     new = old.copy()

@@ -180,6 +180,7 @@ def seed_rank(
     )
     held = RankSnapshot(snapshot, sources, store, workers=config.threads)
     held.pool()  # the worker threads start here, not in the first publish
-    if not get_encoding(config.encoding).reference_format:
-        warm_up()  # so are deltastore's compiled kernels (numba's import and cache: ~1 s or more)
+    # So are the compiled kernels (numba's import and cache: ~1 s or more): every encoding's
+    # snapshot advance XORs its changes in with one; deltastore's own encode with the rest.
+    warm_up(changes_only=get_encoding(config.encoding).reference_format)
     return held, decision.stream
