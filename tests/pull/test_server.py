@@ -337,6 +337,10 @@ def test_a_list_of_sources_is_read_nearest_first_and_each_is_checked(world, tmp_
     status, reply = http("POST", f"{server.url}/pull_weights", body)
     assert (status, reply["success"]) == (200, True), reply
     assert verify_local(local, published.store_dir, 2, published.base_dir) == 2
+    # serve replies before the flush and the state; its /state waits for them (reading the
+    # file at once raced the server's completion under load)
+    status, recorded = http("GET", f"{server.url}/state?local_checkpoint_dir={local}")
+    assert status == 200 and recorded["version"] == 2, recorded
     state = json.loads((local / ".weight_sync" / "state.json").read_text())
     assert set(state["sources"].values()) == {str(published.store_dir)}
     outside = body | {"source_dir": [str(published.store_dir), str(tmp_path)]}
