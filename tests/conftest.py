@@ -23,6 +23,7 @@ import os
 # of gcsfs anywhere in the test session.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
+import importlib.util
 import json
 import signal
 import uuid
@@ -38,6 +39,9 @@ from safetensors.torch import save_file
 
 import deltastore as ds
 from deltastore.testing.servers import GCSServer, S3Server, start_fake_gcs, start_moto_s3
+
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+"""Whether the compiled codec backend (the ``fast`` extra) can run here."""
 
 INDEX_NAME = "model.safetensors.index.json"
 

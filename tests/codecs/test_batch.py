@@ -8,8 +8,6 @@ numba a batch calls no per-tensor encoder for sparse tensors.
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import zstandard
@@ -21,8 +19,8 @@ from deltastore.codecs.auto import AutoEncoding
 from deltastore.codecs.base import Encoding
 from deltastore.codecs.sparse import CompactSparseEncoding
 from tests.codecs.test_sparse import stepped
+from tests.conftest import HAVE_NUMBA
 
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 needs_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")
 KINDS = {"sparse-v2": CompactSparseEncoding, "auto": AutoEncoding}
 

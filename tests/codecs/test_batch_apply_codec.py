@@ -8,8 +8,6 @@ first refused payload with the ones before it applied and the ones after it unto
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import zstandard
@@ -24,8 +22,8 @@ from deltastore.codecs.sparse import CompactSparseEncoding
 from deltastore.codecs.sparse_format import varint
 from deltastore.errors import FormatError
 from tests.codecs.test_sparse import stepped
+from tests.conftest import HAVE_NUMBA
 
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 needs_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")
 PAIRS = [
     (CompactSparseEncoding(use_jit=False), CompactSparseEncoding(use_jit=True)),

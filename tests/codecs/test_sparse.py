@@ -8,8 +8,6 @@ the old bytes back (sparse-v2 is self-inverse).
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
@@ -20,8 +18,8 @@ from deltastore.codecs import apply_changes, compress, decompress, sparse
 from deltastore.codecs.sparse import CompactSparseEncoding
 from deltastore.errors import ConfigError, FormatError
 from deltastore.publish.snapshot import tensor_bytes
+from tests.conftest import HAVE_NUMBA
 
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(not HAVE_NUMBA, reason="no numba"))]
 NUMPY = CompactSparseEncoding(use_jit=False)
 DECODERS = [NUMPY, *([CompactSparseEncoding(use_jit=True)] if HAVE_NUMBA else [])]

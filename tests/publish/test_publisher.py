@@ -8,7 +8,6 @@ post-write hook happens after the commit, so there the version stands and the sn
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -32,9 +31,7 @@ from deltastore.errors import (
 from deltastore.format.names import INDEX_NAME
 from deltastore.publish import METRIC_KEYS, PublisherConfig
 from deltastore.storage import VersionWriter, store_objects
-from tests.conftest import checkpoint_bytes, perturb, raw_bytes
-
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+from tests.conftest import HAVE_NUMBA, checkpoint_bytes, perturb, raw_bytes
 
 Model = dict[str, torch.Tensor]
 
@@ -473,12 +470,12 @@ def test_a_failed_delta_commit_on_a_published_base_is_retried_as_the_next_versio
 
 
 SEED_AND_LIST_KERNELS = """
-import sys, tempfile, torch
+import sys, torch
 from safetensors.torch import save_file
 import deltastore as ds
-base = tempfile.mkdtemp()
+encoding, base, store = sys.argv[1:]
 save_file({"w": torch.zeros(4096, dtype=torch.bfloat16)}, base + "/model.safetensors")
-ds.DeltaPublisher(tempfile.mkdtemp(), base, encoding=sys.argv[1]).seed()
+ds.DeltaPublisher(store, base, encoding=encoding).seed()
 kernels = sys.modules.get("deltastore.codecs.numba_backend")
 print(0 if kernels is None else len(kernels._xor_at.signatures))
 print(0 if kernels is None else len(kernels._encode_batch.signatures))
@@ -487,13 +484,15 @@ print(0 if kernels is None else len(kernels._encode_batch.signatures))
 
 @pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")
 @pytest.mark.parametrize("encoding", ["xor", "overwrite", "auto"])
-def test_seed_loads_the_compiled_kernels_a_first_publish_would(encoding: str) -> None:
+def test_seed_loads_the_compiled_kernels_a_first_publish_would(
+    encoding: str, tmp_path: Path
+) -> None:
     """In a fresh process, ``seed()`` loads the compiled XOR of the snapshot's advance (every
     encoding uses it) for each element size, and deltastore's own encoders only for its own
     encodings: the first publish of a process no longer pays for numba's import (it did for
     the reference encodings, whose seed loaded nothing)."""
     out = subprocess.run(
-        [sys.executable, "-c", SEED_AND_LIST_KERNELS, encoding],
+        [sys.executable, "-c", SEED_AND_LIST_KERNELS, encoding, str(tmp_path), str(tmp_path / "s")],
         capture_output=True,
         text=True,
         check=True,

@@ -12,7 +12,6 @@ paused while a pull runs.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 from pathlib import Path
 
@@ -24,10 +23,10 @@ from deltastore.codecs import compress, decompress, sparse
 from deltastore.codecs.auto import AutoEncoding
 from deltastore.errors import FormatError, IntegrityError
 from deltastore.pull.batches import Window
-from tests.conftest import checkpoint_bytes, make_checkpoint, raw_bytes
+from tests.conftest import HAVE_NUMBA, checkpoint_bytes, make_checkpoint, raw_bytes
 
 Model = dict[str, torch.Tensor]
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+
 PATHS = [
     "numpy",
     pytest.param("compiled", marks=pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")),
