@@ -1,33 +1,19 @@
 """Mirror hooks: copy committed versions between a local directory and an object store.
 
-Trainer side, ``s3_commit`` / ``gcs_commit`` (post-write, ``hook(args, version_dir,
-rollout_engines)``) upload the version the trainer just wrote to a local or shared POSIX
-directory into a remote :class:`VersionStore`: claim, shards (streamed, sizes verified through
-the object API), then the index, create-only. Engine side, ``s3_refresh`` / ``gcs_refresh``
-(pre-read, ``hook(delta_dir, target_version)``) download the target's chain of committed
-versions from the remote into the engine host's local ``delta_dir``: each version's remote
-index is read first (a version's files are never looked up before its commit exists), then
-its shards (sizes checked), and its local index is written last, create-only. The two
-datacenters then share nothing but the bucket.
+Trainer side, ``s3_commit`` / ``gcs_commit`` / ``mirror_commit`` (post-write) upload the
+version just written locally into the remote :class:`VersionStore` through its version-writing
+transaction (claim, shards, index last, create-only). Engine side, ``s3_refresh`` /
+``gcs_refresh`` / ``mirror_refresh`` (pre-read) download the target's chain of committed
+versions into the engine's local ``delta_dir``: each version's remote index is read before any
+of its files, and its local index is written last, create-only. Both directions copy files with
+the copier replication uses (:class:`~deltastore.storage.copy.FileCopier`).
 
-Configuration, the same on both sides:
-
-``DELTASTORE_REMOTE_URL``
-    the remote store root, e.g. ``s3://bucket/run1`` (trainer side, an
-    ``update_weight_remote_url`` attribute on ``args`` takes precedence).
-``DELTASTORE_STORAGE_OPTIONS``
-    optional JSON object of fsspec storage options. Credentials and endpoints otherwise come
-    from the libraries' own environment (``AWS_*``, ``AWS_ENDPOINT_URL_S3``,
-    ``GOOGLE_APPLICATION_CREDENTIALS``, ``STORAGE_EMULATOR_HOST``).
-``DELTASTORE_HOOK_TIMEOUT_S``
-    how long a trainer rank that does not upload waits for the uploading rank's commit
-    (default 600).
-
-The reference trainer calls the post-write hook on every rank: only one rank uploads (the
-``rank`` attribute of ``args``, else ``torch.distributed``'s rank if it is initialised, else
-``$RANK``, else 0); the others wait until the commit is visible. Re-running a hook is safe: a
-version is identified by its commit token, so a retry after a crash resumes and a second
-upload of a committed version is a no-op.
+Configuration, the same on both sides (see docs/hooks.md): ``DELTASTORE_REMOTE_URL`` (the
+trainer's ``args.update_weight_remote_url`` takes precedence), ``DELTASTORE_STORAGE_OPTIONS``
+(a JSON object of fsspec options) and ``DELTASTORE_HOOK_TIMEOUT_S`` (how long a rank that does
+not upload waits for the uploading rank's commit; default 600). Only one rank uploads (the
+publishing group's rank, else ``args.rank``, ``torch.distributed``'s rank, ``$RANK``, 0). A
+version is identified by its commit token, so re-running a hook resumes or is a no-op.
 """
 
 from __future__ import annotations
@@ -42,7 +28,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
@@ -190,6 +176,20 @@ def _verify_remote(remote: VersionStore, version: int, sizes: dict[str, int], to
             )
 
 
+def _wait_for_commit(remote: VersionStore, version: int) -> None:
+    """Wait (``DELTASTORE_HOOK_TIMEOUT_S``) for the uploading rank's commit of ``version``."""
+    deadline = time.monotonic() + _timeout_s()
+    delay = 0.1
+    while _remote_index(remote, version) is None:
+        if time.monotonic() >= deadline:
+            raise HookError(
+                f"weight_v{version:06d} did not appear in {remote.url} within "
+                f"{_timeout_s():g} s; is the uploading rank (rank 0) running the hook?"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+
+
 class _LocalVersion:
     """The trainer's local version directory as a copy's source (read as it is named)."""
 
@@ -207,8 +207,6 @@ class _LocalVersion:
 
 
 def _copier(src: RangeSource, dst: VersionStore, reads: ThreadPoolExecutor) -> FileCopier:
-    """The one copier of version files (shared with replication): ranged reads in parallel,
-    written in order, each file's size checked at the destination, transient errors retried."""
     return FileCopier(
         src, dst, reads, chunk=_COPY_CHUNK, window=2 * _READS, attempts=_COPY_ATTEMPTS
     )
@@ -229,9 +227,8 @@ def _upload(
             f"weight_v{version:06d} in {remote.url} is claimed by another writer; two "
             "trainers publish to one remote store"
         ) from None
-    local = _LocalVersion(version_dir)
     with writer, ThreadPoolExecutor(_READS, thread_name_prefix="mirror-read") as reads:
-        copier = _copier(local, remote, reads)
+        copier = _copier(_LocalVersion(version_dir), remote, reads)
         for shard, size in sizes.items():
             copier.copy(writer, CopyJob(version, shard, size), threading.Event())
         writer.commit(index)
@@ -248,54 +245,45 @@ def mirror_to_store(version_dir: str, remote: VersionStore, *, upload: bool = Tr
     remote.refresh()
     if not upload:
         # The uploading rank may still be writing the local index: wait for its commit.
-        version = version_of(version_dir)
-        deadline = time.monotonic() + _timeout_s()
-        delay = 0.1
-        while _remote_index(remote, version) is None:
-            if time.monotonic() >= deadline:
-                raise HookError(
-                    f"weight_v{version:06d} did not appear in {remote.url} within "
-                    f"{_timeout_s():g} s; is the uploading rank (rank 0) running the hook?"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+        _wait_for_commit(remote, version_of(version_dir))
     version, index, sizes = _local_version(version_dir)
-    token = index.commit_token
-    assert token is not None
-    if not upload:
-        _verify_remote(remote, version, sizes, token)
-        return version
-    if _remote_index(remote, version) is None:
+    assert index.commit_token is not None
+    if upload and _remote_index(remote, version) is None:
         _upload(version_dir, remote, version, index, sizes)
-    _verify_remote(remote, version, sizes, token)
-    log.info("mirrored %s to %s/%s", version_dir, remote.url, version_dir_name(version))
+    _verify_remote(remote, version, sizes, index.commit_token)
+    if upload:
+        log.info("mirrored %s to %s/%s", version_dir, remote.url, version_dir_name(version))
     return version
 
 
-def _commit_hook(name: str, schemes: tuple[str, ...] | None, args: Any, version_dir: str) -> None:
-    url = remote_url(args, hook=name, schemes=schemes)
+@contextlib.contextmanager
+def _as_hook_error(what: str) -> Iterator[None]:
     try:
-        mirror_to_store(version_dir, _open_remote(url), upload=_caller_rank(args) == 0)
+        yield
     except HookError:
         raise
     except DeltastoreError as exc:
-        raise HookError(f"{name}: mirroring {version_dir} to {url} failed: {exc}") from exc
+        raise HookError(f"{what} failed: {exc}") from exc
 
 
-def s3_commit(args: Any, version_dir: str, rollout_engines: Any) -> None:
-    """Post-write hook: mirror the local ``version_dir`` to the ``s3://`` store named by
-    ``DELTASTORE_REMOTE_URL`` (or ``args.update_weight_remote_url``), index last."""
-    _commit_hook("s3_commit", _S3_SCHEMES, args, version_dir)
+def _commit_hook(name: str, schemes: tuple[str, ...] | None) -> Callable[[Any, str, Any], None]:
+    def hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
+        url = remote_url(args, hook=name, schemes=schemes)
+        with _as_hook_error(f"{name}: mirroring {version_dir} to {url}"):
+            mirror_to_store(version_dir, _open_remote(url), upload=_caller_rank(args) == 0)
+
+    where = f"the {schemes[0]} store" if schemes else "the store (any fsspec URL)"
+    hook.__name__ = hook.__qualname__ = name
+    hook.__doc__ = (
+        f"Post-write hook: mirror the local ``version_dir`` to {where} named by "
+        "``DELTASTORE_REMOTE_URL`` (or ``args.update_weight_remote_url``), index last."
+    )
+    return hook
 
 
-def gcs_commit(args: Any, version_dir: str, rollout_engines: Any) -> None:
-    """Post-write hook: as :func:`s3_commit`, for a ``gs://`` store."""
-    _commit_hook("gcs_commit", _GCS_SCHEMES, args, version_dir)
-
-
-def mirror_commit(args: Any, version_dir: str, rollout_engines: Any) -> None:
-    """Post-write hook: as :func:`s3_commit`, for any fsspec URL."""
-    _commit_hook("mirror_commit", None, args, version_dir)
+s3_commit = _commit_hook("s3_commit", _S3_SCHEMES)
+gcs_commit = _commit_hook("gcs_commit", _GCS_SCHEMES)
+mirror_commit = _commit_hook("mirror_commit", None)
 
 
 # ------------------------------------------------------------------ engine side
@@ -324,42 +312,58 @@ class _LocalFiles:
 
 
 def _download(
-    remote: VersionStore, copier: FileCopier, version: int, shard: str, version_dir: str
-) -> int:
-    size = remote.file_size(version, shard)
-    dst = os.path.join(version_dir, shard)
-    if os.path.exists(dst) and os.path.getsize(dst) == size:
-        return 0  # landed by an earlier, interrupted mirror (files arrive by rename only)
-    job = CopyJob(version, shard, size)
-    return copier.copy(_LocalFiles(version_dir), job, threading.Event()).size
+    remote: VersionStore, copier: FileCopier, index: VersionIndex, version_dir: str
+) -> None:
+    """Copy the shards of ``index``'s version whose local file is not whole yet (files land by
+    rename only, so one of the remote's size landed by an earlier, interrupted mirror)."""
+    local = _LocalFiles(version_dir)
+    for shard in index.shards():
+        size = remote.file_size(index.version, shard)
+        dst = os.path.join(version_dir, shard)
+        if not (os.path.exists(dst) and os.path.getsize(dst) == size):
+            copier.copy(local, CopyJob(index.version, shard, size), threading.Event())
 
 
-def _write_index(path: str, data: bytes) -> None:
-    """Create ``path`` with ``data`` only if absent; an existing identical index is fine, a
-    different one is a conflict."""
-    try:
-        create_new_file(path, data)
-    except FileExistsError:
-        with open(path, "rb") as fh:
-            if fh.read() != data:
-                raise HookError(
-                    f"{path} exists with other content than the remote index: this local "
-                    "directory mirrors another store or stream; point the hook at an empty one"
-                ) from None
-
-
-def _check_same_version(remote: VersionStore, version: int, local_index: str) -> None:
-    """Refuse a local version whose index differs from the remote's (another run's files)."""
-    try:
-        raw = remote.index_bytes(version)
-    except VersionNotFoundError:
-        return  # pruned remotely since it was mirrored: the local copy stands
-    with open(local_index, "rb") as fh:
+def _same_index(path: str, raw: bytes, what: str) -> None:
+    """Refuse a local index that differs from the remote's (another run's files)."""
+    with open(path, "rb") as fh:
         if fh.read() != raw:
             raise HookError(
-                f"{local_index} differs from weight_v{version:06d} in {remote.url}: this "
-                "local directory mirrors another store or stream; point the hook at an empty one"
+                f"{path} differs from {what}: this local directory mirrors another store or "
+                "stream; point the hook at an empty one"
             )
+
+
+def _remote_chain(
+    remote: VersionStore, delta_dir: str, target: int
+) -> list[tuple[VersionIndex, bytes]]:
+    """(index, raw bytes) of the chain to ``target`` not yet complete locally,
+    oldest first; the walk stops at a version held locally (whose index must match)."""
+    todo: list[tuple[VersionIndex, bytes]] = []
+
+    def read(version: int) -> VersionIndex | None:
+        where = f"weight_v{version:06d} in {remote.url}"
+        local_index = os.path.join(delta_dir, version_dir_name(version), INDEX_NAME)
+        if os.path.exists(local_index):
+            with contextlib.suppress(VersionNotFoundError):  # pruned remotely: the copy stands
+                _same_index(local_index, remote.index_bytes(version), where)
+            return None
+        try:
+            raw = remote.index_bytes(version)
+        except VersionNotFoundError as exc:
+            what = "is" if version == target else f"(needed by v{target:06d}) is"
+            # The store's own message says the same thing again: chained, not pasted in.
+            raise HookError(
+                f"weight_v{version:06d} {what} not committed in {remote.url}; has the "
+                "trainer's commit hook finished?"
+            ) from exc
+        source = f"{remote.url}/{version_dir_name(version)}"
+        todo.append((VersionIndex.from_json(raw, version=version, source=source), raw))
+        return todo[-1][0]
+
+    for _ in iter_chain(target, read):
+        pass
+    return todo[::-1]
 
 
 def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int) -> list[int]:
@@ -376,76 +380,45 @@ def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int)
         return []
     os.makedirs(delta_dir, exist_ok=True)
     remote.refresh()
-    todo: list[tuple[int, VersionIndex, bytes]] = []
     with _local_lock(delta_dir):
-
-        def read(version: int) -> VersionIndex | None:
-            local_index = os.path.join(delta_dir, version_dir_name(version), INDEX_NAME)
-            if os.path.exists(local_index):
-                _check_same_version(remote, version, local_index)
-                return None  # complete locally: the walk stops here
-            try:
-                raw = remote.index_bytes(version)
-            except VersionNotFoundError as exc:
-                what = (
-                    "is" if version == target_version else f"(needed by v{target_version:06d}) is"
-                )
-                # The store's own message says the same thing again: chained, not pasted in.
-                raise HookError(
-                    f"weight_v{version:06d} {what} not committed in {remote.url}; has the "
-                    "trainer's commit hook finished?"
-                ) from exc
-            index = VersionIndex.from_json(
-                raw, version=version, source=f"{remote.url}/{version_dir_name(version)}"
-            )
-            todo.append((version, index, raw))
-            return index
-
-        for _ in iter_chain(target_version, read):
-            pass
-        local = VersionStore(delta_dir)
+        todo = _remote_chain(remote, delta_dir, target_version)
         with ThreadPoolExecutor(_READS, thread_name_prefix="mirror-read") as reads:
-            copier = _copier(remote, local, reads)
-            for version, index, raw in reversed(todo):
-                version_dir = os.path.join(delta_dir, version_dir_name(version))
+            copier = _copier(remote, VersionStore(delta_dir), reads)
+            for index, raw in todo:
+                version_dir = os.path.join(delta_dir, version_dir_name(index.version))
                 os.makedirs(version_dir, exist_ok=True)
-                for shard in index.shards():
-                    _download(remote, copier, version, shard, version_dir)
+                _download(remote, copier, index, version_dir)
                 fsync_path(version_dir)
-                _write_index(os.path.join(version_dir, INDEX_NAME), raw)
+                index_path = os.path.join(version_dir, INDEX_NAME)
+                try:
+                    create_new_file(index_path, raw)
+                except FileExistsError:
+                    _same_index(index_path, raw, f"the index of {remote.url}")
                 fsync_path(version_dir)
         fsync_path(delta_dir)
-    done = [v for v, _, _ in reversed(todo)]
+    done = [index.version for index, _ in todo]
     if done:
         log.info("mirrored %s from %s into %s", done, remote.url, delta_dir)
     return done
 
 
-def _refresh_hook(
-    name: str, schemes: tuple[str, ...] | None, delta_dir: str, target_version: int
-) -> None:
-    if target_version <= 0:
-        return
-    url = remote_url(None, hook=name, schemes=schemes)
-    try:
-        mirror_from_store(_open_remote(url), delta_dir, target_version)
-    except HookError:
-        raise
-    except DeltastoreError as exc:
-        raise HookError(f"{name}: mirroring {url} into {delta_dir} failed: {exc}") from exc
+def _refresh_hook(name: str, schemes: tuple[str, ...] | None) -> Callable[[str, int], None]:
+    def hook(delta_dir: str, target_version: int) -> None:
+        if target_version <= 0:
+            return
+        url = remote_url(None, hook=name, schemes=schemes)
+        with _as_hook_error(f"{name}: mirroring {url} into {delta_dir}"):
+            mirror_from_store(_open_remote(url), delta_dir, target_version)
+
+    where = f"the {schemes[0]} store" if schemes else "the store (any fsspec URL)"
+    hook.__name__ = hook.__qualname__ = name
+    hook.__doc__ = (
+        f"Pre-read hook: mirror the chain of ``target_version`` from {where} named by "
+        "``DELTASTORE_REMOTE_URL`` into the local ``delta_dir``, index last."
+    )
+    return hook
 
 
-def s3_refresh(delta_dir: str, target_version: int) -> None:
-    """Pre-read hook: mirror the chain of ``target_version`` from the ``s3://`` store named
-    by ``DELTASTORE_REMOTE_URL`` into the local ``delta_dir``, index last."""
-    _refresh_hook("s3_refresh", _S3_SCHEMES, delta_dir, target_version)
-
-
-def gcs_refresh(delta_dir: str, target_version: int) -> None:
-    """Pre-read hook: as :func:`s3_refresh`, for a ``gs://`` store."""
-    _refresh_hook("gcs_refresh", _GCS_SCHEMES, delta_dir, target_version)
-
-
-def mirror_refresh(delta_dir: str, target_version: int) -> None:
-    """Pre-read hook: as :func:`s3_refresh`, for any fsspec URL."""
-    _refresh_hook("mirror_refresh", None, delta_dir, target_version)
+s3_refresh = _refresh_hook("s3_refresh", _S3_SCHEMES)
+gcs_refresh = _refresh_hook("gcs_refresh", _GCS_SCHEMES)
+mirror_refresh = _refresh_hook("mirror_refresh", None)

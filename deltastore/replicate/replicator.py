@@ -49,22 +49,12 @@ def _open(store: StoreLike, options: dict[str, Any] | None, side: str) -> Versio
 
 
 class Replicator:
-    """One replicator from ``src`` into ``dst``; :meth:`run` does the rounds."""
+    """The rounds (:meth:`run`) of one replicator, copying with ``copier``."""
 
-    def __init__(
-        self,
-        src: VersionStore,
-        dst: VersionStore,
-        *,
-        verify: bool,
-        jobs: int,
-        policy: ReplicationPolicy,
-        observer: Observer,
-    ) -> None:
-        self.src, self.dst, self.policy, self.observer = src, dst, policy, observer
-        self.copier = VersionCopier(
-            src, dst, verify=verify, jobs=jobs, policy=policy, observer=observer
-        )
+    def __init__(self, copier: VersionCopier) -> None:
+        self.copier = copier
+        self.src, self.dst, self.policy = copier.src, copier.dst, copier.policy
+        self.observer = copier.observer
         self.records: list[VersionCopy] = []
         self.skipped: set[int] = set()
         self.pruned: list[int] = []
@@ -214,14 +204,11 @@ def replicate(
     if src_store.is_local and not os.path.isdir(src_store.root):
         # A mistyped path must not read as an empty source and report success.
         raise no_store_error(src_store.url)
-    replicator = Replicator(
-        src_store,
-        dst_store,
-        verify=verify,
-        jobs=jobs,
-        policy=policy or ReplicationPolicy(),
-        observer=observer or Observer(),
+    policy, observer = policy or ReplicationPolicy(), observer or Observer()
+    copier = VersionCopier(
+        src_store, dst_store, verify=verify, jobs=jobs, policy=policy, observer=observer
     )
+    replicator = Replicator(copier)
     try:
         return replicator.run(from_version, follow, prune_like_source, stop or threading.Event())
     finally:

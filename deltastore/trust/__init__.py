@@ -6,8 +6,8 @@ a reader checks it with :func:`verify_index` (or :func:`verify_manifest`) before
 byte, then each shard's bytes with :meth:`SignatureRecord.check_shard`.
 """
 
+from deltastore.errors import InsecureKeyFileWarning
 from deltastore.trust.keys import (
-    InsecureKeyFileWarning,
     KeyPairFiles,
     SigningKey,
     TrustedKey,

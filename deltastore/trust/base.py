@@ -177,12 +177,3 @@ def check_base(
             "base model"
         )
     return True
-
-
-__all__ = [
-    "base_digests_record",
-    "check_base",
-    "check_base_names",
-    "hash_tensor",
-    "hash_tensors",
-]

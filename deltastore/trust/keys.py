@@ -236,19 +236,3 @@ def load_trusted(keys: TrustedKeys | None) -> tuple[TrustedKey, ...] | None:
 def as_signing_key(key: str | os.PathLike[str] | SigningKey) -> SigningKey:
     """A private key file (or an already loaded key) → :class:`SigningKey`."""
     return key if isinstance(key, SigningKey) else load_private_key(key)
-
-
-__all__ = [
-    "InsecureKeyFileWarning",
-    "KeyPairFiles",
-    "SigningKey",
-    "TrustedKey",
-    "as_signing_key",
-    "as_trusted_keys",
-    "generate_keypair",
-    "key_id_of",
-    "load_private_key",
-    "load_public_key",
-    "load_trusted",
-    "require_cryptography",
-]

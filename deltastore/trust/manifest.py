@@ -114,13 +114,7 @@ class VersionManifest:
     delta); covered only when present, so versions without one sign the same bytes as before."""
 
     def to_dict(self) -> dict[str, Any]:
-        body = self._core()
-        if self.base_digests is not None:
-            body[BASE_DIGESTS_KEY] = self.base_digests
-        return body
-
-    def _core(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
             "version": self.version,
             "base_version": self.base_version,
@@ -132,6 +126,9 @@ class VersionManifest:
             "tensors": {name: fact.to_dict() for name, fact in self.tensors.items()},
             "shards": {name: fact.to_dict() for name, fact in self.shards.items()},
         }
+        if self.base_digests is not None:
+            body[BASE_DIGESTS_KEY] = self.base_digests
+        return body
 
     def canonical_bytes(self) -> bytes:
         """The bytes a signature is computed over: domain prefix + canonical JSON."""
@@ -162,27 +159,9 @@ def build_manifest(
         name: TensorFact(shard, tensor_digests.get(shard, {}).get(name))
         for name, shard in sorted(index.weight_map.items())
     }
+    lineage = (index.version, index.base_version, index.stream_id)
+    codecs = (index.encoding, index.compression, index.checksum)
+    shard_facts = dict(sorted(shards.items()))
     return VersionManifest(
-        version=index.version,
-        base_version=index.base_version,
-        stream_id=index.stream_id,
-        encoding=index.encoding,
-        compression=index.compression,
-        checksum=index.checksum,
-        tensors=tensors,
-        shards=dict(sorted(shards.items())),
-        base_digests=index.extra.get(BASE_DIGESTS_KEY),
+        *lineage, *codecs, tensors, shard_facts, index.extra.get(BASE_DIGESTS_KEY)
     )
-
-
-__all__ = [
-    "BASE_DIGESTS_KEY",
-    "MANIFEST_DOMAIN",
-    "MANIFEST_FORMAT",
-    "SHARD_DIGEST",
-    "ShardFact",
-    "ShardHasher",
-    "TensorFact",
-    "VersionManifest",
-    "build_manifest",
-]

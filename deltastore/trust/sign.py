@@ -201,15 +201,3 @@ def _crypto_invalid_signature() -> type[Exception]:
     from cryptography.exceptions import InvalidSignature
 
     return InvalidSignature
-
-
-__all__ = [
-    "ALGORITHM",
-    "SIGNATURE_KEY",
-    "SignatureRecord",
-    "sign_manifest",
-    "signed_index",
-    "unsigned_index",
-    "verify_index",
-    "verify_manifest",
-]

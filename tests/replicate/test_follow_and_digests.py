@@ -15,7 +15,7 @@ from deltastore.codecs import CHECKSUMS, get_checksum
 from deltastore.errors import IntegrityError
 from deltastore.format.safetensors_io import TensorLayout, write_safetensors
 from deltastore.replicate import Observer, ReplicationPolicy, ReplicationReport, VersionCopy
-from deltastore.replicate.digests import shard_checker
+from deltastore.replicate.version import shard_checker
 from deltastore.storage import VersionStore
 from tests.replicate.helpers import assert_replica
 from tests.storage.models import model_at, write_base
