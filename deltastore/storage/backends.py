@@ -41,7 +41,6 @@ class Backend(ABC):
     """How one kind of filesystem writes; capability flags say what it guarantees."""
 
     is_local = False
-    is_memory = False
     is_remote = False
     exclusive_create: bool | None = None
     """Whether create-only writes are known to be exclusive (None: probe on first write)."""
@@ -144,7 +143,6 @@ class LocalBackend(Backend):
 
 
 class MemoryBackend(Backend):
-    is_memory = True
     exclusive_create = True
 
     def create_only(self, path: str, data: bytes) -> None:

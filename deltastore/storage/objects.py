@@ -1,12 +1,10 @@
 """The store's protocol objects and file writes: what :class:`VersionWriter` and prune use.
 
-:class:`StoreObjects` is a part of every :class:`~deltastore.storage.store.VersionStore` (held,
-not inherited, so the store's public face stays the calls users and other layers make). It
-holds the small objects under ``_claims/`` (claims, tombstones, successors, probes), the
-create-only write each of them relies on, and the streamed write of a version's files. The
-writer and prune are typed against it, so neither imports the store module (which imports
-them). Nothing outside ``deltastore.storage`` reaches it except through
-:func:`~deltastore.storage.store.store_objects` (the conformance suite and fault tests).
+:class:`StoreObjects` is held by every :class:`~deltastore.storage.store.VersionStore` (not
+inherited, so the store's public face stays small): the small objects under ``_claims/``
+(claims, tombstones, successors, probes), the create-only write they rely on, and the streamed
+write of a version's files. Outside ``deltastore.storage`` only
+:func:`~deltastore.storage.store.store_objects` reaches it (the conformance suite and fault tests).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from deltastore.errors import ConfigError, DeltastoreError, StoreError, TransientStoreError
 from deltastore.format.names import INDEX_NAME, version_dir_name
@@ -38,16 +36,8 @@ if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
     from deltastore.format.index import VersionIndex
-    from deltastore.storage.backends import Backend
+    from deltastore.storage.backends import Backend, Guard
     from deltastore.storage.listing import StoreListing
-
-T = TypeVar("T")
-
-
-class Guard(Protocol):
-    """``guard(what, step)``: the store's retried, translated call of one idempotent step."""
-
-    def __call__(self, what: str, fn: Callable[[], T], /) -> T: ...
 
 
 def new_token() -> str:
@@ -89,38 +79,18 @@ class StoreObjects:
     """Claims, tombstones, successors and file writes of one store; see the module docstring.
 
     ``guard`` is the store's retried, translated call (every idempotent step goes through it),
-    ``backend`` what differs between kinds of store.
+    ``backend`` what differs between kinds of store. The store's url, root, index, listing and
+    refresh are the objects' own (prune and the writer see one face).
     """
 
     def __init__(self, store: ObjectsOwner, backend: Backend, guard: Guard) -> None:
-        self.store = store
-        self.backend = backend
-        self._guard = guard
-
-    @property
-    def url(self) -> str:
-        return self.store.url
-
-    @property
-    def root(self) -> str:
-        return self.store.root
+        self.store, self.backend, self._guard = store, backend, guard
+        self.url, self.root = store.url, store.root
+        self.index, self.listing, self.refresh = store.index, store.listing, store.refresh
 
     @property
     def fs(self) -> AbstractFileSystem:
         return self.store.fs
-
-    @property
-    def block_size(self) -> int:
-        return self.store.block_size
-
-    def index(self, version: int) -> VersionIndex:
-        return self.store.index(version)
-
-    def listing(self) -> StoreListing:
-        return self.store.listing()
-
-    def refresh(self, version: int | None = None) -> None:
-        self.store.refresh(version)
 
     def translate(self, what: str, exc: Exception) -> DeltastoreError:
         """A failed step's exception as an error of the tree, naming the store."""
@@ -135,21 +105,41 @@ class StoreObjects:
         )
 
     def check_exclusive_create(self) -> bool:
-        """Probe once whether create-only writes are exclusive on this backend (see
-        :func:`probe_exclusive_create`); the answer is kept as the store's
-        ``supports_exclusive_create``."""
-        if self.store.supports_exclusive_create is None:
-            self.store.supports_exclusive_create = probe_exclusive_create(self)
-        return self.store.supports_exclusive_create
+        """Whether create-only writes are exclusive on this backend, probed once (kept as the
+        store's ``supports_exclusive_create``): a probe object under ``_claims/`` is written
+        twice, create-only, and the second write must fail. Where it does not, concurrent
+        writers of one version could both commit: a warning says so. Raises
+        :class:`ConfigError` if the bucket does not exist, :class:`StoreError` if access is
+        denied.
+        """
+        if self.store.supports_exclusive_create is not None:
+            return self.store.supports_exclusive_create
+        token = uuid.uuid4().hex
+        path = posixpath.join(self.root, CLAIMS_DIR, f"{PROBE_PREFIX}{token}")
+        try:
+            self.create_or_read(path, json.dumps({"probe": True, "token": token}).encode())
+            try:
+                self.create_only(path, b"second")
+                exclusive = False
+            except FileExistsError:
+                exclusive = True
+        except FileNotFoundError:
+            raise self.missing_root_error() from None
+        finally:
+            with contextlib.suppress(Exception):
+                self.remove(path)
+        if not exclusive:
+            message = (
+                f"{self.url}: create-only writes are NOT exclusive on this backend (a second "
+                "create-only write of a probe object succeeded); two concurrent publishers "
+                "could both commit one version. Run exactly one publisher per store"
+            )
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        self.store.supports_exclusive_create = exclusive
+        return exclusive
 
-    def after_write(self, version: int) -> None:
-        """Run the store's post-write hook for a version whose files are all written."""
-        if self.store.post_write is not None:
-            self.store.post_write(self.version_url(version))
-
-    # ------------------------------------------------------------------ paths
     def version_path(self, version: int) -> str:
-        """Path (inside the filesystem) of a version's directory."""
         return posixpath.join(self.root, version_dir_name(version))
 
     def version_url(self, version: int) -> str:
@@ -159,19 +149,13 @@ class StoreObjects:
         return posixpath.join(self.url, version_dir_name(version))
 
     def file_path(self, version: int, name: str) -> str:
-        """Path of a file of a version."""
         return posixpath.join(self.version_path(version), name)
 
     def claim_path(self, version: int) -> str:
-        """Path of a version's claim object."""
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + CLAIM_SUFFIX)
 
-    def probe_path(self, token: str) -> str:
-        """Path of a create-only probe object (see :meth:`check_exclusive_create`)."""
-        return posixpath.join(self.root, CLAIMS_DIR, f"{PROBE_PREFIX}{token}")
-
     def abort_path(self, version: int) -> str:
-        """Path of a version's abort marker (written by prune to fence or unpublish it)."""
+        """Path of a version's tombstone (written by prune to fence or unpublish it)."""
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + ABORT_SUFFIX)
 
     def successor_path(self, base: int, generation: int) -> str:
@@ -179,7 +163,6 @@ class StoreObjects:
         name = f"weight_v{base:06d}{SUCCESSOR_SUFFIX}{generation}"
         return posixpath.join(self.root, CLAIMS_DIR, name)
 
-    # ------------------------------------------------------- create-only objects
     def create_only(self, path: str, data: bytes) -> None:
         """Write ``path`` only if it does not exist; raises ``FileExistsError`` otherwise (one
         attempt, no retry: the low-level exclusive create every protocol object relies on)."""
@@ -235,13 +218,11 @@ class StoreObjects:
         found = json_field(existing, "token")
         return found if isinstance(found, str) else ""
 
-    # ------------------------------------------------------------ plain objects
     def exists(self, path: str) -> bool:
-        """Whether ``path`` exists, asked of the store (retried)."""
         return bool(self._guard(f"checking {path}", lambda: self.fs.exists(path)))
 
     def read_optional(self, path: str) -> bytes | None:
-        """The bytes of ``path``, or None when it does not exist (retried)."""
+        """The bytes of ``path``, or None when it does not exist."""
         try:
             return bytes(self._guard(f"reading {path}", lambda: self.fs.cat_file(path)))
         except FileNotFoundError:
@@ -252,7 +233,6 @@ class StoreObjects:
         with contextlib.suppress(FileNotFoundError):
             self._guard(f"deleting {path}", lambda: self.fs.rm(path, recursive=recursive))
 
-    # ------------------------------------------------------------ version files
     def write_file(self, version: int, name: str, data: bytes | memoryview) -> None:
         """Write one whole non-index file of a claimed version (retried as a whole)."""
         if name == INDEX_NAME:
@@ -273,7 +253,7 @@ class StoreObjects:
         path = self.file_path(version, name)
         body_done = False
         try:
-            with self.backend.open_write(path, self.block_size, self._guard) as fh:
+            with self.backend.open_write(path, self.store.block_size, self._guard) as fh:
                 yield fh
                 body_done = True
         except (FileNotFoundError, DeltastoreError):
@@ -292,36 +272,3 @@ class StoreObjects:
         """After a commit stands: make it durable and visible to this client."""
         self.backend.make_durable(self.root)
         self.fs.invalidate_cache(self.version_path(version))
-
-
-def probe_exclusive_create(store: StoreObjects) -> bool:
-    """Whether create-only writes are exclusive on ``store``'s backend.
-
-    Writes a probe object under ``_claims/`` twice, create-only, and expects the second write
-    to fail. Where it does not, concurrent writers of one version could both commit: a
-    warning says so. Raises :class:`ConfigError` if the bucket does not exist,
-    :class:`StoreError` if access is denied.
-    """
-    token = uuid.uuid4().hex
-    path = store.probe_path(token)
-    try:
-        store.create_or_read(path, json.dumps({"probe": True, "token": token}).encode())
-        try:
-            store.create_only(path, b"second")
-            exclusive = False
-        except FileExistsError:
-            exclusive = True
-    except FileNotFoundError:
-        raise store.missing_root_error() from None
-    finally:
-        with contextlib.suppress(Exception):
-            store.remove(path)
-    if not exclusive:
-        message = (
-            f"{store.url}: create-only writes are NOT exclusive on this backend (a second "
-            "create-only write of a probe object succeeded); two concurrent publishers "
-            "could both commit one version. Run exactly one publisher per store"
-        )
-        log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-    return exclusive

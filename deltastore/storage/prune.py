@@ -21,7 +21,7 @@ index), then deleted. With ``grace_s=0`` both phases happen in one run.
 
 Tombstones (``_claims/weight_vNNNNNN.abort``) are permanent: readers never list a version that
 has one, so an index that lands after its version was fenced and deleted stays invisible.
-Prune reaches the store only through :class:`PrunableStore`; it never imports the store.
+Prune reaches the store only through its :class:`~deltastore.storage.objects.StoreObjects`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from deltastore.errors import ConfigError, VersionNotFoundError
 from deltastore.format.index import VersionIndex
@@ -37,6 +37,9 @@ from deltastore.format.names import INDEX_NAME
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.storage.chain import IndexSource, iter_chain
 from deltastore.storage.listing import FileEntry, StoreListing
+
+if TYPE_CHECKING:
+    from deltastore.storage.objects import StoreObjects
 
 log = logging.getLogger("deltastore.storage")
 
@@ -102,26 +105,6 @@ class PruneReport:
         return lines
 
 
-class PrunableStore(Protocol):
-    """What prune needs of a store (:class:`~deltastore.storage.objects.StoreObjects`, the
-    protocol objects of a :class:`~deltastore.storage.store.VersionStore`, is one)."""
-
-    @property
-    def url(self) -> str: ...
-
-    def refresh(self, version: int | None = None) -> None: ...
-    def listing(self) -> StoreListing: ...
-    def index(self, version: int) -> VersionIndex: ...
-    def exists(self, path: str) -> bool: ...
-    def read_optional(self, path: str) -> bytes | None: ...
-    def remove(self, path: str, *, recursive: bool = False) -> None: ...
-    def write_tombstone(self, version: int, reason: str) -> str: ...
-    def file_path(self, version: int, name: str) -> str: ...
-    def version_path(self, version: int) -> str: ...
-    def claim_path(self, version: int) -> str: ...
-    def abort_path(self, version: int) -> str: ...
-
-
 def needed_versions(store: IndexSource, roots: list[int], committed: set[int]) -> set[int]:
     """Every version on the chains of ``roots`` (see :func:`iter_chain`). A link to a version
     that is not committed ends that walk with a warning (the chain is already broken; pull
@@ -165,7 +148,7 @@ def _newest(entries: list[FileEntry]) -> FileEntry | None:
 
 
 def plan(
-    store: PrunableStore, keep: int, grace_s: float, listing: StoreListing, now: float
+    store: StoreObjects, keep: int, grace_s: float, listing: StoreListing, now: float
 ) -> PruneReport:
     """Decide what a prune run does, from one listing (nothing is changed)."""
     committed = listing.committed
@@ -236,7 +219,7 @@ class _Sizes:
         )
 
 
-def _fence(store: PrunableStore, versions: tuple[int, ...]) -> list[int]:
+def _fence(store: StoreObjects, versions: tuple[int, ...]) -> list[int]:
     """Fence stale uncommitted versions; returns those committed meanwhile (left alone)."""
     meanwhile: list[int] = []
     for version in versions:
@@ -256,7 +239,7 @@ def _fence(store: PrunableStore, versions: tuple[int, ...]) -> list[int]:
     return meanwhile
 
 
-def _delete(store: PrunableStore, version: int) -> None:
+def _delete(store: StoreObjects, version: int) -> None:
     """Delete an unpublished or fenced version's data."""
     # Index first: a half-finished delete must never leave an index without its shards. The
     # tombstone stays for good: an index that lands late is never visible.
@@ -276,7 +259,7 @@ def check_prune_args(keep: int, grace_s: float) -> None:
 
 
 def prune(
-    store: PrunableStore,
+    store: StoreObjects,
     *,
     keep: int,
     grace_s: float = 3600.0,

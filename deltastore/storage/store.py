@@ -2,27 +2,15 @@
 
 The store moves opaque bytes: it knows version directories, indexes and byte ranges, never
 codecs. Versions are written only through :class:`~deltastore.storage.writer.VersionWriter`
-(:meth:`VersionStore.begin`), whose module docstring is the commit protocol. Here:
-
-* **Listing.** Versions are listed by their indexes (one recursive listing); shards without an
-  index, and versions with a tombstone, are invisible, and :meth:`VersionStore.index` agrees.
-* **Refresh.** Remote stores are opened without fsspec's listing cache (another host's commit
-  is then visible at once); :meth:`VersionStore.refresh` still drops any cache a caller turned
-  on, and runs the pre-read hook.
-* **Retries.** Each idempotent step (a read, a listing, a whole create-only write with its
-  read-back) is retried as a unit under one deadline for transient errors; permanent errors
-  fail at once as :class:`StoreError` / :class:`ConfigError` naming the URL and what to check.
-  An explicitly configured endpoint that refuses the first connection fails at once.
-* **Backends.** What differs between a local directory, ``memory://`` and an object store
-  is one :class:`~deltastore.storage.backends.Backend` object.
-* **Public face.** The store's methods are what users and the other layers call: list
-  (:meth:`~VersionStore.listing`, :meth:`~VersionStore.versions`,
-  :meth:`~VersionStore.latest`), read (:meth:`~VersionStore.index`, ranges, headers, streams,
-  downloads), :meth:`~VersionStore.refresh`, write (:meth:`~VersionStore.begin`,
-  :meth:`~VersionStore.join`) and :meth:`~VersionStore.prune`. The commit protocol's objects
-  (claims, tombstones, successors, create-only writes, file writes) are a
-  :class:`~deltastore.storage.objects.StoreObjects` the store holds; the writer and prune use
-  it, and :func:`store_objects` hands it to the conformance suite and fault tests.
+(:meth:`VersionStore.begin`), whose module docstring is the commit protocol. Versions are
+listed by their indexes (shards without one, and versions with a tombstone, are invisible).
+Remote stores are opened without fsspec's listing cache, so another host's commit is visible at
+once. Each idempotent step is retried as a unit under one deadline for transient errors;
+permanent errors fail at once as :class:`StoreError` / :class:`ConfigError` naming the URL.
+What differs between kinds of store is one :class:`~deltastore.storage.backends.Backend`; the
+commit protocol's objects (claims, tombstones, successors, file writes) are a
+:class:`~deltastore.storage.objects.StoreObjects` the store holds, for the writer and prune
+(and, through :func:`store_objects`, the conformance suite and fault tests).
 """
 
 from __future__ import annotations
@@ -67,8 +55,6 @@ DEFAULT_BLOCK_SIZE = 8 * 1024**2
 """Bytes buffered per open remote stream: one upload part, or one read-ahead block."""
 HEADER_GUESS = 64 * 1024
 """Bytes a shard-header read asks for at once (the 8-byte length prefix and the header)."""
-MAX_INDEX_BYTES = 64 * 1024**2
-"""Largest index a store reads (a 100k-tensor model's index is a few MiB)."""
 
 PostWriteHook = Callable[[str], None]
 """``post_write(version_dir_url)``: runs once a version's files are written."""
@@ -89,8 +75,8 @@ class VersionStore:
     """
 
     retry: RetryPolicy = RetryPolicy()
-    max_index_bytes: int = MAX_INDEX_BYTES
-    """Largest index this store reads (default 64 MiB); a larger one is a FormatError."""
+    max_index_bytes: int = 64 * 1024**2
+    """Largest index this store reads (a 100k-tensor model's is a few MiB); larger: FormatError."""
 
     def __init__(
         self,
@@ -128,9 +114,7 @@ class VersionStore:
         protocols = protocols if isinstance(protocols, tuple) else (protocols,)
         self._backend: Backend = make_backend(protocols, lambda: self.fs, self.storage_options)
         self.is_local = self._backend.is_local
-        self.is_memory = self._backend.is_memory
-        self.is_remote = self._backend.is_remote
-        self._reached = not self.is_remote
+        self._reached = not self._backend.is_remote
         if self.is_local:
             root = os.path.abspath(root)
         self.root = root.rstrip("/") or "/"
@@ -140,8 +124,7 @@ class VersionStore:
         if retry is not None:
             self.retry = retry
         self.block_size = self._backend.check_block_size(block_size or DEFAULT_BLOCK_SIZE)
-        self.supports_exclusive_create = self._backend.exclusive_create
-        """Whether create-only writes are exclusive here; None until probed (first write)."""
+        self.supports_exclusive_create = self._backend.exclusive_create  # None: not probed yet
         self._objects = StoreObjects(self, self._backend, self._guard)
 
     @staticmethod
@@ -153,9 +136,8 @@ class VersionStore:
 
     @property
     def fs(self) -> AbstractFileSystem:
-        """The fsspec filesystem, created at first use (a bad credential file or option is a
-        :class:`ConfigError` then); re-opened in a forked child (clients do not survive a
-        fork)."""
+        """The fsspec filesystem, created at first use (a bad option is a :class:`ConfigError`
+        then); re-opened in a forked child (clients do not survive a fork)."""
         if self._fs is None or self._fs_pid != os.getpid():
             try:
                 self._fs, _ = fsspec.core.url_to_fs(self._fs_url, **self._fs_options)
@@ -168,7 +150,6 @@ class VersionStore:
     def __repr__(self) -> str:
         return f"VersionStore({self.url!r})"
 
-    # ----------------------------------------------------------------- errors
     def _guard(self, what: str, fn: Callable[[], T]) -> T:
         """Run one idempotent step with retries; translate what is left to the error tree.
 
@@ -187,22 +168,17 @@ class VersionStore:
     def _path(self, version: int, name: str) -> str:
         return self._objects.file_path(version, name)
 
-    # ---------------------------------------------------------------- reading
     def refresh(self, version: int | None = None) -> None:
-        """Make versions committed by other hosts visible.
-
-        Drops fsspec's listing caches (all of them: invalidating a path does not invalidate its
-        children) and, when ``version`` is given, runs the pre-read hook for it.
-        """
+        """Make versions committed by other hosts visible: drop fsspec's listing caches (all of
+        them: invalidating a path does not invalidate its children) and, for ``version``, run
+        the pre-read hook."""
         self.fs.invalidate_cache()
         if self.pre_read is not None and version is not None and version > 0:
             self.pre_read(self.url, version)
 
     def listing(self) -> StoreListing:
-        """List everything under the root once (see :class:`StoreListing`).
-
-        Raises :class:`ConfigError` when the bucket of a remote store does not exist.
-        """
+        """Everything under the root, from one listing; :class:`ConfigError` for a missing
+        bucket."""
 
         def find() -> dict[str, dict[str, Any]]:
             found = self.fs.find(self.root, detail=True)
@@ -217,21 +193,16 @@ class VersionStore:
         return parse_listing(found, self.root)
 
     def versions(self) -> list[int]:
-        """Committed versions, ascending. Directories without an index are not versions, nor
-        are versions fenced or unpublished by prune."""
+        """Committed versions (with an index and no tombstone), ascending."""
         return self.listing().committed
 
     def latest(self) -> int:
-        """The newest committed version, or 0 when nothing is published."""
+        """The newest committed version, or 0."""
         versions = self.versions()
         return versions[-1] if versions else 0
 
     def index(self, version: int) -> VersionIndex:
-        """The parsed index of a committed version.
-
-        Raises :class:`VersionNotFoundError` if it is not committed, :class:`FormatError` if
-        the index is malformed.
-        """
+        """The parsed index of a committed version (see :meth:`index_bytes`)."""
         return VersionIndex.from_json(
             self.index_bytes(version),
             version=version,
@@ -239,11 +210,8 @@ class VersionStore:
         )
 
     def index_bytes(self, version: int) -> bytes:
-        """The raw index file of a committed version (for mirroring it byte for byte).
-
-        Raises :class:`VersionNotFoundError` if it is not committed (no index, or a
-        tombstone), :class:`FormatError` if it is larger than :attr:`max_index_bytes`.
-        """
+        """The raw index file of a committed version; :class:`VersionNotFoundError` if it is
+        not committed (no index, or a tombstone), :class:`FormatError` if it is too large."""
         path = self._path(version, INDEX_NAME)
         missing = VersionNotFoundError(
             f"weight_v{version:06d} is not committed in {self.url} (its index is missing or "
@@ -267,7 +235,6 @@ class VersionStore:
             raise missing
         return bytes(data)
 
-    # ------------------------------------------------------------ transaction
     def begin(
         self,
         version: int | None = None,
@@ -301,7 +268,6 @@ class VersionStore:
         collective publish); its :meth:`VersionWriter.commit` is refused."""
         return VersionWriter(self._objects, version, token, claimant=False)
 
-    # ------------------------------------------------------------------ files
     def file_size(self, version: int, name: str) -> int:
         """Size in bytes of a file of a version, asked of the store (never a cached listing)."""
         path = self._path(version, name)
@@ -315,11 +281,9 @@ class VersionStore:
         return int(info["size"])
 
     def read_range(self, version: int, name: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of a file of a version (one ranged request).
-
-        Raises :class:`VersionNotFoundError` if the file vanished (pruned mid-read: the caller
-        should re-resolve the version), :class:`FormatError` if it is shorter than ``end``.
-        """
+        """Bytes ``[start, end)`` of a file of a version (one ranged request);
+        :class:`VersionNotFoundError` if it vanished (pruned mid-read: re-resolve the version),
+        :class:`FormatError` if it is shorter than ``end``."""
         if end <= start:
             # An empty range: asked of S3 it would read the whole object (an invalid Range).
             if end < start:
@@ -360,14 +324,10 @@ class VersionStore:
         return unpack_header(header, source=source)
 
     def download(self, version: int, name: str, dst: str, sink: DownloadSink | None = None) -> int:
-        """Copy a file of a version to the local path ``dst`` (not fsynced) and return its size
-        in bytes; ``sink`` sees every byte, in order, as it is written.
-
-        One streamed GET on S3 (the next block is read while this one is written); gcsfs has
-        no streamed read, so there ``fs.get_file`` downloads and the sink reads the copy back.
-        A retry rewrites ``dst`` whole and restarts the sink. Raises
-        :class:`VersionNotFoundError` if the file is missing (pruned).
-        """
+        """Copy a file of a version to the local path ``dst`` (not fsynced); its size. ``sink``
+        sees every byte in order as it is written: one streamed GET on S3; gcsfs has no
+        streamed read, so ``fs.get_file`` downloads and the sink reads the copy back. A retry
+        rewrites ``dst`` whole and restarts the sink."""
         path = self._path(version, name)
 
         def attempt() -> int:
@@ -418,7 +378,6 @@ class VersionStore:
             posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file"
         )
 
-    # ------------------------------------------------------------------ prune
     def prune(
         self,
         keep: int,

@@ -54,9 +54,7 @@ StepHook = Callable[[str], object]
 class VersionWriter:
     """Writes the files of one claimed version and commits it; a context manager that aborts
     on an exception unless committed. Obtain one from :meth:`VersionStore.begin` or (non-zero
-    ranks) :meth:`VersionStore.join`. ``objects`` are the protocol objects of the store it
-    writes to (typed as such, so this module never imports the store module, which imports
-    it)."""
+    ranks) :meth:`VersionStore.join`."""
 
     def __init__(
         self, objects: StoreObjects, version: int, token: str, *, claimant: bool = True
@@ -64,11 +62,9 @@ class VersionWriter:
         self.objects = objects
         self.version = version
         self.token = token
-        self.claimant = claimant
-        """True for the writer that took the claim (only it commits or aborts)."""
+        self.claimant = claimant  # the writer that took the claim: only it commits or aborts
         self.committed = False
         self.step_hook: StepHook | None = None
-        """Called before each protocol step of :meth:`commit` (tests pause the writer there)."""
 
     def __repr__(self) -> str:
         return f"VersionWriter({self.objects.url!r}, weight_v{self.version:06d})"
@@ -80,7 +76,6 @@ class VersionWriter:
 
     @property
     def store_url(self) -> str:
-        """URL of the store this writer writes to."""
         return self.objects.url
 
     def __enter__(self) -> VersionWriter:
@@ -103,15 +98,9 @@ class VersionWriter:
     def _name(self) -> str:
         return f"weight_v{self.version:06d}"
 
-    # ---------------------------------------------------------------- files
     @contextlib.contextmanager
     def open_write(self, name: str) -> Iterator[BinaryIO]:
-        """A writable stream for one non-index file of this version. Locally the file is
-        written to a sibling temp file, fsynced and renamed into place, so a crash never leaves
-        a complete-looking partial file. Remotely at most the store's ``block_size`` bytes are
-        buffered: larger files go up as a multipart (S3) or resumable (GCS) upload that
-        completes on close; if the caller raises, the upload is abandoned, never completed.
-        Raises :class:`StoreError` for the index's name."""
+        """A writable stream for one non-index file (see :meth:`StoreObjects.open_write`)."""
         with self.objects.open_write(self.version, name) as fh:
             yield fh
 
@@ -121,9 +110,9 @@ class VersionWriter:
 
     def after_write(self) -> None:
         """Run the store's post-write hook for this version (its files are all written)."""
-        self.objects.after_write(self.version)
+        if self.objects.store.post_write is not None:
+            self.objects.store.post_write(self.url)
 
-    # --------------------------------------------------------------- commit
     def commit(self, index: VersionIndex) -> VersionIndex:
         """Publish this version by creating its index; returns the committed index.
 
@@ -208,7 +197,6 @@ class VersionWriter:
             return None
 
     def _visible_as_ours(self) -> bool:
-        """Whether readers see this version committed with this writer's token."""
         try:
             return self.objects.index(self.version).commit_token == self.token
         except Exception:
@@ -265,7 +253,6 @@ class VersionWriter:
         claim = store.read_optional(store.claim_path(version))
         return claim is None or json_field(claim, "token") != json_field(successor, "token")
 
-    # ---------------------------------------------------------------- abort
     def abort(self) -> None:
         """Remove this uncommitted version's files and claim (best effort, never a commit).
 
@@ -295,12 +282,6 @@ class VersionWriter:
             store.remove(store.claim_path(self.version))
 
 
-def claim_body(version: int, token: str) -> bytes:
-    """The JSON body of a claim object."""
-    return json.dumps({"version": version, "token": token, "time": time.time()}).encode()
-
-
-# ------------------------------------------------------------ claiming (VersionStore.begin)
 def _try_claim(store: StoreObjects, version: int, token: str) -> str | None:
     """Take ``version``'s claim: None on success, else why not (``committed``, ``fenced``,
     ``claimed``)."""
@@ -309,7 +290,8 @@ def _try_claim(store: StoreObjects, version: int, token: str) -> str | None:
         return "fenced" if store.is_fenced(version) else "committed"
     if store.is_fenced(version):
         return "fenced"
-    existing = store.create_or_read(store.claim_path(version), claim_body(version, token))
+    claim = json.dumps({"version": version, "token": token, "time": time.time()}).encode()
+    existing = store.create_or_read(store.claim_path(version), claim)
     if existing is None or json_field(existing, "token") == token:
         return None
     return "claimed"
