@@ -1,9 +1,6 @@
-"""One small class per kind of store: local directory, ``memory://``, object store (S3, GCS).
-
-:class:`VersionStore` holds one and never branches on the kind itself. A backend knows how
-its filesystem writes (exclusive creates, streamed uploads), its capability flags and its
-endpoint; everything protocol-shaped (claims, tombstones, indexes) lives above it.
-"""
+"""One small class per kind of store (local directory, ``memory://``, S3/GCS): how its
+filesystem writes and reads whole files, its capability flags and its endpoint. The store holds
+one and never branches on the kind itself; everything protocol-shaped lives above it."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ from deltastore.storage.streams import file_blocks, streamed_blocks, streams_asy
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-ENDPOINT_CONNECT_TIMEOUT_S = 3.0
-"""First-contact TCP connect timeout to an explicitly configured endpoint."""
+ENDPOINT_CONNECT_TIMEOUT_S = 3.0  # first contact with an explicitly configured endpoint
 _S3_MIN_PART = 5 * 1024**2
 _GCS_CHUNK = 256 * 1024
 REMOTE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
@@ -42,8 +38,7 @@ class Backend(ABC):
 
     is_local = False
     is_remote = False
-    exclusive_create: bool | None = None
-    """Whether create-only writes are known to be exclusive (None: probe on first write)."""
+    exclusive_create: bool | None = None  # None: probed on the first write
 
     def __init__(self, fs: Callable[[], AbstractFileSystem], options: dict[str, Any]) -> None:
         self._fs = fs
@@ -54,7 +49,6 @@ class Backend(ABC):
         return self._fs()
 
     def check_block_size(self, size: int) -> int:
-        """Raises :class:`ConfigError` if ``size`` does not suit this backend."""
         return size
 
     def display_url(self, protocol: str, root: str) -> str:
@@ -68,7 +62,8 @@ class Backend(ABC):
     @abstractmethod
     @contextlib.contextmanager
     def open_write(self, path: str, block_size: int, guard: Guard) -> Iterator[BinaryIO]:
-        """A writable stream that makes ``path`` appear only once complete."""
+        """A writable stream that makes ``path`` appear only once complete; if the caller
+        raises, nothing appears (an upload is abandoned, never completed)."""
 
     def write_file(self, path: str, data: bytes | memoryview, guard: Guard) -> None:
         with self.open_write(path, 0, guard) as fh:
@@ -78,14 +73,12 @@ class Backend(ABC):
         return {}
 
     def read_blocks(self, path: str, block_size: int) -> Generator[bytes, None, None] | None:
-        """The whole file at ``path`` front to back, about ``block_size`` bytes at a time, in
-        one read (one GET); None when this kind of store has no such read (the caller
-        downloads with ``fs.get_file``). Errors surface while iterating."""
+        """The whole file at ``path`` in blocks, from one read (one GET); None when this kind of
+        store has no such read (the caller uses ``fs.get_file``)."""
         return file_blocks(self.fs, path, block_size)
 
     def make_durable(self, directory: str) -> None:
-        """Make the names in ``directory`` durable (local only)."""
-        return None
+        return None  # local only: fsync the directory
 
     credential_hint = "file permissions"
 
@@ -116,8 +109,7 @@ class Backend(ABC):
         )
 
     def check_reachable(self, url: str) -> None:
-        """Before the first request: fail fast if the store cannot be reached at all."""
-        return None
+        return None  # before the first request: fail fast if the store cannot be reached
 
 
 class LocalBackend(Backend):
@@ -250,7 +242,6 @@ class ObjectStoreBackend(Backend):
 def make_backend(
     protocols: tuple[str, ...], fs: Callable[[], AbstractFileSystem], options: dict[str, Any]
 ) -> Backend:
-    """The backend for a filesystem class's protocols."""
     if "file" in protocols or "local" in protocols:
         return LocalBackend(fs, options)
     if "memory" in protocols:

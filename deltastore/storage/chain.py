@@ -21,9 +21,8 @@ class IndexSource(Protocol):
 def iter_chain(
     target: int, read_index: Callable[[int], VersionIndex | None]
 ) -> Iterator[VersionIndex]:
-    """The one ``base_version`` walk: ``target``'s index, then its base's, and so on back to a
-    full version or the base (version 0). ``read_index`` returning None ends the walk there
-    (e.g. a version already held locally); what it raises propagates."""
+    """The one ``base_version`` walk: ``target``'s index, then its base's, back to a full
+    version or the base (version 0). ``read_index`` returning None ends the walk there."""
     version = target
     while version > 0:
         index = read_index(version)

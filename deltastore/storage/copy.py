@@ -1,17 +1,13 @@
-"""Copying one file of a version between stores: ranged reads in parallel, written in order,
-bounded memory. The one copier of version files: replication (``deltastore.replicate``) and
-the mirror hooks (``deltastore.hooks``, both directions) use it; it lives here, below both.
+"""Copying one file of a version between stores: the one copier of version files, used by
+replication (``deltastore.replicate``) and the mirror hooks (``deltastore.hooks``, both ways).
 
-A file is cut into chunks (replication uses the destination's block size). Up to ``window``
-chunks are being read at once (ranged reads on a shared pool of threads) while the chunk at
-the head is written to the destination's stream, so at most ``window`` chunks per file are
-held, never a whole shard. The destination stream is the version transaction's
-``open_write``: a local temp file renamed into place, or a multipart (S3) / resumable (GCS)
-upload that completes only when the file is whole. A failed try is discarded (never
-completed) and repeated for transient errors. What the bytes mean is the caller's: a job may
-carry a streamed check (for a shard, each tensor against its digest) fed every byte as it
-passes, and the copier may be given a whole-file hasher to compare a read-back of the
-destination with what the source gave.
+A file is cut into chunks; up to ``window`` chunks are read at once (ranged reads on a shared
+pool) while the chunk at the head is written to the destination's stream (the transaction's
+``open_write``: a temp file renamed into place, or a multipart / resumable upload that
+completes only when the file is whole), so at most ``window`` chunks per file are held. A failed
+try is discarded and repeated for transient errors. What the bytes mean is the caller's: a job
+may carry a streamed check fed every byte, and a whole-file hasher may compare a read-back of
+the destination with what the source gave.
 """
 
 from __future__ import annotations
@@ -42,14 +38,13 @@ log = logging.getLogger("deltastore.storage")
 
 
 class WritesFiles(Protocol):
-    """What a version transaction offers for writing one file (``VersionWriter.open_write``)."""
+    """``VersionWriter.open_write``, or any place that writes a version's files."""
 
     def open_write(self, name: str) -> Any: ...
 
 
 class RangeSource(Protocol):
-    """Where a copy reads from: a :class:`~deltastore.storage.store.VersionStore`, or any
-    object that reads byte ranges of a version's files."""
+    """A :class:`~deltastore.storage.store.VersionStore`, or any reader of byte ranges."""
 
     @property
     def url(self) -> str: ...
@@ -61,8 +56,7 @@ class StreamCheck(Protocol):
     """What follows a file's bytes as they are copied (e.g. a
     :class:`~deltastore.format.shard_stream.StreamedShardCheck`); it raises to fail the try."""
 
-    checked: int
-    """Tensors checked (reported as ``verified_tensors``)."""
+    checked: int  # tensors checked (reported as ``verified_tensors``)
 
     def update(self, data: bytes | memoryview) -> None: ...
 
@@ -71,32 +65,26 @@ class StreamCheck(Protocol):
 
 @dataclass(frozen=True)
 class CopyJob:
-    """One file of a version to copy."""
+    """One file of a version to copy (``size`` at the source); ``check`` makes a fresh check
+    for each try, fed the file's bytes in order (None: sizes only)."""
 
     version: int
     name: str
     size: int
-    """Size at the source, in bytes."""
     check: Callable[[], StreamCheck] | None = None
-    """A fresh check for each try, fed the file's bytes in order; None: sizes only."""
 
 
 @dataclass(frozen=True)
 class FileCopied:
-    """What copying one file took."""
-
     size: int
     retries: int
     verified_tensors: int
 
 
 class FileCopier:
-    """Copies files from ``src`` into a destination transaction (see the module docstring).
-
-    ``dst`` is the store the transaction writes to (each copied file's size is checked there);
-    ``reads`` runs the ranged reads; ``read_back``, when given, makes each copy read the
-    destination's file back and compare its digest with the source's bytes.
-    """
+    """Copies files from ``src`` into a transaction writing to ``dst`` (where each copied
+    file's size is checked); ``reads`` runs the ranged reads; ``read_back`` makes each copy read
+    the destination's file back and compare its digest with the source's bytes."""
 
     def __init__(
         self,
@@ -116,14 +104,10 @@ class FileCopier:
         self.read_back = read_back
 
     def copy(self, writer: WritesFiles, job: CopyJob, cancel: threading.Event) -> FileCopied:
-        """Copy one file, retrying transient failures; checks its size at the destination, the
-        job's check if it has one, and (with ``read_back``) the destination's bytes.
-
-        Raises :class:`IntegrityError` / :class:`FormatError` for a corrupt source file and
-        :class:`TransientStoreError` when the destination keeps failing, storing another size
-        or other bytes. Once ``cancel`` is set (another file of the version failed) it stops
-        at the next chunk with :class:`InterruptedError`.
-        """
+        """Copy one file, retrying transient failures. Raises :class:`IntegrityError` /
+        :class:`FormatError` for a corrupt source file, :class:`TransientStoreError` when the
+        destination keeps failing or storing another size or other bytes, and
+        :class:`InterruptedError` at the next chunk once ``cancel`` is set."""
         retries = 0
         while True:
             landed = [0]

@@ -10,11 +10,8 @@ from typing import BinaryIO
 
 
 def fsync_path(path: str) -> None:
-    """fsync a file or a directory by path.
-
-    A rename or link is durable only once its directory is fsynced too; fsspec never does
-    either, so every local writer of deltastore calls this.
-    """
+    """fsync a file or a directory by path (a rename or link is durable only once its
+    directory is fsynced too; fsspec never does either)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -23,12 +20,10 @@ def fsync_path(path: str) -> None:
 
 
 def create_new_file(path: str, data: bytes) -> None:
-    """Create ``path`` holding ``data`` only if it does not exist, atomically and durably.
-
-    A finished, fsynced sibling temp file is linked into place (``os.link`` fails if the target
-    exists), so readers never see a partial file and of racing writers exactly one wins (the
-    others get ``FileExistsError``). fsspec's local create mode checks, then writes: it races.
-    """
+    """Create ``path`` holding ``data`` only if it does not exist, atomically and durably: a
+    fsynced sibling temp file is linked into place (``os.link`` fails if the target exists), so
+    of racing writers exactly one wins (the others get ``FileExistsError``). fsspec's local
+    create mode checks, then writes: it races."""
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.{uuid.uuid4().hex}.partial"
@@ -43,29 +38,18 @@ def create_new_file(path: str, data: bytes) -> None:
     fsync_path(directory)
 
 
-def temp_path(path: str) -> str:
-    """A fresh sibling temp name for ``path``: ``<name>.<token>.tmp``.
-
-    Every temp-then-replace writer of deltastore uses this one scheme, so a leftover from a
-    crash is recognisable by its suffix. (:func:`create_new_file`'s create-only temp file keeps
-    its own ``.partial`` name: it is opened exclusively and never replaces anything.)
-    """
-    return f"{path}.{uuid.uuid4().hex[:12]}.tmp"
-
-
 @contextlib.contextmanager
 def atomic_writer(path: str, *, sync_dir: bool = True) -> Iterator[BinaryIO]:
     """A binary file that appears at ``path`` only once complete, atomically and durably.
 
-    Writes go to :func:`temp_path`; on a clean exit the temp file is fsynced and moved over
-    ``path`` with ``os.replace`` (then the directory is fsynced, unless ``sync_dir`` is False
-    because the caller makes the directory durable later, once for many files). On an
-    exception the temp file is removed and ``path`` is untouched. A symbolic link at ``path``
-    is replaced, not followed.
+    Writes go to a sibling ``<name>.<token>.tmp`` (the one temp-then-replace scheme, so a crash's
+    leftover is recognisable), fsynced and moved over ``path`` on a clean exit (then the
+    directory is fsynced, unless the caller does that later, once for many files: ``sync_dir``
+    False). On an exception ``path`` is untouched. A symbolic link at ``path`` is replaced.
     """
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    tmp = temp_path(path)
+    tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
     try:
         with open(tmp, "xb") as fh:
             yield fh
@@ -81,10 +65,6 @@ def atomic_writer(path: str, *, sync_dir: bool = True) -> Iterator[BinaryIO]:
 
 
 def atomic_replace(path: str, data: bytes, *, sync_dir: bool = True) -> None:
-    """Replace ``path`` with ``data`` atomically and durably (the file may exist or not).
-
-    See :func:`atomic_writer`: readers see the old content or the new, never a mix;
-    ``sync_dir=False`` leaves the directory fsync to the caller.
-    """
+    """Replace ``path`` with ``data`` atomically and durably (see :func:`atomic_writer`)."""
     with atomic_writer(path, sync_dir=sync_dir) as fh:
         fh.write(data)

@@ -14,11 +14,9 @@ from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_n
 
 log = logging.getLogger("deltastore.storage")
 
-CLAIMS_DIR = "_claims"
-"""Store-internal objects: claims, tombstones, successors, probes."""
+CLAIMS_DIR = "_claims"  # store-internal objects: claims, tombstones, successors, probes
 CLAIM_SUFFIX = ".json"
-ABORT_SUFFIX = ".abort"
-"""A version's tombstone (permanent: the version is never visible nor claimed again)."""
+ABORT_SUFFIX = ".abort"  # a version's tombstone (permanent)
 SUCCESSOR_SUFFIX = ".successor-"
 PROBE_PREFIX = "_probe-"
 
@@ -41,8 +39,6 @@ def modified_time(info: dict[str, Any]) -> float | None:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One object of a store listing."""
-
     size: int
     mtime: float | None
     """Modification time in POSIX seconds (the server's clock on object stores)."""
@@ -55,7 +51,7 @@ class StoreListing:
     indexes: frozenset[int]
     """Versions whose index exists (committed, unless also aborted)."""
     aborted: dict[int, FileEntry]
-    """Versions with an abort marker (fenced or unpublished by prune)."""
+    """Versions with a tombstone (fenced or unpublished by prune)."""
     claims: dict[int, FileEntry]
     files: dict[int, dict[str, FileEntry]]
     """Version → file name → entry, for every file inside a version directory."""
@@ -64,7 +60,6 @@ class StoreListing:
 
     @property
     def committed(self) -> list[int]:
-        """Committed versions, ascending."""
         return sorted(v for v in self.indexes if v not in self.aborted)
 
     @property
@@ -92,10 +87,8 @@ class _ListedStore(Protocol):
 
 def require_store(store: _ListedStore, listing: StoreListing | None = None) -> None:
     """Raise :class:`ConfigError` when nothing under ``store``'s root was written by a
-    publisher: a missing or mistyped path, or a model directory passed where a store was meant.
-
-    ``listing``: the store's listing when the caller has one (else it is listed here).
-    """
+    publisher (a mistyped path, or a model directory passed for a store); ``listing``: the
+    store's, when the caller has it."""
     listing = store.listing() if listing is None else listing
     if not listing.holds_nothing:
         return
@@ -124,9 +117,8 @@ def _internal(rel: str, path: str, entry: FileEntry, listing: StoreListing) -> N
 
 
 def parse_listing(found: dict[str, dict[str, Any]], root: str) -> StoreListing:
-    """A :class:`StoreListing` from one recursive fsspec listing (``find(detail=True)``) of
-    ``root``. Only canonical version directory names (``weight_v`` and 6+ digits, as written)
-    count: readers open only those, so listing and reading agree."""
+    """A :class:`StoreListing` from one ``find(detail=True)`` of ``root``. Only canonical
+    version directory names count: readers open only those, so listing and reading agree."""
     prefix = root.rstrip("/") + "/"
     listing = StoreListing(frozenset(), {}, {}, {})
     indexes: set[int] = set()

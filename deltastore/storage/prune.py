@@ -1,31 +1,25 @@
-"""Pruning old versions and garbage from a :class:`VersionStore`, in two phases.
+"""Pruning old versions and garbage from a store, in two phases.
 
 Retention keeps the newest ``keep`` committed versions *and every version needed to reach
-them*: each kept version's ``base_version`` links are followed back to a full version or to
-the base (version 0), so a host can always rebuild any kept version from the newest full
-version at or below the oldest one kept. Nothing on a kept chain is ever removed.
+them* (each kept version's ``base_version`` links back to a full version or the base), so a host
+can always rebuild any kept version. Deletion is two-phase, so a host mid-pull is not cut off:
 
-Deletion is two-phase, so a host in the middle of a pull is not cut off:
-
-1. **Unpublish**: a tombstone ``_claims/weight_vNNNNNN.abort`` is created, then the
-   version's index is removed. The version is no longer listed; its shards stay.
+1. **Unpublish**: a tombstone ``_claims/weight_vNNNNNN.abort`` is created, then the version's
+   index is removed; its shards stay.
 2. **Delete**: on a later run, once the tombstone is older than ``grace_s``, the index (if a
-   late one landed), the shards and the claim go; the tombstone stays. A reader that loses a
-   file mid-read gets :class:`~deltastore.errors.VersionNotFoundError` telling it to
-   re-resolve.
+   late one landed), the shards and the claim go; the tombstone stays for good, so an index
+   that lands late is never visible. A reader that loses a file mid-read gets
+   :class:`~deltastore.errors.VersionNotFoundError` telling it to re-resolve.
 
-Uncommitted leftovers (a claim and shards but no index: a crashed or zombie writer) older than
-``grace_s`` are first **fenced** with a create-only tombstone, so the writer can never commit
-them afterwards (:meth:`VersionWriter.commit` checks for it before and after writing its
-index), then deleted. With ``grace_s=0`` both phases happen in one run.
-
-Tombstones (``_claims/weight_vNNNNNN.abort``) are permanent: readers never list a version that
-has one, so an index that lands after its version was fenced and deleted stays invisible.
-Prune reaches the store only through its :class:`~deltastore.storage.objects.StoreObjects`.
+Uncommitted leftovers (a claim and shards, no index) older than ``grace_s`` are first
+**fenced** with a create-only tombstone, so their writer can never commit them (the writer
+checks before and after writing its index), then deleted. ``grace_s=0`` does both phases in one
+run. Prune reaches the store only through its :class:`~deltastore.storage.objects.StoreObjects`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -51,9 +45,9 @@ class PruneReport:
     keep: tuple[int, ...]
     """Committed versions that stay published (the newest ``keep`` and their chains)."""
     unpublish: tuple[int, ...]
-    """Committed versions unpublished now (abort marker, then index removed; data stays)."""
+    """Committed versions unpublished now (tombstone, then index removed; data stays)."""
     fence: tuple[int, ...]
-    """Uncommitted versions older than the grace period, fenced now with an abort marker."""
+    """Uncommitted versions older than the grace period, fenced now with a tombstone."""
     delete: tuple[int, ...]
     """Versions whose data is deleted now (unpublished or fenced, past the grace period)."""
     waiting: tuple[int, ...]
@@ -63,7 +57,7 @@ class PruneReport:
     dry_run: bool
     grace_s: float
     committed_meanwhile: tuple[int, ...] = ()
-    """Versions that were committed while being fenced: left published."""
+    """Versions committed while being fenced: left published."""
     chain_kept: tuple[int, ...] = ()
     """Kept versions beyond the newest ``keep``: a newer kept delta's chain needs them."""
 
@@ -106,9 +100,8 @@ class PruneReport:
 
 
 def needed_versions(store: IndexSource, roots: list[int], committed: set[int]) -> set[int]:
-    """Every version on the chains of ``roots`` (see :func:`iter_chain`). A link to a version
-    that is not committed ends that walk with a warning (the chain is already broken; pull
-    will say so)."""
+    """Every version on the chains of ``roots``; a link to a version that is not committed
+    ends that walk with a warning (the chain is broken; pull will say so)."""
     needed: set[int] = set()
     for root in roots:
 
@@ -134,7 +127,7 @@ def needed_versions(store: IndexSource, roots: list[int], committed: set[int]) -
 
 
 def _age(entry: FileEntry | None, now: float) -> float:
-    """Seconds since ``entry`` was last modified; infinite when the backend gives no time."""
+    """Seconds since ``entry`` was modified; infinite when the backend gives no time."""
     if entry is None or entry.mtime is None:
         return float("inf")
     return now - entry.mtime
@@ -250,8 +243,8 @@ def _delete(store: StoreObjects, version: int) -> None:
 
 
 def check_prune_args(keep: int, grace_s: float) -> None:
-    """Raise :class:`ConfigError` for ``keep < 1`` or a negative grace period: the checks
-    :func:`prune` makes before it reads the store, for callers that check arguments first."""
+    """The checks :func:`prune` makes before it reads the store (for callers that check
+    arguments first)."""
     if keep < 1:
         raise ConfigError(f"prune keep={keep}: at least the latest version must be kept")
     if grace_s < 0:
@@ -266,15 +259,13 @@ def prune(
     dry_run: bool = False,
     progress: ProgressCallback | None = None,
 ) -> PruneReport:
-    """Keep the newest ``keep`` committed versions and their chains; unpublish the rest, and
-    delete the data of versions unpublished or fenced more than ``grace_s`` seconds ago.
+    """Keep the newest ``keep`` committed versions and their chains, unpublish the rest and
+    delete the data past ``grace_s`` (see the module docstring); ``dry_run`` changes nothing.
 
-    Uncommitted leftovers older than ``grace_s`` are fenced with an abort marker, then deleted.
-    ``dry_run`` changes nothing. ``progress`` (see :mod:`deltastore.progress`) gets phase
-    ``prune``: the listed bytes of the files removed (a version committed while being fenced
-    counts as done, untouched); a dry run reports nothing. If it raises, the run stops there:
-    what was removed stays removed, the next run finishes the job. Returns a
-    :class:`PruneReport`. Raises :class:`ConfigError` for ``keep < 1`` or a negative grace.
+    ``progress`` (see :mod:`deltastore.progress`) gets phase ``prune``: the listed bytes of the
+    files removed (a version committed while being fenced counts as done); a dry run reports
+    nothing. If it raises, the run stops there and the next run finishes the job. Raises
+    :class:`ConfigError` for ``keep < 1`` or a negative grace.
     """
     check_prune_args(keep, grace_s)
     store.refresh()
@@ -284,31 +275,24 @@ def prune(
         return report
     sizes = _Sizes(listing, report)
     meter = ProgressMeter.start(progress, "prune", sizes.total(report) if progress else None)
+    advance = meter.advance if meter is not None else (lambda n: None)
     for version in report.unpublish:
         store.write_tombstone(version, "pruned")
         store.remove(store.file_path(version, INDEX_NAME))
         log.info("%s: unpublished weight_v%06d", store.url, version)
-        if meter is not None:
-            meter.advance(sizes.index(version))
+        advance(sizes.index(version))
     meanwhile = _fence(store, report.fence)
     for version in report.delete:
         if version not in meanwhile:
             _delete(store, version)
-        if meter is not None:
-            meter.advance(sizes.data(version))
+        advance(sizes.data(version))
     for path in report.stray:
         store.remove(path)
-        if meter is not None:
-            meter.advance(listing.other[path].size)
-    return PruneReport(
-        keep=report.keep,
-        unpublish=report.unpublish,
+        advance(listing.other[path].size)
+    return dataclasses.replace(
+        report,
         fence=tuple(v for v in report.fence if v not in meanwhile),
         delete=tuple(v for v in report.delete if v not in meanwhile),
-        waiting=report.waiting,
-        stray=report.stray,
         dry_run=False,
-        grace_s=grace_s,
         committed_meanwhile=tuple(meanwhile),
-        chain_kept=report.chain_kept,
     )

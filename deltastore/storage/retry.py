@@ -55,8 +55,7 @@ def _status_of(exc: BaseException) -> int | None:
 
 def is_transient(exc: BaseException) -> bool:
     """True for errors worth retrying: 5xx, 429, S3's 409 ConditionalRequestConflict,
-    throttling, timeouts and connection resets. Missing files, permissions and bad requests
-    are permanent."""
+    throttling, timeouts and connection resets."""
     if isinstance(exc, TransientStoreError):
         return True
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
@@ -86,22 +85,19 @@ def _stop_by_deadline(deadline_s: float) -> tenacity.stop.stop_base:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How a store retries a failed idempotent step."""
+    """How a store retries a failed idempotent step: ``attempts`` tries in all, none started
+    after ``deadline_s``."""
 
     attempts: int = 5
-    """Tries in all, the first included."""
     deadline_s: float = 60.0
-    """Total time after which no further try starts."""
     initial_wait_s: float = 0.2
     max_wait_s: float = 5.0
     sleep: Callable[[float], None] | None = None
     """Injectable sleep (tests assert waits without waiting)."""
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``, retrying transient failures; ``what`` names the step in logs.
-
-        The last error is re-raised unchanged once the attempts or the deadline are spent.
-        """
+        """Run ``fn``, retrying transient failures (``what`` names the step in logs); the last
+        error is re-raised unchanged once the attempts or the deadline are spent."""
 
         def log_retry(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None

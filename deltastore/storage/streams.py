@@ -35,11 +35,8 @@ def file_blocks(fs: AbstractFileSystem, path: str, block: int) -> Generator[byte
 
 
 def streams_async(fs: AbstractFileSystem) -> bool:
-    """Whether ``fs`` reads a whole file as one stream (``open_async``: s3fs, not gcsfs).
-
-    Not for an s3fs with per-request options (``requester_pays``): its streamed read leaves
-    them out, where its ``get_file`` sends them.
-    """
+    """Whether ``fs`` reads a whole file as one stream (``open_async``: s3fs, not gcsfs); not
+    an s3fs with per-request options (``requester_pays``), which its streamed read leaves out."""
     from fsspec.asyn import AsyncFileSystem
 
     return (
@@ -51,12 +48,8 @@ def streams_async(fs: AbstractFileSystem) -> bool:
 
 def streamed_blocks(fs: AbstractFileSystem, path: str, block: int) -> Generator[bytes, None, None]:
     """The file's bytes in order, about ``block`` bytes at a time, from one GET of the whole
-    object; the next block is read on fsspec's IO loop while the caller handles this one.
-
-    At most two blocks are held. Closing the iterator early closes the response. Errors are
-    the filesystem's (``FileNotFoundError`` for a missing object; a cut connection or a short
-    body raises from the read where it shows).
-    """
+    object; the next block is read on fsspec's IO loop while the caller handles this one (at
+    most two are held). Closing the iterator early closes the response."""
     loop: asyncio.AbstractEventLoop = fs.loop  # type: ignore[attr-defined]
 
     def on_loop(coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
@@ -99,13 +92,12 @@ async def _close(stream: _AsyncStream) -> None:
 
 
 class DownloadSink(Protocol):
-    """What :meth:`VersionStore.download` feeds a file's bytes to as they arrive."""
+    """What :meth:`VersionStore.download` feeds a file's bytes to as they arrive; ``restart``:
+    the file comes again from its first byte (a retry)."""
 
-    def restart(self) -> None:
-        """Forget what was fed: the file comes again from its first byte (a retry)."""
+    def restart(self) -> None: ...
 
-    def update(self, data: bytes) -> None:
-        """The file's next bytes."""
+    def update(self, data: bytes) -> None: ...
 
 
 def read_back(path: str, sink: DownloadSink | None, block_size: int) -> int:
