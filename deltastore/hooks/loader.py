@@ -12,10 +12,6 @@ from deltastore.errors import HookError
 
 POST_WRITE = "post_write"
 PRE_READ = "pre_read"
-_CALL_SHAPES = {
-    POST_WRITE: ("(args, version_dir, rollout_engines)", 3),
-    PRE_READ: ("(delta_dir, target_version)", 2),
-}
 _PARAMETERS = {
     POST_WRITE: ["args", "version_dir", "rollout_engines"],
     PRE_READ: ["delta_dir", "target_version"],
@@ -30,8 +26,8 @@ def load(path: str, kind: str | None = None) -> Callable[..., Any]:
     hook's arguments. Raises :class:`HookError` naming the path and the problem: malformed
     path, missing module, missing attribute, not callable, or wrong arity.
     """
-    if kind is not None and kind not in _CALL_SHAPES:
-        raise HookError(f"unknown hook kind {kind!r}; expected one of {sorted(_CALL_SHAPES)}")
+    if kind is not None and kind not in _PARAMETERS:
+        raise HookError(f"unknown hook kind {kind!r}; expected one of {sorted(_PARAMETERS)}")
     if not isinstance(path, str) or not path.strip():
         raise HookError(f"hook path {path!r} is empty; expected 'package.module.function'")
     path = path.strip()
@@ -112,15 +108,15 @@ def _no_such_hook(path: str, module: Any, module_name: str, attr: str, kind: str
 
 def check_arity(hook: Callable[..., Any], kind: str, name: str = "hook") -> None:
     """Raise :class:`HookError` if ``hook`` cannot be called like a ``kind`` hook."""
-    shape, count = _CALL_SHAPES[kind]
+    parameters = _PARAMETERS[kind]
     try:
         signature = inspect.signature(hook)
     except (TypeError, ValueError):
         return  # a builtin without a signature: trust it
     try:
-        signature.bind(*([None] * count))
+        signature.bind(*([None] * len(parameters)))
     except TypeError as exc:
         raise HookError(
             f"hook {name!r} has signature {signature}, but a {kind.replace('_', '-')} hook is "
-            f"called as hook{shape} ({exc})"
+            f"called as hook({', '.join(parameters)}) ({exc})"
         ) from None

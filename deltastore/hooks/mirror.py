@@ -55,16 +55,13 @@ STORAGE_OPTIONS_ENV = "DELTASTORE_STORAGE_OPTIONS"
 TIMEOUT_ENV = "DELTASTORE_HOOK_TIMEOUT_S"
 ARGS_URL_ATTR = "update_weight_remote_url"
 _COPY_CHUNK = 8 * 1024**2
-_READS = 4
-"""Ranged reads in flight per copied file (two chunks each in the copier's window)."""
+_READS = 4  # ranged reads in flight per copied file (two chunks each in the copier's window)
 _COPY_ATTEMPTS = 5
 _S3_SCHEMES = ("s3://", "s3a://")
 _GCS_SCHEMES = ("gs://", "gcs://")
 
 
-# ---------------------------------------------------------------- configuration
 def storage_options_from_env() -> dict[str, Any]:
-    """Storage options from ``DELTASTORE_STORAGE_OPTIONS`` (a JSON object), else ``{}``."""
     raw = os.environ.get(STORAGE_OPTIONS_ENV, "").strip()
     if not raw:
         return {}
@@ -80,7 +77,6 @@ def storage_options_from_env() -> dict[str, Any]:
 
 
 def remote_url(args: Any = None, *, hook: str, schemes: tuple[str, ...] | None) -> str:
-    """The remote store URL for ``hook``: ``args.update_weight_remote_url`` or the env."""
     url = getattr(args, ARGS_URL_ATTR, None) or os.environ.get(REMOTE_URL_ENV, "")
     if not url:
         raise HookError(
@@ -125,9 +121,8 @@ def _timeout_s() -> float:
         raise HookError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
 
 
-# ----------------------------------------------------------------- trainer side
 def _local_version(version_dir: str) -> tuple[int, VersionIndex, dict[str, int]]:
-    """The version, its index (with a commit token) and shard sizes of a local version dir."""
+    """The version, its index (with a commit token) and shard sizes of ``version_dir``."""
     version = version_of(version_dir)
     index_path = os.path.join(version_dir, INDEX_NAME)
     try:
@@ -268,16 +263,13 @@ def _as_hook_error(what: str) -> Iterator[None]:
 
 def _commit_hook(name: str, schemes: tuple[str, ...] | None) -> Callable[[Any, str, Any], None]:
     def hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
+        """Post-write hook: mirror the local ``version_dir`` to the store named by
+        ``DELTASTORE_REMOTE_URL`` (or ``args.update_weight_remote_url``), index last."""
         url = remote_url(args, hook=name, schemes=schemes)
         with _as_hook_error(f"{name}: mirroring {version_dir} to {url}"):
             mirror_to_store(version_dir, _open_remote(url), upload=_caller_rank(args) == 0)
 
-    where = f"the {schemes[0]} store" if schemes else "the store (any fsspec URL)"
     hook.__name__ = hook.__qualname__ = name
-    hook.__doc__ = (
-        f"Post-write hook: mirror the local ``version_dir`` to {where} named by "
-        "``DELTASTORE_REMOTE_URL`` (or ``args.update_weight_remote_url``), index last."
-    )
     return hook
 
 
@@ -286,7 +278,6 @@ gcs_commit = _commit_hook("gcs_commit", _GCS_SCHEMES)
 mirror_commit = _commit_hook("mirror_commit", None)
 
 
-# ------------------------------------------------------------------ engine side
 @contextlib.contextmanager
 def _local_lock(delta_dir: str) -> Iterator[None]:
     """Serialise mirrors into one local directory (ranks on one host call the hook at once)."""
@@ -404,18 +395,15 @@ def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int)
 
 def _refresh_hook(name: str, schemes: tuple[str, ...] | None) -> Callable[[str, int], None]:
     def hook(delta_dir: str, target_version: int) -> None:
+        """Pre-read hook: mirror the chain of ``target_version`` from the store named by
+        ``DELTASTORE_REMOTE_URL`` into the local ``delta_dir``, index last."""
         if target_version <= 0:
             return
         url = remote_url(None, hook=name, schemes=schemes)
         with _as_hook_error(f"{name}: mirroring {url} into {delta_dir}"):
             mirror_from_store(_open_remote(url), delta_dir, target_version)
 
-    where = f"the {schemes[0]} store" if schemes else "the store (any fsspec URL)"
     hook.__name__ = hook.__qualname__ = name
-    hook.__doc__ = (
-        f"Pre-read hook: mirror the chain of ``target_version`` from {where} named by "
-        "``DELTASTORE_REMOTE_URL`` into the local ``delta_dir``, index last."
-    )
     return hook
 
 
