@@ -165,8 +165,17 @@ class VersionStore:
         except Exception as exc:
             raise self._objects.translate(what, exc) from exc
 
-    def _path(self, version: int, name: str) -> str:
-        return self._objects.file_path(version, name)
+    def _file_step(self, what: str, version: int, name: str, fn: Callable[[str], T]) -> T:
+        """``fn(path)`` on a file of a version as one guarded step; a missing file (pruned,
+        even mid-read) is a :class:`VersionNotFoundError`."""
+        path = self._objects.file_path(version, name)
+        try:
+            return self._guard(f"{what} {path}", lambda: fn(path))
+        except FileNotFoundError:
+            raise VersionNotFoundError(
+                f"{name} of weight_v{version:06d} is missing in {self.url}: the version was "
+                "pruned (pull again to re-resolve) or is corrupt"
+            ) from None
 
     def refresh(self, version: int | None = None) -> None:
         """Make versions committed by other hosts visible: drop fsspec's listing caches (all of
@@ -212,7 +221,7 @@ class VersionStore:
     def index_bytes(self, version: int) -> bytes:
         """The raw index file of a committed version; :class:`VersionNotFoundError` if it is
         not committed (no index, or a tombstone), :class:`FormatError` if it is too large."""
-        path = self._path(version, INDEX_NAME)
+        path = self._objects.file_path(version, INDEX_NAME)
         missing = VersionNotFoundError(
             f"weight_v{version:06d} is not committed in {self.url} (its index is missing or "
             "it was pruned); list committed versions with `deltastore ls`"
@@ -270,15 +279,7 @@ class VersionStore:
 
     def file_size(self, version: int, name: str) -> int:
         """Size in bytes of a file of a version, asked of the store (never a cached listing)."""
-        path = self._path(version, name)
-        try:
-            info = self._guard(f"stat {path}", lambda: self.fs.info(path))
-        except FileNotFoundError:
-            raise VersionNotFoundError(
-                f"{name} of weight_v{version:06d} is missing in {self.url}; the version was "
-                "pruned or is corrupt"
-            ) from None
-        return int(info["size"])
+        return int(self._file_step("stat", version, name, lambda p: self.fs.info(p))["size"])
 
     def read_range(self, version: int, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a file of a version (one ranged request);
@@ -289,17 +290,12 @@ class VersionStore:
             if end < start:
                 raise FormatError(f"read_range({name!r}, {start}, {end}): end before start")
             return b""
-        path = self._path(version, name)
-        try:
-            data = self._guard(
-                f"reading {path}[{start}:{end}]",
-                lambda: self.fs.cat_file(path, start=start, end=end),
-            )
-        except FileNotFoundError:
-            raise VersionNotFoundError(
-                f"{name} of weight_v{version:06d} vanished from {self.url} while being read; "
-                "it was pruned: pull again to re-resolve"
-            ) from None
+        data = self._file_step(
+            f"reading [{start}:{end}] of",
+            version,
+            name,
+            lambda path: self.fs.cat_file(path, start=start, end=end),
+        )
         if len(data) != end - start:
             raise FormatError(
                 f"{name} of weight_v{version:06d} is truncated: asked bytes {start}..{end}, got "
@@ -328,9 +324,8 @@ class VersionStore:
         sees every byte in order as it is written: one streamed GET on S3; gcsfs has no
         streamed read, so ``fs.get_file`` downloads and the sink reads the copy back. A retry
         rewrites ``dst`` whole and restarts the sink."""
-        path = self._path(version, name)
 
-        def attempt() -> int:
+        def attempt(path: str) -> int:
             if sink is not None:
                 sink.restart()
             blocks = self._backend.read_blocks(path, self.block_size)
@@ -346,24 +341,13 @@ class VersionStore:
                     size += len(data)
             return size
 
-        try:
-            return self._guard(f"downloading {path}", attempt)
-        except FileNotFoundError:
-            raise VersionNotFoundError(
-                f"{name} of weight_v{version:06d} is missing in {self.url}"
-            ) from None
+        return self._file_step("downloading", version, name, attempt)
 
     @contextlib.contextmanager
     def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
         """A readable binary stream of a file of a version (read-ahead of ``block_size``)."""
-        path = self._path(version, name)
         kwargs = self._backend.read_options(self.block_size)
-        try:
-            fh = self._guard(f"opening {path}", lambda: self.fs.open(path, "rb", **kwargs))
-        except FileNotFoundError:
-            raise VersionNotFoundError(
-                f"{name} of weight_v{version:06d} is missing in {self.url}"
-            ) from None
+        fh = self._file_step("opening", version, name, lambda p: self.fs.open(p, "rb", **kwargs))
         with fh:
             yield fh
 

@@ -24,12 +24,9 @@ from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.trust.manifest import BASE_DIGESTS_KEY
 
-_HASH_TASK_BYTES = 64 * 1024**2
-"""Tensor bytes one hashing task covers at most (a larger tensor is a task of its own)."""
-
-
+_HASH_TASK_BYTES = 64 * 1024**2  # at most, per hashing task (a larger tensor is one task)
+# madvise option that maps a range's pages readable in one call (Linux ≥ 5.14)
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22) if sys.platform == "linux" else None
-"""madvise option that maps a range's pages readable in one call (Linux ≥ 5.14)."""
 
 
 def _populate_read(mm: mmap.mmap) -> None:
@@ -42,8 +39,7 @@ def _populate_read(mm: mmap.mmap) -> None:
 
 
 def hash_tensor(tensor: CheckpointTensor, checksum: Checksum) -> str:
-    """Digest of a tensor's bytes in a checkpoint file, read through a read-only mmap (no
-    copy of the tensor is held)."""
+    """Digest of a tensor's bytes in a checkpoint file (see :func:`hash_tensors`)."""
     return hash_tensors([tensor], checksum, workers=1)[0]
 
 

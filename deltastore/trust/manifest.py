@@ -35,7 +35,6 @@ SHARD_DIGEST = "blake3"
 """Algorithm of the whole-file shard digests (64 hex characters)."""
 
 _READ_CHUNK = 8 << 20
-
 BASE_DIGESTS_KEY = "base_digests"
 """Index metadata key of the base-model record a stream's first delta carries:
 ``{"checksum": "<algorithm>", "tensors": {name: hex digest}}``."""
@@ -43,21 +42,18 @@ BASE_DIGESTS_KEY = "base_digests"
 
 @dataclass(frozen=True)
 class ShardFact:
-    """Size and whole-file digest of one shard file."""
+    """Size and whole-file BLAKE3 digest (64 lower-case hex characters) of one shard file."""
 
     size: int
-    """Bytes in the file."""
     digest: str
-    """BLAKE3 of the whole file, 64 lower-case hex characters."""
 
     @classmethod
     def of_bytes(cls, data: bytes | bytearray | memoryview) -> ShardFact:
-        """The fact of a shard held in memory."""
         return cls(len(memoryview(data)), blake3.blake3(data).hexdigest())
 
     @classmethod
     def of_file(cls, path: str | os.PathLike[str]) -> ShardFact:
-        """The fact of a local shard file, read in 8 MiB chunks; raises ``OSError``."""
+        """Read in 8 MiB chunks; raises ``OSError``."""
         hasher = ShardHasher()
         with open(path, "rb") as fh:
             while chunk := fh.read(_READ_CHUNK):
@@ -89,8 +85,8 @@ class TensorFact:
 
     shard: str
     digest: str | None
-    """Digest of the tensor's new full bytes in the version's checksum algorithm; None when the
-    shard's metadata records none (a foreign full version: its shard digest still binds it)."""
+    """In the version's checksum algorithm; None when the shard's metadata records none (a
+    foreign full version: its shard digest still binds it)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"shard": self.shard, "digest": self.digest}
@@ -103,15 +99,13 @@ class VersionManifest:
     version: int
     base_version: int | None
     stream_id: str | None
-    encoding: str | None
-    """Delta encoding; None for a full version."""
+    encoding: str | None  # None for a full version
     compression: str | None
     checksum: str | None
     tensors: Mapping[str, TensorFact] = field(default_factory=dict)
     shards: Mapping[str, ShardFact] = field(default_factory=dict)
     base_digests: Mapping[str, Any] | None = None
-    """The index's ``base_digests`` record (digest of every base tensor, on a stream's first
-    delta); covered only when present, so versions without one sign the same bytes as before."""
+    """Covered only when present, so versions without one sign the same bytes as before."""
 
     def to_dict(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -141,13 +135,10 @@ def build_manifest(
     tensor_digests: Mapping[str, Mapping[str, str]],
     shards: Mapping[str, ShardFact],
 ) -> VersionManifest:
-    """The manifest of the version ``index`` describes.
-
-    ``tensor_digests`` maps each shard file name to its safetensors ``__metadata__`` (tensor
-    name → hex digest of the new bytes); ``shards`` maps each shard file name to its
-    :class:`ShardFact`. Raises :class:`FormatError` when ``shards`` does not name exactly the
-    shards the index's weight_map points at.
-    """
+    """The manifest of the version ``index`` describes, from each shard's ``__metadata__``
+    (``tensor_digests``: tensor name → hex digest) and :class:`ShardFact` (``shards``), both by
+    shard file name. Raises :class:`FormatError` when ``shards`` does not name exactly the
+    index's shards."""
     where = f"weight_v{index.version:06d}"
     named = set(index.shards())
     if set(shards) != named:
