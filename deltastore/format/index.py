@@ -35,19 +35,15 @@ class VersionIndex:
     version: int
     weight_map: dict[str, str]
     """Tensor name → shard file name inside the version directory."""
-    base_version: int | None = None
-    """Version a delta builds on; None on a full version that records none."""
-    encoding: str | None = None
-    """Delta encoding; None means a full checkpoint."""
+    base_version: int | None = None  # None on a full version that records none
+    encoding: str | None = None  # None: a full checkpoint
     compression: str | None = None
-    checksum: str | None = None
-    """Checksum algorithm of the per-tensor digests in the shard metadata."""
+    checksum: str | None = None  # of the per-tensor digests in the shard metadata
     stream_id: str | None = None
     """Identity of the publisher's stream, fixed at seed; None for foreign publishers."""
     commit_token: str | None = None
     """Unique token of the writer that committed this index (lost-ack detection)."""
-    totals: dict[str, int] = field(default_factory=dict)
-    """deltastore's byte totals: total_bytes, changed_bytes, wire_bytes, tensor_count."""
+    totals: dict[str, int] = field(default_factory=dict)  # deltastore's OWN_INT_KEYS
     extra: dict[str, Any] = field(default_factory=dict)
     """Any other metadata keys, kept verbatim."""
 
@@ -103,11 +99,8 @@ class VersionIndex:
 
     @classmethod
     def from_json(cls, data: bytes, *, version: int, source: str = "index") -> VersionIndex:
-        """Parse and validate an index read from ``weight_v{version}``.
-
-        Raises :class:`FormatError` when the JSON is malformed, its version disagrees with the
-        directory it was read from, or a weight_map target is not a plain shard file name.
-        """
+        """Parse and validate an index read from ``weight_v{version}``; :class:`FormatError`
+        when malformed, of another version, or naming a shard that is not a plain file name."""
         metadata, weight_map = _parse_body(data, version=version, source=source)
         extra = dict(metadata)
         encoding, base_version = _pop_lineage(extra, version=version, source=source)

@@ -1,11 +1,10 @@
 """Checking a shard while its bytes stream past: the header, then each tensor's digest.
 
-A reseed (pull) and a replica's copy both see a shard once, front to back, as it is
-downloaded or copied; hashing each tensor's byte range as it passes checks it in that same
-pass, without holding the shard (or a tensor of several GB) and without reading the copy back.
-This module knows the safetensors layout only: which digest a tensor must have is the
-caller's rule (``expected``), and the hash is the caller's too (``new_hasher``, e.g. a
-``deltastore.codecs`` checksum's ``hasher``), so the format layer never sees a codec.
+A reseed (pull) and a replica's copy both see a shard once, front to back; hashing each
+tensor's byte range as it passes checks it in that pass, without holding the shard or reading
+the copy back. Which digest a tensor must have (``expected``) and the hash (``new_hasher``, e.g.
+a ``deltastore.codecs`` checksum's ``hasher``) are the caller's: the format layer never sees a
+codec.
 """
 
 from __future__ import annotations
@@ -18,13 +17,10 @@ from deltastore.errors import FormatError
 from deltastore.format.packed import unpack_header
 from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
 
-HEADER_NOT_READ = "(the shard header)"
-"""What :meth:`StreamedShardCheck.mismatched` names when the header never arrived whole."""
+HEADER_NOT_READ = "(the shard header)"  # what mismatched() names for a header never whole
 
 
 class StreamHasher(Protocol):
-    """An incremental digest: ``update`` with consecutive pieces, then ``hexdigest``."""
-
     def update(self, data: bytes | memoryview, /) -> object: ...
 
     def hexdigest(self) -> str: ...
@@ -51,12 +47,10 @@ class StreamedShardCheck:
     """Follows one shard's bytes in file order and checks each tensor as its bytes pass.
 
     Feed consecutive pieces with :meth:`update` (a download sink: :meth:`restart` forgets what
-    was fed, for a retried transfer). The header is parsed once its bytes are whole (a packed
-    delta shard's comes back with one entry per tensor); ``size``, when known, bounds it. Every
-    tensor ``expected`` names is hashed as it passes; a whole tensor that hashes to another
-    digest goes to ``on_mismatch`` (which may raise) and to :meth:`mismatched`. ``source``
-    names the shard in errors. Raises :class:`FormatError` for a malformed header, and from
-    :meth:`finish` for a shard cut short.
+    was fed). The header is parsed once whole (packed or plain); ``size``, when known, bounds
+    it. A whole tensor that hashes to another digest than ``expected`` gives it goes to
+    ``on_mismatch`` (which may raise) and to :meth:`mismatched`. Raises :class:`FormatError`
+    for a malformed header, and from :meth:`finish` for a shard cut short.
     """
 
     def __init__(
@@ -77,18 +71,15 @@ class StreamedShardCheck:
 
     def restart(self) -> None:
         """Forget what was fed: the shard comes again from its first byte."""
-        self.offset = 0
-        """Bytes fed so far."""
+        self.offset = 0  # bytes fed so far
         self.header: SafetensorsHeader | None = None
-        self.checked = 0
-        """Tensors hashed whole to their digest."""
+        self.checked = 0  # tensors hashed whole to their digest
         self._head = bytearray()
         self._spans: list[_Span] = []
         self._next = 0
         self._bad: set[str] = set()
 
     def update(self, data: bytes | memoryview) -> None:
-        """The shard's next ``len(data)`` bytes."""
         view = memoryview(data).cast("B")
         if self.header is None:
             view = self._take_header(view)
@@ -98,7 +89,7 @@ class StreamedShardCheck:
 
     def mismatched(self) -> list[str]:
         """Tensors (in file order) whose bytes did not hash to their digest or did not all
-        arrive; :data:`HEADER_NOT_READ` alone when the header never arrived whole."""
+        arrive."""
         if self.header is None:
             return [HEADER_NOT_READ]
         unfinished = {
@@ -109,8 +100,7 @@ class StreamedShardCheck:
         return [s.name for s in self._spans if s.name in self._bad or s.name in unfinished]
 
     def finish(self) -> SafetensorsHeader:
-        """Check that the whole shard passed (``size`` bytes, every checked tensor whole);
-        returns its header. Raises :class:`FormatError` for a shard cut short."""
+        """The header, once the whole shard passed (``size`` bytes, every checked tensor)."""
         if self.header is None or (self.size is not None and self.offset != self.size):
             raise FormatError(
                 f"{self.source}: read {self.offset} bytes of {self.size}, header "

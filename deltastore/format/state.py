@@ -14,6 +14,17 @@ from deltastore.errors import FormatError
 from deltastore.format.names import format_version, parse_version
 
 
+def _json_object(data: bytes) -> dict[str, Any]:
+    body = json.loads(data.decode("utf-8"))
+    if not isinstance(body, dict):
+        raise ValueError("not an object")
+    return body
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    return (json.dumps(body) + "\n").encode()
+
+
 @dataclass(frozen=True)
 class AppliedState:
     """What a local checkpoint holds, as recorded in ``state.json``."""
@@ -27,8 +38,7 @@ class AppliedState:
     """Weight file name → (size in bytes, mtime in ns) when the state was written; a pull that
     finds other values fully verifies the checkpoint. None: not recorded (a foreign writer)."""
     sources: dict[int, str] | None = None
-    """Version → URL of the store it was read from, for the versions the last pull read when it
-    read from several stores (``sources`` in the file; reference readers ignore it)."""
+    """Version → URL of the store the last pull read it from, when it read from several."""
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {"version": format_version(self.version)}
@@ -40,14 +50,12 @@ class AppliedState:
             body["files"] = {name: list(value) for name, value in sorted(self.files.items())}
         if self.sources is not None:
             body["sources"] = {format_version(v): url for v, url in sorted(self.sources.items())}
-        return (json.dumps(body) + "\n").encode()
+        return _dumps(body)
 
     @classmethod
     def from_json(cls, data: bytes, *, source: str = "state.json") -> AppliedState:
         try:
-            body = json.loads(data.decode("utf-8"))
-            if not isinstance(body, dict):
-                raise ValueError("not an object")
+            body = _json_object(data)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise FormatError(
                 f"{source} is unreadable ({exc}); the checkpoint will reseed"
@@ -109,14 +117,12 @@ class PendingTransition:
             "from_stream_id": self.from_stream_id,
             "versions": [format_version(v) for v in self.versions],
         }
-        return (json.dumps(body) + "\n").encode()
+        return _dumps(body)
 
     @classmethod
     def from_json(cls, data: bytes, *, source: str = "pending.json") -> PendingTransition:
         try:
-            body = json.loads(data.decode("utf-8"))
-            if not isinstance(body, dict):
-                raise ValueError("not an object")
+            body = _json_object(data)
             return cls(
                 None if body.get("from") is None else parse_version(body["from"]),
                 parse_version(body.get("to")),
