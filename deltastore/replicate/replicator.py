@@ -174,24 +174,16 @@ def replicate(
     stop: threading.Event | None = None,
 ) -> ReplicationReport:
     """Copy every committed version of ``src`` that ``dst`` lacks, oldest first, each through
-    ``dst``'s version-writing transaction: a reader of ``dst`` only ever sees whole versions,
-    in order, with the source's index content (lineage, stream id) so engines can switch
-    between the copies.
+    ``dst``'s version-writing transaction, with the source's index content (docs/api.md).
 
-    ``src``/``dst``: URLs (a directory, ``s3://``, ``gs://``, ``memory://``) with their own
-    ``*_storage_options``, or :class:`VersionStore` objects. ``from_version``: a new replica
-    starts at the newest full version at or below it (older deltas are skipped). ``verify``:
-    recompute every tensor digest of full versions from the bytes, check that every tensor of
-    a delta carries one, and read each copied file back (whole-file digest); without it each
-    file's size is checked. ``jobs``: files and byte ranges in flight. ``follow``: keep
-    copying new versions until ``stop`` is set (or the process is interrupted).
-    ``prune_like_source``: unpublish what the source pruned (see :class:`ReplicationPolicy`
-    for the grace period and other timings). ``observer``: progress callbacks.
-
-    Returns a :class:`ReplicationReport`. Raises :class:`ConfigError` for bad arguments,
-    :class:`StreamError` when ``dst`` holds another run, :class:`IntegrityError` /
-    :class:`FormatError` for a corrupt source version, and store errors that outlast the
-    retries (in ``follow``, transient ones are waited out).
+    ``from_version``: a new replica starts at the chain start of the newest version at or
+    below it. ``verify``: recompute every tensor digest of full versions, check that every
+    tensor of a delta carries one, and read each copied file back (without it: sizes only).
+    ``jobs``: files and byte ranges in flight. ``follow``: keep copying until ``stop`` is set.
+    ``prune_like_source``: unpublish what the source pruned (after ``policy.prune_grace_s``).
+    Raises :class:`ConfigError` for bad arguments, :class:`StreamError` when ``dst`` holds
+    another run, :class:`IntegrityError` / :class:`FormatError` for a corrupt source version,
+    and store errors that outlast the retries (in ``follow``, transient ones are waited out).
     """
     if jobs < 1:
         raise ConfigError(f"jobs={jobs}: at least one transfer must run")

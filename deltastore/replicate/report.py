@@ -33,13 +33,11 @@ class VersionCopy:
     """One version handled by a replicator (a line of ``deltastore replicate --json``)."""
 
     version: int
-    kind: str
-    """``full`` or ``delta``."""
+    kind: str  # full or delta
     outcome: str
     """``copied`` (this replicator committed it) or ``present`` (another writer committed the
     same index first)."""
     bytes: int
-    """Bytes of the version's files (copied ones only for ``copied``)."""
     files: int
     seconds: float
     retries: int
@@ -49,7 +47,6 @@ class VersionCopy:
 
     @property
     def mb_per_s(self) -> float:
-        """Throughput in MB/s (10**6 bytes)."""
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict[str, object]:
@@ -80,8 +77,7 @@ class ReplicationReport:
     pruned: tuple[int, ...]
     """Destination versions unpublished because the source no longer lists them."""
     seconds: float
-    latest: int
-    """The destination's newest committed version at the end."""
+    latest: int  # the destination's newest committed version at the end
 
     @property
     def copied(self) -> tuple[int, ...]:
@@ -120,13 +116,13 @@ class Observer:
     """
 
     def version_started(self, version: int, total_bytes: int) -> None:
-        """A version's copy begins; ``total_bytes`` is the sum of its files."""
+        """``total_bytes``: the sum of its files."""
 
     def advanced(self, version: int, nbytes: int) -> None:
         """``nbytes`` more bytes of ``version`` landed (negative: a failed try rolled back)."""
 
     def version_done(self, record: VersionCopy) -> None:
-        """A version is committed at the destination (by this replicator or another)."""
+        """Committed at the destination (by this replicator or another)."""
 
     def idle(self, latest: int) -> None:
         """``follow``: a round found nothing new; the destination is at ``latest``."""

@@ -286,7 +286,7 @@ class VersionCopier:
                 return token  # the claim is gone (its writer aborted): claim it again
             if holder == token:
                 raise conflict  # refused at commit, not at the claim: nothing to wait for
-            idle = self._claim_idle_s(version)
+            idle = self.dst.listing().idle_s(version, time.time())
             if idle >= self.policy.stale_claim_s:
                 log.warning(
                     "%s: resuming a claim idle for %.0f s at %s (a replicator that died)",
@@ -297,13 +297,3 @@ class VersionCopier:
                 return holder
             time.sleep(random.uniform(delay / 2, delay))
             delay = min(delay * 2, self.policy.poll_max_s)
-
-    def _claim_idle_s(self, version: int) -> float:
-        """Seconds since the last sign of life of ``version``'s writer at the destination
-        (its claim or any of its files)."""
-        listing = self.dst.listing()
-        entries = list(listing.files.get(version, {}).values())
-        if version in listing.claims:
-            entries.append(listing.claims[version])
-        times = [e.mtime for e in entries if e.mtime is not None]
-        return time.time() - max(times) if times else float("inf")

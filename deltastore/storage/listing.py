@@ -37,6 +37,12 @@ def modified_time(info: dict[str, Any]) -> float | None:
     return None
 
 
+def age(*entries: FileEntry, now: float) -> float:
+    """Seconds since the newest of ``entries`` was modified; infinite when none has a time."""
+    times = [e.mtime for e in entries if e.mtime is not None]
+    return now - max(times) if times else float("inf")
+
+
 @dataclass(frozen=True)
 class FileEntry:
     size: int
@@ -61,6 +67,14 @@ class StoreListing:
     @property
     def committed(self) -> list[int]:
         return sorted(v for v in self.indexes if v not in self.aborted)
+
+    def idle_s(self, version: int, now: float) -> float:
+        """Seconds since the last sign of life of ``version``'s writer (its claim or any of its
+        files); infinite when the backend gives no times."""
+        entries = [*self.files.get(version, {}).values()]
+        if version in self.claims:
+            entries.append(self.claims[version])
+        return age(*entries, now=now)
 
     @property
     def holds_nothing(self) -> bool:

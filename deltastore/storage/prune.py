@@ -30,7 +30,7 @@ from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.storage.chain import IndexSource, iter_chain
-from deltastore.storage.listing import FileEntry, StoreListing
+from deltastore.storage.listing import StoreListing, age
 
 if TYPE_CHECKING:
     from deltastore.storage.objects import StoreObjects
@@ -126,20 +126,6 @@ def needed_versions(store: IndexSource, roots: list[int], committed: set[int]) -
     return needed
 
 
-def _age(entry: FileEntry | None, now: float) -> float:
-    """Seconds since ``entry`` was modified; infinite when the backend gives no time."""
-    if entry is None or entry.mtime is None:
-        return float("inf")
-    return now - entry.mtime
-
-
-def _newest(entries: list[FileEntry]) -> FileEntry | None:
-    dated = [e for e in entries if e.mtime is not None]
-    if not dated:
-        return entries[0] if entries else None
-    return max(dated, key=lambda e: e.mtime or 0.0)
-
-
 def plan(
     store: StoreObjects, keep: int, grace_s: float, listing: StoreListing, now: float
 ) -> PruneReport:
@@ -157,22 +143,19 @@ def plan(
             if version not in listing.files and version not in listing.claims:
                 continue  # a tombstone whose data is gone: nothing left to do
             # Unpublished or fenced by an earlier run: data goes once the marker is old.
-            if _age(listing.aborted[version], now) >= grace_s:
+            if age(listing.aborted[version], now=now) >= grace_s:
                 delete.append(version)
             else:
                 waiting.append(version)
             continue
-        activity = list(listing.files.get(version, {}).values())
-        if version in listing.claims:
-            activity.append(listing.claims[version])
-        if _age(_newest(activity), now) >= grace_s:
+        if listing.idle_s(version, now) >= grace_s:
             fence.append(version)
             delete.append(version)
         else:
             waiting.append(version)
     if grace_s <= 0:
         delete.extend(unpublish)
-    stray = [path for path, entry in listing.other.items() if _age(entry, now) >= grace_s]
+    stray = [path for path, entry in listing.other.items() if age(entry, now=now) >= grace_s]
     return PruneReport(
         keep=tuple(sorted(needed)),
         unpublish=tuple(unpublish),
