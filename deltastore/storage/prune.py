@@ -14,7 +14,7 @@ can always rebuild any kept version. Deletion is two-phase, so a host mid-pull i
 Uncommitted leftovers (a claim and shards, no index) older than ``grace_s`` are first
 **fenced** with a create-only tombstone, so their writer can never commit them (the writer
 checks before and after writing its index), then deleted. ``grace_s=0`` does both phases in one
-run. Prune reaches the store only through its :class:`~deltastore.storage.objects.StoreObjects`.
+run. Prune reaches the store only through its :class:`~deltastore.storage.writer.StoreObjects`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from deltastore.storage.chain import IndexSource, iter_chain
 from deltastore.storage.listing import StoreListing, age
 
 if TYPE_CHECKING:
-    from deltastore.storage.objects import StoreObjects
+    from deltastore.storage.writer import StoreObjects
 
 log = logging.getLogger("deltastore.storage")
 

@@ -9,7 +9,7 @@ once. Each idempotent step is retried as a unit under one deadline for transient
 permanent errors fail at once as :class:`StoreError` / :class:`ConfigError` naming the URL.
 What differs between kinds of store is one :class:`~deltastore.storage.backends.Backend`; the
 commit protocol's objects (claims, tombstones, successors, file writes) are a
-:class:`~deltastore.storage.objects.StoreObjects` the store holds, for the writer and prune
+:class:`~deltastore.storage.writer.StoreObjects` the store holds, for the writer and prune
 (and, through :func:`store_objects`, the conformance suite and fault tests).
 """
 
@@ -37,10 +37,15 @@ from deltastore.format.safetensors_io import SafetensorsHeader, header_length, p
 from deltastore.progress import ProgressCallback
 from deltastore.storage.backends import REMOTE_PROTOCOLS, Backend, make_backend
 from deltastore.storage.listing import StoreListing, parse_listing
-from deltastore.storage.objects import StoreObjects, new_token
 from deltastore.storage.retry import RetryPolicy
 from deltastore.storage.streams import DownloadSink, read_back
-from deltastore.storage.writer import VersionWriter, begin_next_version, begin_version
+from deltastore.storage.writer import (
+    StoreObjects,
+    VersionWriter,
+    begin_next_version,
+    begin_version,
+    new_token,
+)
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
