@@ -39,7 +39,6 @@ from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.format.safetensors_io import SafetensorsHeader
 from deltastore.format.shard_stream import StreamedShardCheck
-from deltastore.replicate.plan import same_content
 from deltastore.replicate.report import Observer, ReplicationPolicy, VersionCopy
 from deltastore.storage import VersionStore, new_token, store_objects
 from deltastore.storage.copy import CopyJob, FileCopier
@@ -48,6 +47,12 @@ from deltastore.storage.writer import VersionWriter, json_field
 log = logging.getLogger("deltastore.replicate")
 
 _HEX = frozenset("0123456789abcdef")
+
+
+def same_content(a: VersionIndex, b: VersionIndex) -> bool:
+    """Whether two indexes publish the same version: equal in everything but the token of the
+    writer that committed each copy (:meth:`VersionIndex.content_digest`)."""
+    return a.content_digest() == b.content_digest()
 
 
 def new_file_hasher() -> Hasher:

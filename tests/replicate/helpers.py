@@ -9,7 +9,7 @@ import torch
 
 import deltastore as ds
 from deltastore.format.names import INDEX_NAME
-from deltastore.replicate.plan import same_content
+from deltastore.replicate.version import same_content
 from deltastore.storage import VersionStore
 from tests import conftest
 from tests.storage.models import assert_model, local_tensors, model_at

@@ -27,7 +27,7 @@ import pytest
 import deltastore as ds
 from deltastore.errors import VersionNotFoundError
 from deltastore.format.names import INDEX_NAME
-from deltastore.replicate.plan import same_content
+from deltastore.replicate.version import same_content
 from deltastore.storage import VersionStore
 from deltastore.testing.servers import s3_env
 from tests.conftest import STORE_BUCKET
