@@ -191,9 +191,9 @@ class StoreObjects:
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + ABORT_SUFFIX)
 
     def successor_path(self, base: int, generation: int) -> str:
-        """Path of the ``generation``-th successor object of version ``base`` (0: the base)."""
-        name = f"weight_v{base:06d}{SUCCESSOR_SUFFIX}{generation}"
-        return posixpath.join(self.root, CLAIMS_DIR, name)
+        return posixpath.join(
+            self.root, CLAIMS_DIR, f"{version_dir_name(base)}{SUCCESSOR_SUFFIX}{generation}"
+        )
 
     def create_only(self, path: str, data: bytes) -> None:
         """Write ``path`` only if it does not exist; raises ``FileExistsError`` otherwise (one
@@ -295,16 +295,6 @@ class StoreObjects:
                 raise
             raise self.translate(f"uploading {path}", exc) from exc
 
-    def prepare_commit(self, version: int) -> None:
-        """Before the index write: make the version's directory and file names durable (an
-        empty delta has no shard, so its directory may not exist yet)."""
-        self.backend.make_durable(self.version_path(version))
-
-    def finish_commit(self, version: int) -> None:
-        """After a commit stands: make it durable and visible to this client."""
-        self.backend.make_durable(self.root)
-        self.fs.invalidate_cache(self.version_path(version))
-
 
 MAX_SUCCESSOR_GENERATIONS = 64
 """Successor objects tried per base version (each earlier one voided by a tombstone)."""
@@ -403,7 +393,8 @@ class VersionWriter:
             self._step("successor")
             self._take_successor(index.base_version)
         self._step("index")
-        store.prepare_commit(self.version)
+        # The directory's names made durable first (an empty delta's may not exist yet).
+        store.backend.make_durable(store.version_path(self.version))
         path = store.file_path(self.version, INDEX_NAME)
         existing = store.create_or_read(path, index.to_json())
         if existing is not None and json_field(existing, "metadata", "commit_token") != self.token:
@@ -414,7 +405,8 @@ class VersionWriter:
         self._step("recheck")
         self._recheck(path)
         self.committed = True
-        store.finish_commit(self.version)
+        store.backend.make_durable(store.root)
+        store.fs.invalidate_cache(store.version_path(self.version))
         return index
 
     def _recheck(self, index_path: str) -> None:

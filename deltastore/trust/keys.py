@@ -1,12 +1,9 @@
 """Ed25519 key files: ``PREFIX.key`` (private, mode 0600) and ``PREFIX.pub`` (public).
 
-Both are PEM, so standard tools read them: the private key as unencrypted PKCS#8
-(``-----BEGIN PRIVATE KEY-----``), the public key as SubjectPublicKeyInfo
-(``-----BEGIN PUBLIC KEY-----``). A key is named by its key id: the first 16 hex characters of
-the BLAKE3 digest of the raw 32-byte public key. Trainers hold the private key; engines hold
-only public keys (several at once while keys rotate).
-
-The ``cryptography`` package is an optional extra; without it every function here raises a
+Both are PEM, so standard tools read them (unencrypted PKCS#8 and SubjectPublicKeyInfo). A
+key is named by its key id: the first 16 hex characters of the BLAKE3 digest of the raw 32-byte
+public key. Trainers hold the private key; engines only public keys (several while keys
+rotate). Without the optional ``cryptography`` package every function here raises a
 :class:`ConfigError` saying ``pip install deltastore[sign]``.
 """
 
@@ -52,10 +49,8 @@ class TrustedKey:
     """A public key an engine accepts signatures from."""
 
     key_id: str
-    public: Any
-    """The ``cryptography`` Ed25519PublicKey."""
-    source: str = ""
-    """Where it was loaded from (for messages)."""
+    public: Any  # cryptography's Ed25519PublicKey
+    source: str = ""  # where it was loaded from (for messages)
 
 
 @dataclass(frozen=True)
@@ -63,12 +58,10 @@ class SigningKey:
     """A private key a publisher signs versions with."""
 
     key_id: str
-    private: Any
-    """The ``cryptography`` Ed25519PrivateKey."""
+    private: Any  # cryptography's Ed25519PrivateKey
     source: str = ""
 
     def trusted(self) -> TrustedKey:
-        """The matching public key."""
         return TrustedKey(self.key_id, self.private.public_key(), self.source)
 
 

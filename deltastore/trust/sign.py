@@ -7,10 +7,9 @@ The signature record lives in the version's index, under the metadata key ``sign
                   "key_id": "<16 hex>", "sig": "<128 hex>",
                   "shards": {"<shard file>": {"size": <bytes>, "blake3": "<64 hex>"}}}
 
-The record carries the shard table it signed, so a reader can check the signature right after
-reading the index and the shard headers, before it writes a byte, and then check each shard's
-bytes against the signed size and digest as it reads them. The signature is computed over the
-manifest (:mod:`deltastore.trust.manifest`), which excludes the record itself.
+The record carries the shard table it signed, so a reader checks the signature from the index
+and the shard headers before it writes a byte, then each shard's bytes as it reads them. The
+signature is over the manifest (:mod:`deltastore.trust.manifest`), which excludes the record.
 """
 
 from __future__ import annotations
@@ -49,10 +48,8 @@ class SignatureRecord:
     """A signature over one version's manifest, as stored in its index."""
 
     key_id: str
-    signature: bytes
-    """The 64-byte Ed25519 signature."""
-    shards: Mapping[str, ShardFact]
-    """The shard table the manifest was built with."""
+    signature: bytes  # 64 bytes
+    shards: Mapping[str, ShardFact]  # the table the manifest was built with
     alg: str = ALGORITHM
     format: str = MANIFEST_FORMAT
 
@@ -152,10 +149,12 @@ def verify_manifest(
             f"{where} is signed by key {record.key_id}, which is not trusted here (trusted: "
             f"{sorted(keys)}); pass its PREFIX.pub with --trust if that key is yours"
         )
-    invalid = _crypto_invalid_signature()
+    require_cryptography()  # the ConfigError naming the extra when cryptography is missing
+    from cryptography.exceptions import InvalidSignature
+
     try:
         key.public.verify(record.signature, manifest.canonical_bytes())
-    except invalid:
+    except InvalidSignature:
         raise SignatureError(
             f"{where}: the signature of key {record.key_id} does not match this version's "
             "manifest (version, base, stream, encoding, tensor or shard digests); it was altered, "
@@ -169,13 +168,10 @@ def verify_index(
     index: VersionIndex,
     tensor_digests: Mapping[str, Mapping[str, str]],
 ) -> SignatureRecord:
-    """Check a version's signature from its index and its shards' ``__metadata__`` alone.
-
-    Returns the record; the caller then checks each shard's bytes as it reads them with
-    :meth:`SignatureRecord.check_shard`. Raises :class:`SignatureError` as
-    :func:`verify_manifest` does, and when the signed shard table names other shards than the
-    index.
-    """
+    """Check a version's signature from its index and its shards' ``__metadata__`` alone;
+    returns the record, whose :meth:`~SignatureRecord.check_shard` the caller applies to each
+    shard it reads. Raises :class:`SignatureError` as :func:`verify_manifest` does, and when the
+    signed shard table names other shards than the index."""
     record = SignatureRecord.from_index(index)
     try:
         manifest = build_manifest(index, tensor_digests, record.shards)
@@ -194,10 +190,3 @@ def unsigned_index(index: VersionIndex) -> VersionIndex:
     """``index`` without its signature record."""
     extra = {k: v for k, v in index.extra.items() if k != SIGNATURE_KEY}
     return dataclasses.replace(index, extra=extra)
-
-
-def _crypto_invalid_signature() -> type[Exception]:
-    require_cryptography()  # the ConfigError naming the extra when cryptography is missing
-    from cryptography.exceptions import InvalidSignature
-
-    return InvalidSignature
