@@ -113,9 +113,8 @@ def _tensor_entry(name: str, spec: Any, data_start: int, source: str) -> TensorE
     if type(spec) is not dict:
         raise FormatError(f"{source}: entry {name!r} is not an object")
     dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-    if type(dtype) is not str or dtype not in DTYPE_SIZES:
+    if type(dtype) is not str or (expected := DTYPE_SIZES.get(dtype)) is None:
         raise FormatError(f"{source}: tensor {name!r} has unknown dtype {dtype!r}")
-    expected = DTYPE_SIZES[dtype]
     if type(shape) is not list:
         raise FormatError(f"{source}: tensor {name!r} has invalid shape {shape!r}")
     for dim in shape:
