@@ -42,7 +42,7 @@ from deltastore.errors import (
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.hooks.context import current_publishing_rank
-from deltastore.hooks.posix import version_of
+from deltastore.hooks.posix import env_seconds, version_of
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import iter_chain
 from deltastore.storage.copy import CopyJob, FileCopier, RangeSource
@@ -113,14 +113,6 @@ def _caller_rank(args: Any) -> int:
     return 0
 
 
-def _timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV, "600")
-    try:
-        return float(raw)
-    except ValueError:
-        raise HookError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-
-
 def _local_version(version_dir: str) -> tuple[int, VersionIndex, dict[str, int]]:
     """The version, its index (with a commit token) and shard sizes of ``version_dir``."""
     version = version_of(version_dir)
@@ -173,13 +165,14 @@ def _verify_remote(remote: VersionStore, version: int, sizes: dict[str, int], to
 
 def _wait_for_commit(remote: VersionStore, version: int) -> None:
     """Wait (``DELTASTORE_HOOK_TIMEOUT_S``) for the uploading rank's commit of ``version``."""
-    deadline = time.monotonic() + _timeout_s()
+    timeout_s = env_seconds(TIMEOUT_ENV, 600.0)
+    deadline = time.monotonic() + timeout_s
     delay = 0.1
     while _remote_index(remote, version) is None:
         if time.monotonic() >= deadline:
             raise HookError(
                 f"weight_v{version:06d} did not appear in {remote.url} within "
-                f"{_timeout_s():g} s; is the uploading rank (rank 0) running the hook?"
+                f"{timeout_s:g} s; is the uploading rank (rank 0) running the hook?"
             )
         time.sleep(delay)
         delay = min(delay * 2, 2.0)

@@ -58,11 +58,7 @@ def posix_refresh(delta_dir: str, target_version: int) -> bool:
     delta_dir = os.fspath(delta_dir)
     if target_version <= 0:
         return True
-    try:
-        wait_s = float(os.environ.get(REFRESH_WAIT_ENV, "0") or 0)
-    except ValueError:
-        raw = os.environ[REFRESH_WAIT_ENV]
-        raise HookError(f"{REFRESH_WAIT_ENV}={raw!r} is not a number of seconds") from None
+    wait_s = env_seconds(REFRESH_WAIT_ENV, 0.0)
     version_dir = os.path.join(delta_dir, version_dir_name(target_version))
     deadline = time.monotonic() + wait_s
     while True:
@@ -99,6 +95,15 @@ def _revalidate_shards(version_dir: str, index_bytes: bytes, version: int) -> No
             os.stat(os.path.join(version_dir, shard))
         except FileNotFoundError:
             log.warning("posix_refresh: %s/%s is not visible yet", version_dir, shard)
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A number of seconds from the environment variable ``name`` (unset or empty: default)."""
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise HookError(f"{name}={raw!r} is not a number of seconds") from None
 
 
 def version_of(version_dir: str) -> int:

@@ -235,21 +235,9 @@ def check_prune_args(keep: int, grace_s: float) -> None:
 
 
 def prune(
-    store: StoreObjects,
-    *,
-    keep: int,
-    grace_s: float = 3600.0,
-    dry_run: bool = False,
-    progress: ProgressCallback | None = None,
+    store: StoreObjects, keep: int, grace_s: float, dry_run: bool, progress: ProgressCallback | None
 ) -> PruneReport:
-    """Keep the newest ``keep`` committed versions and their chains, unpublish the rest and
-    delete the data past ``grace_s`` (see the module docstring); ``dry_run`` changes nothing.
-
-    ``progress`` (see :mod:`deltastore.progress`) gets phase ``prune``: the listed bytes of the
-    files removed (a version committed while being fenced counts as done); a dry run reports
-    nothing. If it raises, the run stops there and the next run finishes the job. Raises
-    :class:`ConfigError` for ``keep < 1`` or a negative grace.
-    """
+    """:meth:`VersionStore.prune <deltastore.storage.store.VersionStore.prune>`."""
     check_prune_args(keep, grace_s)
     store.refresh()
     listing = store.listing()

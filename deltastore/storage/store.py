@@ -375,10 +375,15 @@ class VersionStore:
         dry_run: bool = False,
         progress: ProgressCallback | None = None,
     ) -> PruneReport:
-        """Remove old versions and garbage; see :func:`deltastore.storage.prune.prune`."""
+        """Keep the newest ``keep`` committed versions and their chains, unpublish the rest and
+        delete the data past ``grace_s`` (see :mod:`deltastore.storage.prune`); ``dry_run``
+        changes nothing. ``progress`` (see :mod:`deltastore.progress`) gets phase ``prune``:
+        the listed bytes of the files removed; a dry run reports nothing. If it raises, the run
+        stops there and the next run finishes the job. Raises :class:`ConfigError` for
+        ``keep < 1`` or a negative grace."""
         from deltastore.storage.prune import prune
 
-        return prune(self._objects, keep=keep, grace_s=grace_s, dry_run=dry_run, progress=progress)
+        return prune(self._objects, keep, grace_s, dry_run, progress)
 
 
 def store_objects(store: VersionStore) -> StoreObjects:
