@@ -1,8 +1,8 @@
 """Versions on fsspec filesystems: the version-writing transaction, listing, ranged reads,
 retries, prune."""
 
+from deltastore.storage.backends import RetryPolicy, is_transient
 from deltastore.storage.prune import PruneReport
-from deltastore.storage.retry import RetryPolicy, is_transient
 from deltastore.storage.store import (
     PostWriteHook,
     PreReadHook,

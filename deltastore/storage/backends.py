@@ -1,26 +1,41 @@
-"""One small class per kind of store (local directory, ``memory://``, S3/GCS): how its
-filesystem writes and reads whole files, its capability flags and its endpoint. The store holds
-one and never branches on the kind itself; everything protocol-shaped lives above it."""
+"""How a store talks to its filesystem: one small class per kind of store (local directory,
+``memory://``, S3/GCS: how it writes and reads whole files, its capability flags, its endpoint,
+its errors translated to the error tree), and retries. The store holds one backend and never
+branches on the kind itself; everything protocol-shaped lives above it.
+
+s3fs and gcsfs already retry single HTTP calls underneath, so deltastore retries a whole
+idempotent step (read an index, write a shard) a few times with jittered exponential backoff,
+bounded in attempts and in total time, and only for errors that can pass (:func:`is_transient`,
+via tenacity). Permanent errors fail at once.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import socket
 import threading
+import time
 import urllib.parse
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+
+import tenacity
 
 from deltastore.errors import ConfigError, StoreError, TransientStoreError
 from deltastore.storage.durable import atomic_writer, create_new_file, fsync_path
-from deltastore.storage.retry import RetryPolicy, is_transient
 from deltastore.storage.streams import file_blocks, streamed_blocks, streams_async
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
+
+log = logging.getLogger("deltastore.storage")
+
+T = TypeVar("T")
 
 ENDPOINT_CONNECT_TIMEOUT_S = 3.0  # first contact with an explicitly configured endpoint
 _S3_MIN_PART = 5 * 1024**2
@@ -31,6 +46,113 @@ _memory_lock = threading.Lock()
 
 Guard = Callable[[str, Callable[[], Any]], Any]
 """The store's retried, translated call: ``guard(what, fn)``."""
+
+
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "InternalError",
+    "ServiceUnavailable",
+    "ConditionalRequestConflict",
+    "OperationAborted",
+    # a streamed body cut short (botocore's wrappers, aiohttp's own)
+    "ResponseStreamingError",
+    "IncompleteReadError",
+    "ClientPayloadError",
+}
+
+
+def _status_of(exc: BaseException) -> int | None:
+    for attr in ("status", "code", "status_code"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int):
+            return value
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        meta = response.get("ResponseMetadata", {})
+        status = meta.get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying: 5xx, 429, S3's 409 ConditionalRequestConflict,
+    throttling, timeouts and connection resets."""
+    if isinstance(exc, TransientStoreError):
+        return True
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    status = _status_of(exc)
+    # 501 Not Implemented and 505 HTTP Version Not Supported will not pass on retry.
+    if status is not None and status not in (501, 505) and (status >= 500 or status in (408, 429)):
+        return True
+    text = f"{type(exc).__name__} {exc}"
+    if any(code in text for code in _TRANSIENT_CODES):
+        return True
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and cause is not exc:
+        return is_transient(cause)
+    return False
+
+
+def _stop_by_deadline(deadline_s: float) -> tenacity.stop.stop_base:
+    """Stop before a wait would end past the deadline (older tenacity: stop after it)."""
+    stop_before = getattr(tenacity, "stop_before_delay", None)
+    if stop_before is not None:
+        return stop_before(deadline_s)  # type: ignore[no-any-return]
+    return tenacity.stop_after_delay(deadline_s)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a store retries a failed idempotent step: ``attempts`` tries in all, none started
+    after ``deadline_s``."""
+
+    attempts: int = 5
+    deadline_s: float = 60.0
+    initial_wait_s: float = 0.2
+    max_wait_s: float = 5.0
+    sleep: Callable[[float], None] | None = None
+    """Injectable sleep (tests assert waits without waiting)."""
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn``, retrying transient failures (``what`` names the step in logs); the last
+        error is re-raised unchanged once the attempts or the deadline are spent."""
+
+        def log_retry(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning(
+                "%s failed (attempt %d of %d, retrying in %.2f s): %s",
+                what,
+                state.attempt_number,
+                self.attempts,
+                state.upcoming_sleep,
+                exc,
+            )
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.attempts) | _stop_by_deadline(self.deadline_s),
+            wait=tenacity.wait_random_exponential(
+                multiplier=self.initial_wait_s, max=self.max_wait_s
+            ),
+            retry=tenacity.retry_if_exception(is_transient),
+            before_sleep=log_retry,
+            reraise=True,
+            sleep=self.sleep or time.sleep,
+        )
+        try:
+            return retrying(fn)
+        except Exception as exc:
+            attempts = retrying.statistics.get("attempt_number", 1)
+            if is_transient(exc):
+                log.error("%s: giving up after %d attempt(s): %s", what, attempts, exc)
+            raise
 
 
 class Backend(ABC):

@@ -35,9 +35,8 @@ from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.format.packed import unpack_header
 from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
 from deltastore.progress import ProgressCallback
-from deltastore.storage.backends import REMOTE_PROTOCOLS, Backend, make_backend
+from deltastore.storage.backends import REMOTE_PROTOCOLS, Backend, RetryPolicy, make_backend
 from deltastore.storage.listing import StoreListing, parse_listing
-from deltastore.storage.retry import RetryPolicy
 from deltastore.storage.streams import DownloadSink, read_back
 from deltastore.storage.writer import (
     StoreObjects,

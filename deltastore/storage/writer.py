@@ -54,6 +54,7 @@ from deltastore.errors import (
 )
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
+from deltastore.storage.backends import RetryPolicy
 from deltastore.storage.listing import (
     ABORT_SUFFIX,
     CLAIM_SUFFIX,
@@ -61,7 +62,6 @@ from deltastore.storage.listing import (
     PROBE_PREFIX,
     SUCCESSOR_SUFFIX,
 )
-from deltastore.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
