@@ -1,10 +1,6 @@
-"""What the publisher tells hooks about the call in progress.
-
-The reference hook signature ``hook(args, version_dir, rollout_engines)`` carries no group: a
-hook that must act on one rank only (the mirror hooks upload once) cannot tell which rank of a
-*publishing* group it runs on when that group is not the whole world. The publisher sets its
-rank within the publishing group here while it runs the post-write hook.
-"""
+"""The publisher's rank within its publishing group, for the post-write hook it runs: the
+reference signature carries no group, and a hook that acts on one rank only (the mirror hooks
+upload once) must know it when that group is not the whole world."""
 
 from __future__ import annotations
 
@@ -26,5 +22,5 @@ def publishing_rank(rank: int) -> Iterator[None]:
 
 
 def current_publishing_rank() -> int | None:
-    """The publishing group rank set by the publisher, or None outside a publish."""
+    """None outside a publish."""
     return _publishing_rank.get()

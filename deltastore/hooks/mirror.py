@@ -223,12 +223,9 @@ def _upload(
 
 
 def mirror_to_store(version_dir: str, remote: VersionStore, *, upload: bool = True) -> int:
-    """Copy the committed local version in ``version_dir`` into ``remote``, index last.
-
-    With ``upload=False`` only wait (up to ``DELTASTORE_HOOK_TIMEOUT_S``) until another
-    caller's upload of this version is committed. Returns the version. Raises
-    :class:`HookError` on a conflict, a size mismatch or a timeout.
-    """
+    """Copy the committed local version in ``version_dir`` into ``remote``, index last (with
+    ``upload=False`` only wait for another caller's upload); the version. Raises
+    :class:`HookError` on a conflict, a size mismatch or a timeout."""
     version_dir = os.fspath(version_dir)
     remote.refresh()
     if not upload:
@@ -352,13 +349,8 @@ def _remote_chain(
 
 def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int) -> list[int]:
     """Download the chain of committed versions leading to ``target_version`` into
-    ``delta_dir``, oldest first; each version's index is written last. Stops walking at a
-    version already complete locally (whose index must match the remote's). Returns the
-    versions downloaded.
-
-    Raises :class:`HookError` if the target (or a link of its chain) is not committed in
-    ``remote``.
-    """
+    ``delta_dir``, oldest first, each index last (see :func:`_remote_chain`); the versions
+    downloaded. :class:`HookError` if a link of the chain is not committed in ``remote``."""
     delta_dir = os.path.abspath(os.fspath(delta_dir))
     if target_version <= 0:
         return []

@@ -15,16 +15,11 @@ from deltastore.storage.durable import fsync_path
 log = logging.getLogger("deltastore.hooks")
 
 REFRESH_WAIT_ENV = "DELTASTORE_REFRESH_WAIT_S"
-"""Seconds ``posix_refresh`` waits for a version's index to become visible (default 0)."""
 
 
 def posix_commit(args: Any, version_dir: str, rollout_engines: Any) -> None:
-    """Post-write hook: fsync every file of ``version_dir``, the directory and its parent.
-
-    On a mount that uploads at close/fsync (gcsfuse, mountpoint-s3, JuiceFS with writeback)
-    this makes the version durable and visible before engines are told to read it. Raises
-    :class:`HookError` if ``version_dir`` is not a directory or a file cannot be synced.
-    """
+    """Post-write hook: fsync every file of ``version_dir``, the directory and its parent (on
+    a mount that uploads at close/fsync, the version is then visible before engines read it)."""
     del args, rollout_engines  # the reference signature; unused here
     version_dir = os.fspath(version_dir)
     if not os.path.isdir(version_dir):
@@ -47,13 +42,11 @@ def posix_commit(args: Any, version_dir: str, rollout_engines: Any) -> None:
 def posix_refresh(delta_dir: str, target_version: int) -> bool:
     """Pre-read hook: revalidate ``delta_dir`` so attribute caches see new versions.
 
-    Lists ``delta_dir`` (a fresh READDIR), then opens and reads the target's index (close-to-
-    open consistency revalidates it) and only then lists the version directory and stats the
-    shards its index names. A version's files are never looked up before its index is
-    visible, so a mount that caches "not found" (s3fs-fuse, gcsfuse) caches nothing wrong.
-    With ``DELTASTORE_REFRESH_WAIT_S`` set, waits up to that long for the index to appear.
-    Returns whether the index is visible; never raises for a missing version (the pull that
-    follows reports it).
+    Lists ``delta_dir``, reads the target's index (close-to-open consistency revalidates it),
+    and only then lists the version directory and stats its shards: a mount that caches "not
+    found" (s3fs-fuse, gcsfuse) caches nothing wrong. Waits up to
+    ``DELTASTORE_REFRESH_WAIT_S`` for the index; returns whether it is visible (the pull that
+    follows reports a missing version).
     """
     delta_dir = os.fspath(delta_dir)
     if target_version <= 0:

@@ -1,19 +1,16 @@
 """Copying one version through the destination's version-writing transaction.
 
-All files of the version (its shards, then any other file the source's version directory
-holds) are copied concurrently inside one ``dst.begin(version)`` transaction, which then
-commits the source's index (stamped with this writer's token), create-only. Nothing of a
-version is visible before its commit stands.
+All files of the version (its shards, then any other file of the source's version directory)
+are copied concurrently inside one ``dst.begin(version)`` transaction, which then commits the
+source's index (stamped with this writer's token), create-only.
 
-* A failure while files are copied aborts the transaction (files and claim removed) and the
-  version is tried again. A failure inside ``commit`` is not aborted: an abort after the
-  delta took its base's successor would leave a permanent tombstone, and the replica could
-  never hold that version number. The claim is kept and the next try resumes it by its token.
-* When another writer holds the version, this one waits: once that writer commits, its
-  index must equal the source's (the version counts as ``present``); if its claim shows no
-  activity for ``stale_claim_s`` (a replicator that was killed), this one resumes the claim
-  with its token, as the transaction allows a writer that crashed to do. A writer wrongly
-  taken for dead writes the same bytes under the same token, so the outcome is the same.
+* A failure while files are copied aborts the transaction and the version is tried again. A
+  failure inside ``commit`` is not aborted (after the delta took its base's successor, an abort
+  would leave a permanent tombstone): the claim is kept and the next try resumes it by token.
+* When another writer holds the version, this one waits: once that writer commits, its index
+  must equal the source's (``present``); if its claim shows no activity for ``stale_claim_s``
+  (a replicator that was killed), this one resumes it with its token. A writer wrongly taken
+  for dead writes the same bytes under the same token, so the outcome is the same.
 """
 
 from __future__ import annotations
@@ -65,12 +62,10 @@ def shard_checker(
 ) -> StreamedShardCheck:
     """A check of one shard of ``size`` bytes fed in file order (``source`` names it).
 
-    When ``checksum`` names a registered checksum and ``check_digests`` is set, every tensor
-    must carry a well-formed digest in the header's metadata; with ``hash_tensors`` (a full
-    version: a tensor's bytes are its value; a delta's digests describe the tensor after
-    applying, which only an engine holds) each tensor's bytes are hashed and compared.
-    Raises :class:`FormatError` for a malformed header or a missing digest, and
-    :class:`IntegrityError` as soon as a tensor does not match its digest.
+    With ``check_digests`` (and a registered ``checksum``) every tensor must carry a well-formed
+    digest in the header's metadata; with ``hash_tensors`` (a full version: a delta's digests
+    describe the tensor after applying, which only an engine holds) each tensor's bytes are
+    hashed and compared (:class:`IntegrityError` at the first that differs).
     """
     algorithm = get_checksum(checksum) if checksum in CHECKSUMS else None
 
@@ -127,13 +122,10 @@ class VersionCopier:
         self.reads.shutdown(cancel_futures=True)
 
     def copy(self, version: int, index: VersionIndex) -> VersionCopy | None:
-        """Make ``version`` committed at the destination with ``index``'s content.
-
-        Returns its record, or None when it cannot be copied (the source pruned it meanwhile,
-        or the destination fenced its number for good). Raises :class:`StreamError` when the
-        destination committed other content under this number, the source's errors for a
-        corrupt version, and the last store error once ``policy.attempts`` tries failed.
-        """
+        """Make ``version`` committed at the destination with ``index``'s content; its record,
+        or None when it cannot be (pruned at the source meanwhile, or fenced at the
+        destination). Raises :class:`StreamError` when the destination committed other content
+        under this number, and the last store error once ``policy.attempts`` tries failed."""
         started = time.monotonic()
         retries = 0
         token = new_token()

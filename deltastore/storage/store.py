@@ -69,13 +69,10 @@ PreReadHook = Callable[[str, int], None]
 class VersionStore:
     """Published versions under one root URL (a local path, ``memory://``, ``s3://``, ``gs://``).
 
-    ``storage_options`` go to fsspec; for ``s3://`` and ``gs://`` the store adds
-    ``use_listings_cache=False`` unless the caller sets it, so a reader sees other hosts'
-    commits without a refresh. ``post_write`` and ``pre_read`` are optional hook callables (see
-    :data:`PostWriteHook`, :data:`PreReadHook`). ``block_size`` bounds the bytes buffered per
-    open remote stream (default 8 MiB; at least 5 MiB on S3, a multiple of 256 KiB on GCS).
-    Raises :class:`ConfigError` if the URL's protocol has no installed fsspec implementation
-    or an option is invalid. No request is sent until the store is used.
+    ``storage_options`` go to fsspec (with ``use_listings_cache=False`` on S3 and GCS unless
+    set). ``block_size`` bounds the bytes buffered per open remote stream (at least 5 MiB on
+    S3, a multiple of 256 KiB on GCS). Raises :class:`ConfigError` if the URL's protocol has no
+    installed fsspec implementation or an option is invalid. No request is sent until first use.
     """
 
     retry: RetryPolicy = RetryPolicy()
@@ -256,19 +253,13 @@ class VersionStore:
         token: str | None = None,
         max_skip: int = 64,
     ) -> VersionWriter:
-        """Claim a version and return its :class:`VersionWriter`: ``version`` itself, or with
-        ``after`` the first claimable version above it (a resumed or new stream).
-
-        ``token`` (default: a new one) lets a writer that crashed resume its own claim of
-        ``version``. With ``after``, versions claimed by another writer (live or crashed: a
-        store cannot tell) and fenced versions are skipped and their numbers never reused;
-        skipping is safe because a delta's commit must also take its base's one successor
-        object, so two writers extending one version never both commit. Raises
-        :class:`VersionConflictError` if ``version`` is committed, fenced or claimed by another
-        writer, or (``after``) a version above ``after`` is already committed (another writer
-        moved on: resume from it) or ``max_skip`` versions in a row are taken;
-        :class:`ConfigError` unless exactly one of ``version`` and ``after`` is given.
-        """
+        """Claim ``version`` (or, with ``after``, the first claimable version above it) and
+        return its :class:`VersionWriter`; ``token`` lets a writer that crashed resume its own
+        claim. With ``after``, versions claimed by another writer (live or crashed: a store
+        cannot tell) or fenced are skipped for good; safe, because a delta's commit must also
+        take its base's one successor object. Raises :class:`VersionConflictError` if
+        ``version`` is taken, or (``after``) a later version is already committed or
+        ``max_skip`` in a row are taken."""
         if (version is None) == (after is None):
             raise ConfigError("begin() takes a version, or after= (the version to follow)")
         if after is not None:
