@@ -9,9 +9,7 @@ from deltastore.errors import FormatError
 INDEX_NAME = "model.safetensors.index.json"
 """File whose presence publishes (commits) a version."""
 
-STATE_DIR = ".weight_sync"
-"""Engine-side folder inside a local checkpoint: lock, state, pending record."""
-
+STATE_DIR = ".weight_sync"  # engine-side folder inside a local checkpoint
 STATE_NAME = "state.json"
 LOCK_NAME = "lock"
 PENDING_NAME = "pending.json"
@@ -64,16 +62,13 @@ def full_shard_name(index: int, count: int) -> str:
 
 
 def check_shard_file_name(name: object, *, version: int | None = None) -> str:
-    """Accept a weight_map target only if it is a plain ``*.safetensors`` file name.
-
-    A target with a separator, ``..`` or an absolute path could make a reader open a file
-    outside the version directory, so it is refused rather than normalised.
-    """
+    """Accept a weight_map target only if it is a plain ``*.safetensors`` file name: one with a
+    separator, ``..`` or an absolute path could make a reader open a file outside the version
+    directory, so it is refused rather than normalised."""
     where = f" in weight_v{version:06d}" if version is not None else ""
     if (
         not isinstance(name, str)
         or not name.endswith(".safetensors")
-        or name in (".safetensors",)
         or "/" in name
         or "\\" in name
         or name.startswith(".")

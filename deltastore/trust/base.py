@@ -117,11 +117,9 @@ def _parse(index: VersionIndex) -> tuple[str, dict[str, str]] | None:
 def check_base_names(
     base_dir: str, first_delta: VersionIndex, tensors: dict[str, CheckpointTensor]
 ) -> bool:
-    """Refuse a base whose tensor names are not those the stream was published from (the
-    cheap half of :func:`check_base`, from the headers alone: ``tensors`` is
-    ``scan_checkpoint(base_dir)``). Returns False when ``first_delta`` carries no record.
-    Raises :class:`NameMismatchError` naming what the base lacks and adds.
-    """
+    """The cheap half of :func:`check_base`, from the headers alone (``tensors`` is
+    ``scan_checkpoint(base_dir)``): a :class:`NameMismatchError` naming what the base lacks and
+    adds."""
     parsed = _parse(first_delta)
     if parsed is None:
         return False
@@ -144,16 +142,13 @@ def check_base(
     tensors: dict[str, CheckpointTensor] | None = None,
     covered: Collection[str] = (),
 ) -> bool:
-    """Refuse a base that is not the one the stream was published from.
-
-    ``first_delta`` is the delta built on version 0 that a seed from the base applies first.
-    ``tensors`` is ``scan_checkpoint(base_dir)`` when the caller has it already. ``covered``
-    names tensors the caller checks against a published digest after writing them anyway (a
-    catch-up verifies every tensor it changes and puts it back if it does not match, which a
-    wrong base byte makes it do): they are not hashed here. Returns False
-    (nothing checked) when it carries no record (older publishers, reference trainers).
-    Raises :class:`IntegrityError` naming the first differing tensors, and
-    :class:`NameMismatchError` when the base lacks or adds tensors.
+    """Refuse a base that is not the one the stream was published from, by the record in
+    ``first_delta`` (the delta on version 0 a seed from the base applies first); False when it
+    carries none. ``tensors``: ``scan_checkpoint(base_dir)`` when the caller has it. ``covered``:
+    tensors the caller checks against a published digest after writing them anyway (a catch-up
+    puts back every changed tensor that does not match): not hashed here. Raises
+    :class:`IntegrityError` naming the first differing tensors, :class:`NameMismatchError` when
+    the base lacks or adds tensors.
     """
     local = tensors if tensors is not None else scan_checkpoint(base_dir)
     if not check_base_names(base_dir, first_delta, local):

@@ -132,12 +132,17 @@ def generate_keypair(prefix: str | os.PathLike[str]) -> KeyPairFiles:
     return KeyPairFiles(private_path, public_path, key_id_of(_raw_public(private.public_key())))
 
 
-def _read_key_file(path: str, what: str) -> bytes:
+def _read_key_file(path: str, what: str, other_kind: bytes, refusal: str) -> bytes:
+    """The PEM bytes of ``path``; a ConfigError ending in ``refusal`` when it holds the
+    ``other_kind`` of key."""
     try:
         if os.path.getsize(path) > _MAX_KEY_FILE:
             raise ConfigError(f"{what} {path} is not a key file (over {_MAX_KEY_FILE} bytes)")
         with open(path, "rb") as fh:
-            return fh.read()
+            data = fh.read()
+        if other_kind in data:
+            raise ConfigError(f"{path} is a {refusal}")
+        return data
     except FileNotFoundError:
         raise ConfigError(
             f"{what} {path} does not exist (create one with deltastore keygen)"
@@ -148,15 +153,12 @@ def _read_key_file(path: str, what: str) -> bytes:
 
 def load_private_key(path: str | os.PathLike[str]) -> SigningKey:
     """Load ``PREFIX.key``; warns (:class:`InsecureKeyFileWarning`) when others may read it.
-
-    Raises :class:`ConfigError` when the file is missing, is a public key, or is not an
-    unencrypted Ed25519 private key in PEM.
-    """
+    :class:`ConfigError` unless it is an unencrypted Ed25519 private key in PEM."""
     ed25519, serialization = require_cryptography()
     where = os.fspath(path)
-    data = _read_key_file(where, "signing key")
-    if b"PUBLIC KEY" in data:
-        raise ConfigError(f"{where} is a public key; signing needs the private PREFIX.key")
+    data = _read_key_file(
+        where, "signing key", b"PUBLIC KEY", "public key; signing needs the private PREFIX.key"
+    )
     mode = stat.S_IMODE(os.stat(where).st_mode)
     if mode & 0o077:
         warnings.warn(
@@ -177,19 +179,12 @@ def load_private_key(path: str | os.PathLike[str]) -> SigningKey:
 
 
 def load_public_key(path: str | os.PathLike[str]) -> TrustedKey:
-    """Load ``PREFIX.pub``.
-
-    Raises :class:`ConfigError` when the file is missing, is a private key (engines must never
-    hold one), or is not an Ed25519 public key in PEM.
-    """
+    """Load ``PREFIX.pub``; :class:`ConfigError` unless it is an Ed25519 public key in PEM
+    (a private key is refused: engines must never hold one)."""
     ed25519, serialization = require_cryptography()
     where = os.fspath(path)
-    data = _read_key_file(where, "trusted key")
-    if b"PRIVATE KEY" in data:
-        raise ConfigError(
-            f"{where} is a private key; engines trust the public PREFIX.pub, keep the .key on "
-            "the trainer"
-        )
+    refusal = "private key; engines trust the public PREFIX.pub, keep the .key on the trainer"
+    data = _read_key_file(where, "trusted key", b"PRIVATE KEY", refusal)
     try:
         public = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as exc:
