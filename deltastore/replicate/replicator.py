@@ -135,9 +135,6 @@ class Replicator:
         self.pruned: list[int] = []
         self._start: int | None = None
 
-    def close(self) -> None:
-        self.copier.close()
-
     def run(
         self, from_version: int | None, follow: bool, prune: bool, stop: threading.Event
     ) -> ReplicationReport:
@@ -279,4 +276,4 @@ def replicate(
     try:
         return replicator.run(from_version, follow, prune_like_source, stop or threading.Event())
     finally:
-        replicator.close()
+        copier.close()

@@ -55,10 +55,8 @@ log = logging.getLogger("deltastore.storage")
 
 T = TypeVar("T")
 
-DEFAULT_BLOCK_SIZE = 8 * 1024**2
-"""Bytes buffered per open remote stream: one upload part, or one read-ahead block."""
-HEADER_GUESS = 64 * 1024
-"""Bytes a shard-header read asks for at once (the 8-byte length prefix and the header)."""
+DEFAULT_BLOCK_SIZE = 8 * 1024**2  # buffered per open remote stream: one part or read-ahead
+HEADER_GUESS = 64 * 1024  # bytes a shard-header read asks for at once (prefix and header)
 
 PostWriteHook = Callable[[str], None]
 """``post_write(version_dir_url)``: runs once a version's files are written."""
@@ -152,10 +150,8 @@ class VersionStore:
         return f"VersionStore({self.url!r})"
 
     def _guard(self, what: str, fn: Callable[[], T]) -> T:
-        """Run one idempotent step with retries; translate what is left to the error tree.
-
-        ``FileNotFoundError`` and ``FileExistsError`` pass through: callers give them meaning.
-        """
+        """Run one idempotent step with retries; translate what is left to the error tree
+        (``FileNotFoundError`` and ``FileExistsError`` pass through: callers give them meaning)."""
         if not self._reached:
             self._backend.check_reachable(self.url)
             self._reached = True

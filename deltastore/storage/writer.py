@@ -108,12 +108,8 @@ class ObjectsOwner(Protocol):
 
 
 class StoreObjects:
-    """Claims, tombstones, successors and file writes of one store; see the module docstring.
-
-    ``guard`` is the store's retried, translated call (every idempotent step goes through it),
-    ``backend`` what differs between kinds of store. The store's url, root, index, listing and
-    refresh are the objects' own (prune and the writer see one face).
-    """
+    """Claims, tombstones, successors and file writes of one store (see the module docstring);
+    ``guard`` is the store's retried, translated call of every idempotent step."""
 
     def __init__(self, store: ObjectsOwner, backend: Backend, guard: Guard) -> None:
         self.store, self.backend, self._guard = store, backend, guard
@@ -273,13 +269,10 @@ class StoreObjects:
 
     @contextlib.contextmanager
     def open_write(self, version: int, name: str) -> Iterator[BinaryIO]:
-        """A writable stream for one non-index file of a claimed, uncommitted version.
-
-        Locally the file is written to a sibling temp file, fsynced and renamed into place, so
-        a crash never leaves a complete-looking partial file. Remotely at most ``block_size``
-        bytes are buffered: larger files go up as a multipart (S3) or resumable (GCS) upload
-        that completes on close; if the caller raises, the upload is abandoned, never completed.
-        """
+        """A writable stream for one non-index file of a claimed, uncommitted version: a temp
+        file renamed into place locally; remotely at most ``block_size`` bytes buffered, larger
+        files a multipart (S3) or resumable (GCS) upload that completes on close (abandoned,
+        never completed, if the caller raises)."""
         if name == INDEX_NAME:
             raise StoreError(f"{name} is written only by commit()")
         path = self.file_path(version, name)
