@@ -39,7 +39,7 @@ from deltastore.format.shard_stream import StreamedShardCheck
 from deltastore.replicate.report import Observer, ReplicationPolicy, VersionCopy
 from deltastore.storage import VersionStore, new_token, store_objects
 from deltastore.storage.copy import CopyJob, FileCopier
-from deltastore.storage.writer import VersionWriter, json_field
+from deltastore.storage.writer import VersionWriter
 
 log = logging.getLogger("deltastore.replicate")
 
@@ -276,9 +276,7 @@ class VersionCopier:
                     self.dst.url,
                 )
                 return None
-            holder = json_field(
-                objects.read_optional(objects.claim_path(version)) or b"{}", "token"
-            )
+            holder = objects.claim_token(version)
             if not isinstance(holder, str):
                 return token  # the claim is gone (its writer aborted): claim it again
             if holder == token:

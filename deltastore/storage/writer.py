@@ -256,6 +256,10 @@ class StoreObjects:
         except FileNotFoundError:
             return None
 
+    def claim_token(self, version: int) -> str | int | None:
+        """The token ``version``'s claim holds; None when it has no (well-formed) claim."""
+        return json_field(self.read_optional(self.claim_path(version)) or b"{}", "token")
+
     def remove(self, path: str, *, recursive: bool = False) -> None:
         """Delete ``path`` (a file, or a directory with ``recursive``); absent is fine."""
         with contextlib.suppress(FileNotFoundError):
@@ -459,8 +463,7 @@ class VersionWriter:
                 f"({store.abort_path(self.version)}): prune found its claim stale; this writer "
                 "must not commit it. Publish the next version instead"
             )
-        claim = store.read_optional(store.claim_path(self.version))
-        if claim is None or json_field(claim, "token") != self.token:
+        if store.claim_token(self.version) != self.token:
             raise VersionConflictError(
                 f"{self._name} in {store.url} is not claimed by this writer (its claim is "
                 "missing or another writer's); publish the next version instead"
@@ -498,8 +501,8 @@ class VersionWriter:
         store = self.objects
         if store.is_fenced(version):
             return True
-        claim = store.read_optional(store.claim_path(version))
-        return claim is None or json_field(claim, "token") != json_field(successor, "token")
+        token = store.claim_token(version)
+        return token is None or token != json_field(successor, "token")
 
     def abort(self) -> None:
         """Remove this uncommitted version's files and claim (best effort, never a commit).
