@@ -1,12 +1,11 @@
 """Packed delta shards: many small payloads under one safetensors entry.
 
-A delta shard of a reference encoding keeps one ``U8`` entry and one metadata digest per
-changed tensor: about 140 bytes of JSON each, which is as much as a sparse payload of a 64 KB
-tensor. Shards of deltastore's own encodings (which reference readers refuse anyway) are packed
-instead: one entry, :data:`PACK_ENTRY`, holds every payload frame back to back, and the metadata
-key :data:`PACK_KEY` holds a table (tensor names, frame lengths, digests) as base64 of one zstd
-frame of JSON, about 30 bytes a tensor. :func:`unpack_header` turns a packed header back into
-the per-tensor entries and digests a plain shard has, so every reader sees one shape.
+A reference encoding's delta shard keeps one ``U8`` entry and one metadata digest per changed
+tensor: about 140 bytes of JSON each, as much as a sparse payload of a 64 KB tensor. Shards of
+deltastore's own encodings are packed instead: one entry, :data:`PACK_ENTRY`, holds every
+payload frame back to back, and :data:`PACK_KEY` a table (names, frame lengths, digests) as
+base64 of one zstd frame of JSON, about 30 bytes a tensor. :func:`unpack_header` turns a packed
+header back into a plain shard's entries and digests, so every reader sees one shape.
 """
 
 from __future__ import annotations

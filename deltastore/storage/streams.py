@@ -1,10 +1,7 @@
-"""Reading a whole file front to back in blocks: one streamed GET on an object store, and the
-sink a download feeds each byte to as it is written.
-
-A download that writes (and hashes) as the bytes arrive lets the disk flush and the digests run
-while the transfer goes on. ``fs.get_file`` does neither: s3fs's sends a GET only to learn the
-size, drops it, then fetches 50 MiB ranges concurrently and writes each when all of a batch has
-arrived, so nothing reaches the file until the end of the transfer.
+"""Reading a whole file front to back in blocks (one streamed GET on an object store), and
+the sink a download feeds each byte to as it is written, so the disk flush and the digests run
+while the transfer goes on. s3fs's ``get_file`` does neither: it fetches 50 MiB ranges
+concurrently and writes each batch whole, so nothing reaches the file until the end.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ class _AsyncStream(Protocol):
 
 
 def file_blocks(fs: AbstractFileSystem, path: str, block: int) -> Generator[bytes, None, None]:
-    """The file's bytes in order, ``block`` bytes at a time (a local or in-memory file)."""
     with fs.open(path, "rb") as fh:
         while chunk := fh.read(block):
             yield chunk
@@ -70,7 +66,7 @@ def streamed_blocks(fs: AbstractFileSystem, path: str, block: int) -> Generator[
 
 
 async def _fill(stream: _AsyncStream, block: int) -> bytes:
-    """Up to ``block`` bytes (fewer only at the end): a read returns what the socket had."""
+    """Up to ``block`` bytes (fewer only at the end; a read returns what the socket had)."""
     pieces: list[bytes] = []
     got = 0
     while got < block:
