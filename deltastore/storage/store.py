@@ -16,7 +16,6 @@ commit protocol's objects (claims, tombstones, successors, file writes) are a
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import posixpath
 from collections.abc import Callable, Iterator
@@ -51,7 +50,6 @@ if TYPE_CHECKING:
 
     from deltastore.storage.prune import PruneReport
 
-log = logging.getLogger("deltastore.storage")
 
 T = TypeVar("T")
 
