@@ -16,7 +16,7 @@ import numpy.typing as npt
 from deltastore.codecs import ByteArray, Encoding, decompress, get_encoding
 from deltastore.errors import FormatError
 from deltastore.format.payload import PayloadRef
-from deltastore.pull.stats import ApplyStats
+from deltastore.pull.result import ApplyStats
 from deltastore.storage import VersionStore
 
 
@@ -30,18 +30,6 @@ def read_payloads(
     return frames
 
 
-def decompress_payload(
-    payload: PayloadRef, encoding: Encoding, frame: bytes | memoryview, nbytes: int, name: str
-) -> bytes:
-    """One payload's frame decompressed, its declared size checked before allocating."""
-    return decompress(
-        frame,
-        max_size=encoding.max_payload_size(nbytes),
-        exact_size=nbytes if encoding.exact_payload_size else None,
-        what=f"{payload.where} payload of tensor {name!r}",
-    )
-
-
 def fold_apply(
     current: ByteArray,
     payloads: Sequence[PayloadRef],
@@ -53,9 +41,8 @@ def fold_apply(
     """``current`` with ``payloads`` applied in order, as a new array (``current`` untouched),
     or into ``current`` itself when ``in_place`` (see :func:`applies_in_place`).
 
-    Consecutive payloads of one foldable encoding are folded into one payload and applied
-    once; the others are applied one by one. Raises :class:`FormatError` naming the version
-    whose payload does not fit.
+    Consecutive payloads of one foldable encoding are folded into one and applied once.
+    Raises :class:`FormatError` naming the version whose payload does not fit.
     """
     nbytes = current.size
     result = current if in_place else current.copy()
@@ -72,7 +59,12 @@ def fold_apply(
 
     for payload, frame in zip(payloads, frames, strict=True):
         encoding = get_encoding(payload.encoding)
-        raw = decompress_payload(payload, encoding, frame, nbytes, name)
+        raw = decompress(  # its declared size checked before allocating
+            frame,
+            max_size=encoding.max_payload_size(nbytes),
+            exact_size=nbytes if encoding.exact_payload_size else None,
+            what=f"{payload.where} payload of tensor {name!r}",
+        )
         if folding is not None and encoding is not folding:
             apply_folded()
         if not encoding.foldable:
@@ -95,13 +87,9 @@ def fold_apply(
 
 
 def applies_in_place(payloads: Sequence[PayloadRef]) -> bool:
-    """True when ``payloads`` may be applied straight into the tensor's mapped bytes.
-
-    That needs one encoding that is foldable (every payload is decompressed and folded before
-    the tensor is touched, and its size is checked before anything is written) and
-    self-inverse (applying the same payloads again puts the old bytes back when the result
-    does not verify).
-    """
+    """True when ``payloads`` may be applied straight into the tensor's mapped bytes: one
+    encoding, foldable (every payload is decompressed, size-checked and folded before the
+    tensor is touched) and self-inverse (applying them again puts the old bytes back)."""
     encodings = {get_encoding(p.encoding) for p in payloads}
     if len(encodings) != 1:
         return False
@@ -110,14 +98,11 @@ def applies_in_place(payloads: Sequence[PayloadRef]) -> bool:
 
 
 def batches_in_place(payloads: Sequence[PayloadRef]) -> bool:
-    """True when a tensor's ``payloads`` may go into a batch applied straight into the map.
-
-    That is one payload of a self-inverse encoding that checks a payload whole before it
-    writes (so a refused payload leaves the tensor untouched, and a written one that does not
-    verify is put back by applying it again), foldable or not as nothing is folded, and whose
-    batch takes fewer calls than its payloads. (``xor``'s would not: its payloads are the
-    tensor's size, and joining them into one buffer costs more than the calls it saves.)
-    """
+    """True when a tensor's ``payloads`` may go into a batch applied straight into the map:
+    one payload of a self-inverse encoding that checks a payload whole before it writes (a
+    refused one leaves the tensor untouched, a written one that does not verify is put back
+    by applying it again) and applies in batches (``xor`` does not: its payloads are the
+    tensor's size, and joining them costs more than the calls it saves)."""
     if len(payloads) != 1:
         return False
     encoding = get_encoding(payloads[0].encoding)

@@ -18,7 +18,7 @@ from deltastore.format.checkpoint import CheckpointTensor
 from deltastore.format.index import VersionIndex, check_shard_names
 from deltastore.format.names import version_dir_name
 from deltastore.format.payload import PayloadRef
-from deltastore.format.safetensors_io import SafetensorsHeader
+from deltastore.format.safetensors_io import SafetensorsHeader, TensorEntry
 from deltastore.format.shard_stream import StreamedShardCheck
 from deltastore.storage import VersionStore
 
@@ -50,11 +50,8 @@ class TensorHistory:
 
 
 def check_index_codecs(index: VersionIndex) -> Checksum:
-    """The checksum a delta index names, after checking its encoding and compression are known.
-
-    Raises :class:`FormatError` naming the version for an unknown encoding, compression or
-    checksum.
-    """
+    """The checksum a delta index names; :class:`FormatError` naming the version for an
+    unknown encoding, compression or checksum."""
     try:
         get_encoding(index.encoding or "")
         check_compression(index.compression)
@@ -77,24 +74,44 @@ def check_digest(checksum: Checksum, digest: object, *, name: str, where: str) -
 
 
 def recorded_digests(
-    header: SafetensorsHeader, checksum: Checksum, *, where: str
+    header: SafetensorsHeader, checksum: Checksum, *, where: str, required: bool = False
 ) -> dict[str, Digest]:
-    """The digests a full shard's metadata records, by tensor (a tensor without one is left out:
-    a foreign full version may record none); :class:`FormatError` for an invalid one."""
+    """The digests a shard's metadata records, by tensor; :class:`FormatError` for an invalid
+    one, or (``required``: a delta's) a missing one. A foreign full version may record none."""
     digests = {}
     for name in header.tensors:
         value = header.metadata.get(name)
-        if value is not None:
+        if value is not None or required:
             digests[name] = check_digest(checksum, value, name=name, where=where)
     return digests
 
 
+@dataclass(frozen=True)
+class FullTensor:
+    """One tensor of a full version: its shard, where it lies, its recorded digest (if any)."""
+
+    shard: str
+    entry: TensorEntry
+    digest: Digest | None
+
+
+def full_tensors(store: VersionStore, index: VersionIndex) -> dict[str, FullTensor]:
+    """Every tensor of a full version, from its shard headers (ranged reads)."""
+    checksum = get_checksum(index.checksum or "xxh3-128")
+    found = {}
+    for shard in index.shards():
+        header = store.read_shard_header(index.version, shard)
+        digests = recorded_digests(header, checksum, where=version_dir_name(index.version))
+        for name, entry in header.tensors.items():
+            found[name] = FullTensor(shard, entry, digests.get(name))
+    return found
+
+
 def full_shard_check(checksum: Checksum, where: str, source: str) -> StreamedShardCheck:
     """A download sink (see :meth:`VersionStore.download`) for one shard of a full version:
-    every tensor its metadata gives a digest for (:func:`recorded_digests`) is hashed as its
-    bytes arrive, so a reseed verifies in the same pass as it downloads. ``where`` names the
-    version in errors, ``source`` the shard's URL; :meth:`StreamedShardCheck.mismatched` lists
-    the tensors that failed once the download is over."""
+    every tensor its metadata gives a digest for is hashed as its bytes arrive, so a reseed
+    verifies in the same pass as it downloads (``where`` names the version in errors,
+    ``source`` the shard's URL)."""
 
     def expected(header: SafetensorsHeader) -> dict[str, str]:
         return {n: d.hex for n, d in recorded_digests(header, checksum, where=where).items()}
@@ -125,15 +142,14 @@ def collect_history(
     for index in deltas:
         where = version_dir_name(index.version)
         checksum = check_index_codecs(index)
-        encoding = index.encoding or ""
         for shard, header in read_delta_headers(store, index).items():
+            digests = recorded_digests(header, checksum, where=where, required=True)
             for name, entry in header.tensors.items():
-                digest = check_digest(checksum, header.metadata.get(name), name=name, where=where)
                 tensor = history.setdefault(name, TensorHistory(name))
                 tensor.payloads.append(
-                    PayloadRef(index.version, shard, entry.start, entry.end, encoding)
+                    PayloadRef(index.version, shard, entry.start, entry.end, index.encoding or "")
                 )
-                tensor.digests[index.version] = digest
+                tensor.digests[index.version] = digests[name]
     return history
 
 

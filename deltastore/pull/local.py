@@ -1,14 +1,30 @@
-"""The host-local checkpoint: per-host lock, applied state, pending record, seeding copies."""
+"""The host-local checkpoint: per-host lock, applied state, pending record, seeding copies,
+and a catch-up's durability completed after the pull replies.
+
+The tensors a catch-up writes in place are verified in the mapped files (the page cache the
+engine reloads from) before :func:`~deltastore.pull.pull_weights` returns. Making them durable
+(msync and fsync of each patched file), then writing the new state and clearing the pending
+record, runs after the reply in one thread that holds the host's lock until all three are
+done (:func:`complete_behind`). Until then the pending record stays and no state names either
+version, so a crash in between (process or power) is repaired by the next pull from that
+record, as for a crash mid-apply. In this process, the next pull of the dir,
+:func:`~deltastore.pull.verify_local` and :class:`LocalCheckpoint`'s state reads wait for the
+completion first; a pull in another process waits on the host lock. A process that exits
+waits for its queued completions first (an ``atexit`` hook).
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
 import fcntl
 import logging
 import os
+import queue
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,12 +35,11 @@ from deltastore.errors import ConfigError, FormatError, IntegrityError, LockTime
 from deltastore.format.names import INDEX_NAME, LOCK_NAME, PENDING_NAME, STATE_DIR, STATE_NAME
 from deltastore.format.state import AppliedState, PendingTransition
 from deltastore.progress import ProgressCallback, ProgressMeter
-from deltastore.pull.completion import wait_recorded
 from deltastore.storage.durable import atomic_replace, fsync_path
 
 log = logging.getLogger("deltastore.pull")
 
-_COPY_CHUNK = 16 * 1024**2
+COPY_CHUNK = 16 * 1024**2
 
 
 def _reflink(src: str, dst: str) -> bool:
@@ -45,34 +60,32 @@ def temp_sibling(path: str) -> str:
     return f"{path}.{uuid.uuid4().hex[:12]}.tmp"
 
 
-def copy_verified(src: str, dst: str, on_read: Callable[[int], None] | None = None) -> None:
-    """Copy a file (never a hard link: the source must stay untouched) and verify the content.
+def synced_digest(path: str) -> bytes:
+    """fsync ``path``, then hash it as read back (xxh3-128): what a copy must match."""
+    hasher = xxhash.xxh3_128()
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+        while chunk := fh.read(COPY_CHUNK):
+            hasher.update(chunk)
+    return hasher.digest()
 
-    The source is hashed while it is copied and the copy is hashed again after an fsync, so a
-    short or corrupt copy is caught; ``on_read(n)`` is told of each chunk of the source read.
-    Raises :class:`IntegrityError` on a mismatch.
-    """
+
+def copy_verified(src: str, dst: str, on_read: Callable[[int], None] | None = None) -> None:
+    """Copy a file (never a hard link: the source must stay untouched), hashing the source as
+    it is read (``on_read(n)`` told of each chunk) and the copy again after an fsync;
+    :class:`IntegrityError` on a mismatch."""
     tmp = temp_sibling(dst)
     source_hash = xxhash.xxh3_128()
-    if _reflink(src, tmp):
-        with open(src, "rb") as fh:
-            while chunk := fh.read(_COPY_CHUNK):
-                source_hash.update(chunk)
-                if on_read is not None:
-                    on_read(len(chunk))
-    else:
-        with open(src, "rb") as fin, open(tmp, "wb") as fout:
-            while chunk := fin.read(_COPY_CHUNK):
-                source_hash.update(chunk)
+    cloned = _reflink(src, tmp)
+    with open(src, "rb") as fin, contextlib.ExitStack() as stack:
+        fout = None if cloned else stack.enter_context(open(tmp, "wb"))
+        while chunk := fin.read(COPY_CHUNK):
+            source_hash.update(chunk)
+            if fout is not None:
                 fout.write(chunk)
-                if on_read is not None:
-                    on_read(len(chunk))
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-        copy_hash = xxhash.xxh3_128()
-        while chunk := fh.read(_COPY_CHUNK):
-            copy_hash.update(chunk)
-    if copy_hash.digest() != source_hash.digest():
+            if on_read is not None:
+                on_read(len(chunk))
+    if synced_digest(tmp) != source_hash.digest():
         os.unlink(tmp)
         raise IntegrityError(f"copy of {src} to {dst} does not match its source; check the disk")
     os.replace(tmp, dst)
@@ -107,12 +120,9 @@ class HostLock:
 
 
 class LocalCheckpoint:
-    """A host-local HF checkpoint kept in step by :func:`pull_weights`.
-
-    Its ``read_state`` and ``read_pending`` first wait for this process's pull of the same
-    dir to be durable and recorded (see :mod:`deltastore.pull.completion`): a pull replies
-    before its state is written, and a reader in the same process sees the recorded outcome.
-    """
+    """A host-local HF checkpoint kept in step by :func:`pull_weights`; its ``read_state`` and
+    ``read_pending`` first wait for this process's pull of the dir to be durable and recorded
+    (see the module docstring)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.dir = os.path.abspath(os.fspath(directory))
@@ -122,11 +132,8 @@ class LocalCheckpoint:
 
     @contextlib.contextmanager
     def lock(self, timeout_s: float = 3600.0) -> Iterator[HostLock]:
-        """Hold the per-host ``flock``; co-located ranks serialise on it.
-
-        Released on exit unless it was handed over (:meth:`HostLock.hand_over`) to the
-        completion that finishes the pull after its reply.
-        """
+        """Hold the per-host ``flock`` (co-located ranks serialise on it); released on exit
+        unless handed over (:meth:`HostLock.hand_over`) to the completion after the reply."""
         os.makedirs(self.state_dir, exist_ok=True)
         fd = os.open(os.path.join(self.state_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
         held = HostLock(fd)
@@ -148,7 +155,6 @@ class LocalCheckpoint:
         finally:
             held.release()
 
-    # ------------------------------------------------------------------ state
     def read_state(self) -> AppliedState | None:
         """The applied state, or None when there is none (or it is unreadable)."""
         wait_recorded(self.dir)
@@ -176,11 +182,8 @@ class LocalCheckpoint:
         return out
 
     def unchanged_since(self, state: AppliedState) -> bool:
-        """True when the state recorded fingerprints and every weight file still matches them.
-
-        A cheap check (a ``stat`` per file): a file rewritten behind the state's back with
-        the same size within the filesystem's mtime granularity is not noticed.
-        """
+        """True when the state recorded fingerprints and every weight file still matches them
+        (a ``stat`` per file: a rewrite of the same size within the mtime granularity passes)."""
         return state.files is not None and state.files == self.fingerprints()
 
     def invalidate_state(self) -> None:
@@ -223,7 +226,6 @@ class LocalCheckpoint:
             os.unlink(self.pending_path)
         fsync_path(self.state_dir)
 
-    # ---------------------------------------------------------------- seeding
     def weight_files(self) -> list[str]:
         """Names of the local safetensors files and index (what a reseed replaces)."""
         if not os.path.isdir(self.dir):
@@ -234,11 +236,8 @@ class LocalCheckpoint:
 
     def clear_weights(self) -> None:
         """Remove the weight files, and copies a crash left half-written (``*.tmp``)."""
-        partial = (
-            [n for n in os.listdir(self.dir) if n.endswith((".tmp", ".partial"))]
-            if os.path.isdir(self.dir)
-            else []
-        )
+        names = os.listdir(self.dir) if os.path.isdir(self.dir) else []
+        partial = [n for n in names if n.endswith((".tmp", ".partial"))]
         for name in self.weight_files() + partial:
             os.unlink(os.path.join(self.dir, name))
 
@@ -260,9 +259,9 @@ class LocalCheckpoint:
         ]
         total = sum(os.path.getsize(os.path.join(base_dir, n)) for n in names) if progress else 0
         meter = ProgressMeter.start(progress, "seed", total)
+        on_read = meter.advance if meter is not None else None
         self.clear_weights()
         for name in names:
-            on_read = meter.advance if meter is not None else None
             copy_verified(os.path.join(base_dir, name), os.path.join(self.dir, name), on_read)
         fsync_path(self.dir)
 
@@ -271,13 +270,108 @@ class LocalCheckpoint:
         if base_dir is None or not os.path.isdir(base_dir):
             return
         for name in sorted(os.listdir(base_dir)):
-            src = os.path.join(base_dir, name)
-            dst = os.path.join(self.dir, name)
-            if (
-                name != STATE_DIR
-                and os.path.isfile(src)
-                and not name.endswith(".safetensors")
-                and name != INDEX_NAME
-                and not os.path.exists(dst)
-            ):
+            src, dst = os.path.join(base_dir, name), os.path.join(self.dir, name)
+            weights = name.endswith(".safetensors") or name in (INDEX_NAME, STATE_DIR)
+            if not weights and os.path.isfile(src) and not os.path.exists(dst):
                 shutil.copyfile(src, dst)
+
+
+class Completion:
+    """The steps a pull left to run after its reply, queued for the completion thread."""
+
+    def __init__(self, local_dir: str, steps: Callable[[], None], release: Callable[[], None]):
+        self.local_dir = local_dir
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._steps = steps
+        self._release = release
+
+    def run(self) -> None:
+        try:
+            self._steps()
+        except BaseException as exc:
+            self.error = exc
+            log.error(
+                "%s: making the pull durable failed (%s); the pending record stays and the "
+                "next pull repairs the checkpoint",
+                self.local_dir,
+                exc,
+            )
+        finally:
+            self._release()
+            self.done.set()
+
+
+_completions: dict[str, Completion] = {}
+_queue: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+_guard = threading.Lock()
+_worker: list[threading.Thread] = []
+"""The one completion thread, started with the first completion (kept: starting a thread
+waits for it to be scheduled, tens of ms on a loaded host, on the reply path)."""
+
+
+def _work() -> None:
+    while True:
+        _queue.get().run()
+
+
+def _drain() -> None:
+    """At interpreter exit: let every queued completion finish (the thread is a daemon)."""
+    for completion in list(_completions.values()):
+        completion.done.wait()
+
+
+def _after_fork() -> None:
+    """A forked child has no completion thread: it starts its own, and waits for nothing of
+    its parent's (the parent's thread makes those durable)."""
+    global _queue
+    _queue = queue.SimpleQueue()
+    _worker.clear()
+    _completions.clear()
+
+
+atexit.register(_drain)
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def complete_behind(
+    local_dir: str, steps: Callable[[], None], release: Callable[[], None]
+) -> Completion:
+    """Run ``steps`` for ``local_dir`` on the completion thread, then ``release`` (the lock)."""
+    completion = Completion(os.path.abspath(local_dir), steps, release)
+    with _guard:
+        _completions[completion.local_dir] = completion
+        if not _worker or not _worker[0].is_alive():
+            _worker[:] = [threading.Thread(target=_work, name="deltastore-durable", daemon=True)]
+            _worker[0].start()
+    _queue.put(completion)
+    return completion
+
+
+def wait_recorded(local_dir: str, timeout_s: float | None = None) -> BaseException | None:
+    """Wait until this process's last pull of ``local_dir`` is durable and recorded (at once
+    from the completion thread itself); returns the error its completion stopped on, None
+    when none did; :class:`LockTimeoutError` when ``timeout_s`` passes first."""
+    with _guard:
+        completion = _completions.get(os.path.abspath(local_dir))
+        worker = _worker[0] if _worker else None
+    if completion is None or threading.current_thread() is worker:
+        return None
+    if not completion.done.wait(timeout_s):
+        raise LockTimeoutError(
+            f"{completion.local_dir}: the last pull was still being made durable after "
+            f"{timeout_s:.0f} s; check the disk"
+        )
+    return completion.error
+
+
+def wait_durable(
+    local_checkpoint_dir: str | os.PathLike[str], timeout_s: float | None = None
+) -> None:
+    """Block until this process's last pull of ``local_checkpoint_dir`` is durable and its
+    state recorded (a no-op when none is in flight). Raises the
+    :class:`~deltastore.errors.PutBackError` its completion stopped on (the pending record
+    then stays and the next pull repairs), or :class:`LockTimeoutError` after ``timeout_s``."""
+    error = wait_recorded(os.fspath(local_checkpoint_dir), timeout_s)
+    if error is not None:
+        raise error

@@ -16,7 +16,7 @@ import os
 import stat
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,8 +37,8 @@ def prefault(mm: mmap.mmap, start: int, end: int) -> None:
     """Map bytes ``[start, end)`` of ``mm`` writable in one call, where the OS allows it.
 
     A write into a shared map otherwise takes two page faults per 4 KiB page (read, then
-    write), about half the time of an in-place XOR. Only pages about to be written are
-    populated: a page made writable is dirty and is written back by the next msync.
+    write). Only pages about to be written are populated: a page made writable is dirty and
+    is written back by the next msync.
     """
     if _POPULATE_WRITE is None or not _populate["works"] or end <= start:
         return
@@ -56,13 +56,8 @@ def msync(mm: mmap.mmap, path: str) -> None:
 
 
 def own_regular_file(path: str) -> None:
-    """Make ``path`` a regular file with one link before it is written in place.
-
-    A symbolic link, or a file sharing its inode with another path, would carry every
-    in-place write to that other path too (another host's dir, the base), behind its state's
-    back. Such a file is replaced by a verified copy of its content; the copy is durable
-    (file and directory fsynced) before this returns.
-    """
+    """Make ``path`` a regular file with one link (see the module docstring), replaced by a
+    verified copy that is durable (file and directory fsynced) before this returns."""
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
         log.warning("%s is a symbolic link; copying its target before writing it in place", path)
@@ -75,11 +70,18 @@ def own_regular_file(path: str) -> None:
 
 
 class MappedFiles:
-    """Writable mmaps of the local safetensors files, opened lazily and flushed together."""
+    """Writable mmaps of the local safetensors files, opened lazily and flushed together; as
+    a context manager, closed on exit (flushing is the caller's explicit step)."""
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}
         self._lock = threading.Lock()
+
+    def __enter__(self) -> MappedFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _map(self, path: str) -> mmap.mmap:
         with self._lock:
@@ -91,7 +93,7 @@ class MappedFiles:
             return self._maps[path][1]
 
     def view(self, tensor: CheckpointTensor) -> ByteArray:
-        """A writable view of ``tensor``'s bytes in its file (the file is made private first)."""
+        """A writable view of ``tensor``'s bytes in its file (made private first)."""
         return np.frombuffer(
             self._map(tensor.file),
             dtype=np.uint8,
@@ -100,8 +102,7 @@ class MappedFiles:
         )
 
     def array(self, path: str) -> ByteArray:
-        """A writable view of the whole file at ``path`` (made private first, as for
-        :meth:`view`): codecs that apply many tensors in one call take offsets into it."""
+        """A writable view of the whole file (codecs applying a batch take offsets into it)."""
         return np.frombuffer(self._map(path), dtype=np.uint8)
 
     def prepare_writes(self, tensors: Sequence[CheckpointTensor]) -> None:
@@ -130,13 +131,3 @@ class MappedFiles:
                 mm.close()
             os.close(fd)
         self._maps.clear()
-
-
-@contextlib.contextmanager
-def mapped_files() -> Iterator[MappedFiles]:
-    """A :class:`MappedFiles` closed on exit (flushing is the caller's explicit step)."""
-    files = MappedFiles()
-    try:
-        yield files
-    finally:
-        files.close()

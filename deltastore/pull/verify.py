@@ -3,52 +3,24 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import mmap
 import os
 from collections.abc import Sequence
 from typing import Any
 
-from deltastore.codecs import Checksum, Digest, get_checksum
+from deltastore.codecs import Digest, get_checksum
 from deltastore.errors import ConfigError, IntegrityError, NameMismatchError, VersionNotFoundError
 from deltastore.format.checkpoint import CheckpointTensor, read_tensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.pull.chain import Chain, resolve_chain
-from deltastore.pull.completion import wait_recorded
-from deltastore.pull.history import check_digest, recorded_digests
-from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.history import full_tensors, recorded_digests
+from deltastore.pull.local import LocalCheckpoint, wait_recorded
 from deltastore.pull.source import open_store, require_stores
 from deltastore.storage import VersionStore
 from deltastore.trust import SignatureRecord, TrustedKey, verify_index
-from deltastore.trust.base import check_base_names
+from deltastore.trust.base import check_base_names, hash_tensor
 from deltastore.trust.keys import TrustedKeys, load_trusted
-
-
-def full_digests(store: VersionStore, index: VersionIndex, checksum: Checksum) -> dict[str, Digest]:
-    """Per-tensor digests recorded in a full version's shard metadata (may be empty)."""
-    where = version_dir_name(index.version)
-    digests: dict[str, Digest] = {}
-    for shard in index.shards():
-        header = store.read_shard_header(index.version, shard)
-        digests.update(recorded_digests(header, checksum, where=where))
-    return digests
-
-
-def hash_tensor(tensor: CheckpointTensor, checksum: Checksum) -> str:
-    """Digest of a tensor's bytes in a checkpoint file (read through a read-only mmap)."""
-    if tensor.entry.nbytes == 0:
-        return checksum.hexdigest(b"")
-    with open(tensor.file, "rb") as fh:
-        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            view = memoryview(mm)[tensor.entry.start : tensor.entry.end]
-            try:
-                return checksum.hexdigest(view)
-            finally:
-                view.release()
-        finally:
-            mm.close()
 
 
 def verify_tensors(
@@ -59,11 +31,8 @@ def verify_tensors(
     workers: int = 4,
     progress: ProgressCallback | None = None,
 ) -> None:
-    """Hash each local tensor named in ``expected``; :class:`IntegrityError` lists mismatches.
-
-    ``progress`` gets phase ``verify``: the bytes hashed. Raises :class:`NameMismatchError`
-    when a tensor of ``expected`` is missing locally.
-    """
+    """Hash each local tensor named in ``expected`` (``progress`` phase ``verify``: the bytes
+    hashed); :class:`IntegrityError` lists mismatches, :class:`NameMismatchError` the missing."""
     missing = sorted(set(expected) - set(local_tensors))
     if missing:
         raise NameMismatchError(f"{where}: the local checkpoint lacks tensors {missing[:5]}")
@@ -86,43 +55,32 @@ def verify_tensors(
         )
 
 
-def _full_version_digests(store: VersionStore, full: VersionIndex) -> dict[str, Digest]:
-    checksum = get_checksum(full.checksum or "xxh3-128")
-    expected = full_digests(store, full, checksum)
-    # A foreign full version may record no digests: hash the version's own bytes.
-    for shard in full.shards():
-        header = store.read_shard_header(full.version, shard)
-        for name, entry in header.tensors.items():
-            if name not in expected:
-                data = store.read_range(full.version, shard, entry.start, entry.end)
-                expected[name] = Digest.of(checksum, data)
-    return expected
-
-
 def expected_digests(
     store: VersionStore,
     chain: Chain,
     base_dir: str | None,
     progress: ProgressCallback | None = None,
 ) -> dict[str, Digest]:
-    """Digest of every tensor at the chain's target.
-
-    Tensors the chain never changed since the base are hashed from the base's bytes (so a chain
-    that starts at the base needs ``base_dir``: else :class:`ConfigError`), reported to
-    ``progress`` as phase ``base``.
-    """
+    """Digest of every tensor at the chain's target; tensors no version changed since the
+    base are hashed from the base's bytes (``base_dir``, else :class:`ConfigError`), reported
+    to ``progress`` as phase ``base``."""
     expected: dict[str, Digest] = {}
-    if chain.start_index is not None:
-        expected.update(_full_version_digests(store, chain.start_index))
+    full = chain.start_index
+    if full is not None:
+        checksum = get_checksum(full.checksum or "xxh3-128")
+        for name, found in full_tensors(store, full).items():
+            # A foreign full version may record no digests: hash the version's own bytes.
+            entry = found.entry
+            expected[name] = found.digest or Digest.of(
+                checksum, store.read_range(full.version, found.shard, entry.start, entry.end)
+            )
     for delta in chain.deltas:
         checksum = get_checksum(delta.checksum or "")
         where = version_dir_name(delta.version)
         for shard in delta.shards():
             header = store.read_shard_header(delta.version, shard)
-            for name in header.tensors:
-                value = header.metadata.get(name)
-                expected[name] = check_digest(checksum, value, name=name, where=where)
-    if chain.start_index is None:
+            expected.update(recorded_digests(header, checksum, where=where, required=True))
+    if full is None:
         if base_dir is None:
             raise ConfigError("verifying against a chain that starts at the base needs base_dir")
         checksum = get_checksum("xxh3-128")
@@ -148,11 +106,9 @@ def verify_checkpoint(
     workers: int,
     progress: ProgressCallback | None = None,
 ) -> None:
-    """Hash every tensor of ``local_dir`` against ``version`` of ``store``.
-
-    Raises :class:`IntegrityError` / :class:`NameMismatchError` naming the tensors at fault,
-    :class:`VersionNotFoundError` when the version's chain is no longer in the store.
-    """
+    """Hash every tensor of ``local_dir`` against ``version`` of ``store``; raises
+    :class:`IntegrityError` / :class:`NameMismatchError` naming the tensors at fault,
+    :class:`VersionNotFoundError` when the version's chain is no longer in the store."""
     chain = resolve_chain(store, version)
     expected = expected_digests(store, chain, base_dir, progress)
     local_tensors = scan_checkpoint(local_dir)
@@ -166,11 +122,8 @@ def verify_checkpoint(
 def verify_signatures(
     store: VersionStore, indexes: Sequence[VersionIndex], keys: Sequence[TrustedKey]
 ) -> dict[int, SignatureRecord]:
-    """Verify each version's signature from its index and shard headers (ranged reads).
-
-    Raises :class:`SignatureError` for an unsigned, untrusted, forged, altered or replayed
-    version (see :func:`deltastore.trust.verify_index`).
-    """
+    """Verify each version's signature from its index and shard headers (ranged reads);
+    :class:`SignatureError` as :func:`deltastore.trust.verify_index` raises it."""
     records = {}
     for index in indexes:
         headers = {s: store.read_shard_header(index.version, s).metadata for s in index.shards()}

@@ -361,8 +361,7 @@ def test_serve_replies_once_verified_and_the_flush_and_state_follow(
 
     import deltastore.pull.mapped as mapped
     from deltastore.pull import wait_durable
-    from deltastore.pull.access import ServerConfig
-    from deltastore.pull.server import serve_async
+    from deltastore.pull.server import ServerConfig, serve_async
 
     base = many_tensors(8, seed=120, elements=4096)
     write_checkpoint(tmp_path / "base", base)
