@@ -11,9 +11,8 @@ after the reply), ``result`` (counters and results), ``fanout``, ``server``
 """
 
 from deltastore.errors import GroupPullError
-from deltastore.pull.client import EndpointReply, fetch_state, pull_all
+from deltastore.pull.client import EndpointReply, PullReply, PullRequest, fetch_state, pull_all
 from deltastore.pull.local import LocalCheckpoint, wait_durable
-from deltastore.pull.protocol import PullReply, PullRequest
 from deltastore.pull.pull import pull_weights
 from deltastore.pull.result import HostOutcome, PullResult, RepairSummary
 from deltastore.pull.verify import verify_local

@@ -10,19 +10,18 @@ version, so a crash in between (process or power) is repaired by the next pull f
 record, as for a crash mid-apply. In this process, the next pull of the dir,
 :func:`~deltastore.pull.verify_local` and :class:`LocalCheckpoint`'s state reads wait for the
 completion first; a pull in another process waits on the host lock. A process that exits
-waits for its queued completions first (an ``atexit`` hook).
+waits for its queued completions first.
 """
 
 from __future__ import annotations
 
-import atexit
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import errno
 import fcntl
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
@@ -276,93 +275,69 @@ class LocalCheckpoint:
                 shutil.copyfile(src, dst)
 
 
-class Completion:
-    """The steps a pull left to run after its reply, queued for the completion thread."""
-
-    def __init__(self, local_dir: str, steps: Callable[[], None], release: Callable[[], None]):
-        self.local_dir = local_dir
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self._steps = steps
-        self._release = release
-
-    def run(self) -> None:
-        try:
-            self._steps()
-        except BaseException as exc:
-            self.error = exc
-            log.error(
-                "%s: making the pull durable failed (%s); the pending record stays and the "
-                "next pull repairs the checkpoint",
-                self.local_dir,
-                exc,
-            )
-        finally:
-            self._release()
-            self.done.set()
-
-
-_completions: dict[str, Completion] = {}
-_queue: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+_completions: dict[str, cf.Future[None]] = {}
 _guard = threading.Lock()
-_worker: list[threading.Thread] = []
-"""The one completion thread, started with the first completion (kept: starting a thread
-waits for it to be scheduled, tens of ms on a loaded host, on the reply path)."""
+_DURABLE = "deltastore-durable"
 
 
-def _work() -> None:
-    while True:
-        _queue.get().run()
+def _new_thread() -> cf.ThreadPoolExecutor:
+    """The one completion thread, started with the first completion and kept (starting a
+    thread waits for it to be scheduled, tens of ms on a loaded host, on the reply path). Its
+    queue is drained at interpreter exit, as the pool's threads are joined."""
+    return cf.ThreadPoolExecutor(1, thread_name_prefix=_DURABLE)
 
 
-def _drain() -> None:
-    """At interpreter exit: let every queued completion finish (the thread is a daemon)."""
-    for completion in list(_completions.values()):
-        completion.done.wait()
+_thread = _new_thread()
 
 
 def _after_fork() -> None:
-    """A forked child has no completion thread: it starts its own, and waits for nothing of
-    its parent's (the parent's thread makes those durable)."""
-    global _queue
-    _queue = queue.SimpleQueue()
-    _worker.clear()
+    """A forked child waits for nothing of its parent's (whose thread makes those durable)."""
+    global _thread
+    _thread = _new_thread()
     _completions.clear()
 
 
-atexit.register(_drain)
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def complete_behind(
-    local_dir: str, steps: Callable[[], None], release: Callable[[], None]
-) -> Completion:
+def complete_behind(local_dir: str, steps: Callable[[], None], release: Callable[[], None]) -> None:
     """Run ``steps`` for ``local_dir`` on the completion thread, then ``release`` (the lock)."""
-    completion = Completion(os.path.abspath(local_dir), steps, release)
+    local_dir = os.path.abspath(local_dir)
+
+    def run() -> None:
+        try:
+            steps()
+        except BaseException as exc:
+            log.error(
+                "%s: making the pull durable failed (%s); the pending record stays and the "
+                "next pull repairs the checkpoint",
+                local_dir,
+                exc,
+            )
+            raise
+        finally:
+            release()
+
     with _guard:
-        _completions[completion.local_dir] = completion
-        if not _worker or not _worker[0].is_alive():
-            _worker[:] = [threading.Thread(target=_work, name="deltastore-durable", daemon=True)]
-            _worker[0].start()
-    _queue.put(completion)
-    return completion
+        _completions[local_dir] = _thread.submit(run)
 
 
 def wait_recorded(local_dir: str, timeout_s: float | None = None) -> BaseException | None:
     """Wait until this process's last pull of ``local_dir`` is durable and recorded (at once
     from the completion thread itself); returns the error its completion stopped on, None
     when none did; :class:`LockTimeoutError` when ``timeout_s`` passes first."""
+    local_dir = os.path.abspath(local_dir)
     with _guard:
-        completion = _completions.get(os.path.abspath(local_dir))
-        worker = _worker[0] if _worker else None
-    if completion is None or threading.current_thread() is worker:
+        completion = _completions.get(local_dir)
+    if completion is None or threading.current_thread().name.startswith(_DURABLE):
         return None
-    if not completion.done.wait(timeout_s):
+    try:
+        return completion.exception(timeout_s)
+    except cf.TimeoutError:
         raise LockTimeoutError(
-            f"{completion.local_dir}: the last pull was still being made durable after "
+            f"{local_dir}: the last pull was still being made durable after "
             f"{timeout_s:.0f} s; check the disk"
-        )
-    return completion.error
+        ) from None
 
 
 def wait_durable(

@@ -52,8 +52,8 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from deltastore.errors import ConfigError, DeltastoreError, FormatError
+from deltastore.pull.client import CheckpointStatus, PullReply, PullRequest, check_request_path
 from deltastore.pull.local import LocalCheckpoint
-from deltastore.pull.protocol import CheckpointStatus, PullReply, PullRequest, check_request_path
 from deltastore.pull.pull import pull_weights
 from deltastore.pull.result import PullResult
 from deltastore.pull.source import PreRead, overlaps
