@@ -144,13 +144,6 @@ class PullReply:
     success: bool
     message: str
 
-    @property
-    def http_status(self) -> int:
-        return 200 if self.success else 400
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_json(cls, data: bytes | str | Mapping[str, Any]) -> PullReply:
         """Parse a reply; :class:`FormatError` when ``success``/``message`` are not there."""
@@ -193,9 +186,6 @@ class CheckpointStatus:
             pending_body,
             busy,
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: bytes | str | Mapping[str, Any]) -> CheckpointStatus:

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import dataclasses
 import functools
 import hmac
 import ipaddress
-import json
 import logging
 import os
 import signal
@@ -328,6 +328,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 PULL_DETAIL = web.RequestKey("pull_detail", str)
 """Set on a request once its pull is parsed: the local dir, version and stores, for the log."""
+MESSAGE = web.ResponseKey("message", str)
+"""Set on every ``{success, message}`` reply: its message, for the log."""
 
 
 class PullServer:
@@ -347,7 +349,7 @@ class PullServer:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[self._log_outcome, self._json_errors, self._guard, self._auth],
+            middlewares=[self._log_outcome, self._json_errors, self._guard],
             client_max_size=MAX_REQUEST_BYTES,
         )
         app.router.add_post("/pull_weights", self.pull_weights)
@@ -375,7 +377,7 @@ class PullServer:
         if log.isEnabledFor(level):
             what = request.get(PULL_DETAIL)
             target = f"{request.method} {request.path_qs}" + (f" ({what})" if what else "")
-            reason = _reply_message(response)
+            reason = response.get(MESSAGE)
             log.log(level, "%s -> %d%s", target, status, f": {reason}" if reason else "")
         return response
 
@@ -387,21 +389,17 @@ class PullServer:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return self._reply(PullReply(False, f"{exc.status} {exc.reason}"), exc.status)
+            return _reply(PullReply(False, f"{exc.status} {exc.reason}"), exc.status)
         except Exception as exc:  # a bug must still answer {success, message}
             log.exception("%s %s failed unexpectedly", request.method, request.path)
-            return self._reply(PullReply(False, f"unexpected {type(exc).__name__}: {exc}"), 500)
+            return _reply(PullReply(False, f"unexpected {type(exc).__name__}: {exc}"), 500)
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The request rules (:class:`RequestRules`), then the bearer token."""
         refusal = self.rules.refusal(request)
         if refusal is not None:
-            status, message = refusal
-            return self._reply(PullReply(False, message), status)
-        return await handler(request)
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+            return _reply(PullReply(False, refusal[1]), refusal[0])
         token = self.config.token
         if token is not None and request.path != "/healthz":
             header = request.headers.get("Authorization", "")
@@ -411,12 +409,8 @@ class PullServer:
             sent = given.encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(sent, token.encode("utf-8")):
                 reply = PullReply(False, "missing or wrong bearer token (Authorization: Bearer)")
-                return self._reply(reply, 401)
+                return _reply(reply, 401)
         return await handler(request)
-
-    @staticmethod
-    def _reply(reply: PullReply, status: int | None = None) -> web.Response:
-        return web.json_response(reply.to_dict(), status=status or reply.http_status)
 
     async def healthz(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "pulls_running": len(self.busy)})
@@ -428,7 +422,7 @@ class PullServer:
     async def state(self, request: web.Request) -> web.Response:
         path = request.query.get("local_checkpoint_dir")
         if not path:
-            return self._reply(PullReply(False, "pass ?local_checkpoint_dir=ABSOLUTE_PATH"))
+            return _reply(PullReply(False, "pass ?local_checkpoint_dir=ABSOLUTE_PATH"))
         try:
             real = self.policy.local_dir(path)
         except (FormatError, PermissionError) as exc:
@@ -442,7 +436,7 @@ class PullServer:
             return CheckpointStatus.of(path, local.read_state(), local.read_pending(), busy=busy)
 
         status = await asyncio.get_running_loop().run_in_executor(None, read)
-        return web.json_response(status.to_dict())
+        return web.json_response(dataclasses.asdict(status))
 
     async def pull_weights(self, request: web.Request) -> web.Response:
         try:
@@ -457,7 +451,7 @@ class PullServer:
                 self.policy.separate(local_dir, one)
         except web.HTTPRequestEntityTooLarge:
             message = f"the request body exceeds {MAX_REQUEST_BYTES} bytes"
-            return self._reply(PullReply(False, message), 413)
+            return _reply(PullReply(False, message), 413)
         except (FormatError, PermissionError) as exc:
             return _refused(exc)
         target = body.target_version
@@ -472,7 +466,7 @@ class PullServer:
                 )
             finally:
                 self.busy.discard(local_dir)
-        return self._reply(reply)
+        return _reply(reply)
 
     def _pull(self, local_dir: str, sources: list[str], body: PullRequest) -> PullReply:
         try:
@@ -502,21 +496,15 @@ class PullServer:
 
 
 def _refused(exc: FormatError | PermissionError) -> web.Response:
-    """A request the policy refuses: 403 for a path outside the rules, 400 for a bad one."""
-    status = 403 if isinstance(exc, PermissionError) else 400
-    return web.json_response(PullReply(False, str(exc)).to_dict(), status=status)
+    """403 for a path outside the rules, 400 for a malformed one."""
+    return _reply(PullReply(False, str(exc)), 403 if isinstance(exc, PermissionError) else 400)
 
 
-def _reply_message(response: web.StreamResponse) -> str | None:
-    """The ``message`` of a ``{success, message}`` reply, if ``response`` is one."""
-    body = getattr(response, "body", None)
-    if not isinstance(body, bytes) or not body.startswith(b"{"):
-        return None
-    try:
-        message = json.loads(body).get("message")
-    except (ValueError, AttributeError):
-        return None
-    return message if isinstance(message, str) else None
+def _reply(reply: PullReply, status: int | None = None) -> web.Response:
+    status = status or (200 if reply.success else 400)
+    response = web.json_response(dataclasses.asdict(reply), status=status)
+    response[MESSAGE] = reply.message
+    return response
 
 
 async def serve_async(
