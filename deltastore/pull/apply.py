@@ -25,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -48,7 +47,7 @@ from deltastore.pull.history import (
 )
 from deltastore.pull.local import LocalCheckpoint
 from deltastore.pull.mapped import MappedFiles
-from deltastore.pull.result import ApplyStats, FirstError
+from deltastore.pull.result import ApplyStats, FirstError, kept_pool
 from deltastore.storage import VersionStore
 
 log = logging.getLogger("deltastore.pull")
@@ -312,26 +311,6 @@ class _ChainApplier:
             log.warning("%s: put back %d tensors already written", self.last, len(self.written))
 
 
-_pools: dict[int, cf.ThreadPoolExecutor] = {}
-_pools_guard = threading.Lock()
-
-
-def _apply_pool(workers: int) -> cf.ThreadPoolExecutor:
-    """The process's apply threads for ``workers`` (kept between pulls: starting a thread
-    waits for it to be scheduled, which on a loaded host costs more than a small pull)."""
-    workers = max(1, workers)
-    with _pools_guard:
-        pool = _pools.get(workers)
-        if pool is None:
-            pool = _pools[workers] = cf.ThreadPoolExecutor(
-                workers, thread_name_prefix=f"deltastore-apply-{workers}"
-            )
-        return pool
-
-
-os.register_at_fork(after_in_child=_pools.clear)  # a child has none of its parent's threads
-
-
 def _run_windows(applier: _ChainApplier, windows: Sequence[Window], workers: int) -> None:
     """Read each window (one request per span) and apply it in tasks on a thread pool.
 
@@ -340,7 +319,8 @@ def _run_windows(applier: _ChainApplier, windows: Sequence[Window], workers: int
     started task has finished (so the put-back sees every tensor written).
     """
     first = FirstError()
-    pool = _apply_pool(workers)
+    workers = max(1, workers)
+    pool = kept_pool(f"deltastore-apply-{workers}", workers)
     in_flight: deque[list[cf.Future[None]]] = deque()
     try:
         for window in windows:

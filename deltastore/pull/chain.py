@@ -8,7 +8,6 @@ would move).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from deltastore.errors import VersionNotFoundError
@@ -17,15 +16,10 @@ from deltastore.format.state import AppliedState
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import IndexSource, iter_chain, walk_chain
 
-log = logging.getLogger("deltastore.pull")
-
 
 @dataclass(frozen=True)
 class Chain:
-    """How to build a target version: a starting point, then deltas in order.
-
-    ``start`` is 0 (the base checkpoint) or the version number of a full version.
-    """
+    """How to build a target version: a start (0, the base, or a full version), then deltas."""
 
     target: int
     start: int
@@ -44,9 +38,6 @@ class Chain:
             return self.deltas[-1].stream_id
         return self.start_index.stream_id if self.start_index else None
 
-    def versions(self) -> list[int]:
-        return [d.version for d in self.deltas]
-
     def suffix_after(self, version: int) -> list[VersionIndex] | None:
         """The deltas still to apply on a checkpoint at ``version`` of this chain, or None."""
         if version == self.start:
@@ -57,9 +48,9 @@ class Chain:
         return None
 
     def stream_at(self, version: int) -> str | None:
-        if version == self.start and self.partial:
-            return self.start_stream
         if version == self.start:
+            if self.partial:
+                return self.start_stream
             return self.start_index.stream_id if self.start_index else None
         for delta in self.deltas:
             if delta.version == version:
@@ -185,7 +176,6 @@ def plan_pull(store: VersionStore, chain: Chain, state: AppliedState | None) -> 
     the chain and replays: never a silent no-op.
     """
     target = chain.target
-    reseed = Plan("reseed", target, chain.start, list(chain.deltas))
     if state is None:
         reason = "no verified local state"
     else:
@@ -213,14 +203,9 @@ def plan_pull(store: VersionStore, chain: Chain, state: AppliedState | None) -> 
                 return Plan("catchup", target, state.version, todo, catchup)
             reseed_bytes = _reseed_bytes(store, chain)
             if chain.start_index is not None and reseed_bytes < catchup:
-                return Plan(
-                    "reseed",
-                    target,
-                    chain.start,
-                    list(chain.deltas),
-                    reseed_bytes,
-                    f"full version v{chain.start:06d} moves fewer bytes than the chain",
-                    catchup,
-                )
+                why = f"full version v{chain.start:06d} moves fewer bytes than the chain"
+                return Plan("reseed", target, chain.start, chain.deltas, reseed_bytes, why, catchup)
             return Plan("catchup", target, state.version, todo, catchup, "", reseed_bytes)
-    return Plan("reseed", target, chain.start, reseed.deltas, _reseed_bytes(store, chain), reason)
+    return Plan(
+        "reseed", target, chain.start, list(chain.deltas), _reseed_bytes(store, chain), reason
+    )

@@ -23,13 +23,10 @@ log = logging.getLogger("deltastore.pull")
 
 
 def resolve_group(process_group: Any) -> Any | None:
-    """The process group to gather over, or None for a single-host pull.
-
-    ``None``/``False``: no group. ``"auto"``: the default group when torch.distributed is
-    initialised, else none. ``True``/``"world"``: the default group (must be initialised).
-    Anything else is taken as a ``ProcessGroup``. Opt-in, because a collective called from only
-    some ranks of an initialised group would wait forever.
-    """
+    """The process group to gather over, or None: ``None``/``False`` none, ``"auto"`` the
+    default group when torch.distributed is initialised, ``True``/``"world"`` the default group
+    (must be initialised), anything else a ``ProcessGroup``. Opt-in, because a collective
+    called from only some ranks of an initialised group would wait forever."""
     if process_group is None or process_group is False:
         return None
     import torch.distributed as dist
@@ -56,11 +53,9 @@ def resolve_group(process_group: Any) -> Any | None:
 def pull_in_group(
     group: Any, pull: Callable[[], PullResult], *, local_dir: str, target_version: int
 ) -> PullResult:
-    """Run ``pull`` on this rank, gather every rank's outcome, succeed only if all did.
-
-    Raises :class:`GroupPullError` on every rank when any rank failed (on the failing rank it
-    is chained to the local error). Never lets one rank's exception skip the collective.
-    """
+    """Run ``pull`` on this rank, gather every rank's outcome (one rank's exception never
+    skips the collective), and raise :class:`GroupPullError` on every rank when any failed
+    (chained to the local error on the failing rank)."""
     import torch.distributed as dist
 
     rank = dist.get_rank(group)
@@ -84,9 +79,7 @@ def pull_in_group(
             f"pull of v{target_version:06d} failed on {len(failed)} of {len(outcomes)} rank(s): "
             + "; ".join(o.describe() for o in failed)
         )
-        if error is not None:
-            raise GroupPullError(message, outcomes) from error
-        raise GroupPullError(message, outcomes)
+        raise GroupPullError(message, outcomes) from error
     assert result is not None
     hosts = {(o.host, o.local_dir) for o in outcomes}
     log.info(
@@ -96,6 +89,3 @@ def pull_in_group(
         len(hosts),
     )
     return dataclasses.replace(result, group=tuple(outcomes))
-
-
-__all__ = ["GroupPullError", "pull_in_group", "resolve_group"]

@@ -4,13 +4,13 @@ and a catch-up's durability completed after the pull replies.
 The tensors a catch-up writes in place are verified in the mapped files (the page cache the
 engine reloads from) before :func:`~deltastore.pull.pull_weights` returns. Making them durable
 (msync and fsync of each patched file), then writing the new state and clearing the pending
-record, runs after the reply in one thread that holds the host's lock until all three are
+record, runs after the reply on one kept thread that holds the host's lock until all three are
 done (:func:`complete_behind`). Until then the pending record stays and no state names either
 version, so a crash in between (process or power) is repaired by the next pull from that
 record, as for a crash mid-apply. In this process, the next pull of the dir,
 :func:`~deltastore.pull.verify_local` and :class:`LocalCheckpoint`'s state reads wait for the
-completion first; a pull in another process waits on the host lock. A process that exits
-waits for its queued completions first.
+completion first (another process waits on the host lock); a process that exits waits for
+its queued completions first.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from deltastore.errors import ConfigError, FormatError, IntegrityError, LockTime
 from deltastore.format.names import INDEX_NAME, LOCK_NAME, PENDING_NAME, STATE_DIR, STATE_NAME
 from deltastore.format.state import AppliedState, PendingTransition
 from deltastore.progress import ProgressCallback, ProgressMeter
+from deltastore.pull.result import kept_pool
 from deltastore.storage.durable import atomic_replace, fsync_path
 
 log = logging.getLogger("deltastore.pull")
@@ -276,28 +277,11 @@ class LocalCheckpoint:
 
 
 _completions: dict[str, cf.Future[None]] = {}
+"""This process's last completion of each local dir (a forked child waits for none of its
+parent's, whose thread makes those durable)."""
 _guard = threading.Lock()
 _DURABLE = "deltastore-durable"
-
-
-def _new_thread() -> cf.ThreadPoolExecutor:
-    """The one completion thread, started with the first completion and kept (starting a
-    thread waits for it to be scheduled, tens of ms on a loaded host, on the reply path). Its
-    queue is drained at interpreter exit, as the pool's threads are joined."""
-    return cf.ThreadPoolExecutor(1, thread_name_prefix=_DURABLE)
-
-
-_thread = _new_thread()
-
-
-def _after_fork() -> None:
-    """A forked child waits for nothing of its parent's (whose thread makes those durable)."""
-    global _thread
-    _thread = _new_thread()
-    _completions.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork)
+os.register_at_fork(after_in_child=_completions.clear)
 
 
 def complete_behind(local_dir: str, steps: Callable[[], None], release: Callable[[], None]) -> None:
@@ -319,7 +303,7 @@ def complete_behind(local_dir: str, steps: Callable[[], None], release: Callable
             release()
 
     with _guard:
-        _completions[local_dir] = _thread.submit(run)
+        _completions[local_dir] = kept_pool(_DURABLE, 1).submit(run)
 
 
 def wait_recorded(local_dir: str, timeout_s: float | None = None) -> BaseException | None:

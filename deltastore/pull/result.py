@@ -5,6 +5,7 @@ thread pool the repair, reseed and header reads share."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,22 @@ class FirstError:
     def raise_first(self) -> None:
         if self.errors:
             raise self.errors[0]
+
+
+_kept: dict[tuple[str, int], cf.ThreadPoolExecutor] = {}
+_kept_guard = threading.Lock()
+os.register_at_fork(after_in_child=_kept.clear)  # a child has none of its parent's threads
+
+
+def kept_pool(name: str, workers: int) -> cf.ThreadPoolExecutor:
+    """The process's pool of ``workers`` threads named ``name``, kept between pulls (starting a
+    thread waits for it to be scheduled, which on a loaded host costs more than a small pull;
+    at interpreter exit its queue is drained, as every pool's is)."""
+    with _kept_guard:
+        pool = _kept.get((name, workers))
+        if pool is None:
+            pool = _kept[name, workers] = cf.ThreadPoolExecutor(workers, thread_name_prefix=name)
+        return pool
 
 
 def run_pool(

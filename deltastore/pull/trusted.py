@@ -1,14 +1,12 @@
 """What a pull checks before it writes a byte: the signatures of every version it will apply
 (given trusted keys) and, on a seed from the base, the base itself.
 
-Given trusted keys, :func:`preflight` verifies each version of the plan (the full version a
-reseed starts from, then every delta) from its index and shard headers, then downloads every
-delta shard whole into a staging store under the checkpoint's state dir, checking its size
-and BLAKE3 against the signed record as it streams (a shard longer than signed is cut off at
-the signed size). The deltas are then applied from that staged copy, so the bytes applied are
-exactly the bytes verified, whatever the store or network serves later. A full version is
-staged by the reseed as before; :meth:`CheckedPlan.check_staged` checks its files before they
-replace anything. Without trusted keys nothing is staged and the pull reads the store directly.
+Given trusted keys, :func:`preflight` verifies each version of the plan from its index and
+shard headers, then downloads every delta shard whole into a staging store under the state
+dir, checking its size and BLAKE3 against the signed record as it streams. The deltas are
+applied from that copy, so the bytes applied are exactly the bytes verified, whatever the
+store serves later. A full version is staged by the reseed, and
+:meth:`CheckedPlan.check_staged` checks its files before they replace anything.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ _CHUNK = 8 << 20
 
 @dataclass
 class CheckedPlan:
-    """The outcome of :func:`preflight`: each verified version's signature record and, when
-    signatures were checked, the local store holding the verified delta shards."""
+    """The outcome of :func:`preflight`."""
 
     records: dict[int, SignatureRecord] = field(default_factory=dict)
     delta_store: VersionStore | None = None
@@ -60,7 +57,7 @@ class CheckedPlan:
 
 def _download_checked(
     store: VersionStore, index: VersionIndex, shard: str, record: SignatureRecord, dst: str
-) -> int:
+) -> None:
     """Copy one shard to ``dst`` (fsynced), refusing it unless it is the signed bytes."""
     signed = record.shards[shard]
     hasher = ShardHasher()
@@ -74,7 +71,6 @@ def _download_checked(
         out.flush()
         os.fsync(out.fileno())
     record.check_shard(index.version, shard, hasher.fact())
-    return signed.size
 
 
 def stage_deltas(
@@ -84,7 +80,7 @@ def stage_deltas(
     staging: str,
 ) -> VersionStore:
     """Download every shard of ``deltas`` into ``staging`` as a local store, each checked
-    against its signed size and BLAKE3; returns that store."""
+    against its signed record."""
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     for index in deltas:
@@ -108,9 +104,9 @@ def preflight(
     *,
     workers: int = 4,
 ) -> Iterator[CheckedPlan]:
-    """Check everything ``plan`` will apply before the first write (see the module docstring);
-    the staged copies are removed on exit. Raises :class:`SignatureError` (given ``keys``) and
-    the errors of :func:`~deltastore.trust.base.check_base` on a seed from version 0."""
+    """Check everything ``plan`` will apply before the first write, the staged copies removed
+    on exit: :class:`SignatureError` (given ``keys``), and on a seed from version 0 what
+    :func:`~deltastore.trust.base.check_base` raises."""
     checked = CheckedPlan()
     staging = os.path.join(local.state_dir, TRUSTED_STAGING)
     try:
@@ -129,16 +125,8 @@ def preflight(
                 # a mismatch); the base check hashes only the ones no delta of it touches.
                 checked.local_tensors = scan_checkpoint(local.dir)
                 changed = {name for delta in plan.deltas for name in delta.weight_map}
-                check_base(
-                    local.dir,
-                    first,
-                    workers=workers,
-                    tensors=checked.local_tensors,
-                    covered=changed,
-                )
+                tensors = checked.local_tensors
+                check_base(local.dir, first, workers=workers, tensors=tensors, covered=changed)
         yield checked
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-__all__ = ["TRUSTED_STAGING", "CheckedPlan", "preflight", "stage_deltas"]
