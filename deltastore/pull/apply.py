@@ -1,23 +1,16 @@
 """Applying a run of deltas to a local checkpoint in place, verified before writing.
 
-A run of deltas is applied in **one pass per tensor** (catch-up). Its payloads are read in
-windows of about :data:`WINDOW_BYTES` compressed bytes, in file order, one ranged request per
-run of payloads of a shard within :data:`MAX_GAP` of each other (a one-step pull whose delta
-shards are under a window each costs one request per shard), and each window is cut into
-tasks of about :data:`TASK_BYTES` of model bytes shared by a thread pool.
-
-Payloads of one foldable encoding are folded and applied once, the others in order. Payloads
-of one foldable, self-inverse encoding (``xor``) are applied straight into the mapped file and
-the result verified there; one that does not verify is put back at once by applying the same
-payloads again. A tensor with one payload of a self-inverse encoding that checks a payload
-whole before writing (``auto``, ``sparse-v2``) goes into a batch decompressed in one call and
-applied straight into the map in one codec call (:meth:`~deltastore.codecs.Encoding.
-apply_batch`: per tensor, the Python calls around a compiled decode cost more than the decode
-on 64 KB tensors), then each tensor is verified there and put back the same way if it does
-not verify; a payload the codec refuses leaves its tensor untouched. Any other run is applied
-on a copy, verified *before* it is written. So whatever happens, each tensor on disk is at the
-version the run starts from, at the version it ends at, or (a write torn by a crash) neither;
-:mod:`deltastore.pull.repair` relies on exactly that.
+A run is applied in **one pass per tensor** (catch-up). Its payloads are read in windows of
+about :data:`WINDOW_BYTES`, one ranged request per run of nearby payloads of a shard, and each
+window is cut into tasks of about :data:`TASK_BYTES` of model bytes for a thread pool.
+Payloads of one foldable encoding are folded and applied once. A tensor whose payloads may be
+applied in place (:func:`~deltastore.pull.fold.applies_in_place`,
+:func:`~deltastore.pull.fold.batches_in_place`; a batch is one codec call per encoding and
+file, as the Python calls around a compiled decode cost more than the decode on small
+tensors) is written straight into the map, verified there, and put back by applying the same
+payloads again if it does not verify; any other is applied on a copy, verified *before* it is
+written. So each tensor on disk is at the version the run starts from, at the version it ends
+at, or (a write torn by a crash) neither: :mod:`deltastore.pull.repair` relies on that.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -72,11 +65,8 @@ class Span:
 
 @dataclass(frozen=True)
 class Window:
-    """Tensors whose payloads are read together, and the reads that fetch them.
-
-    ``where[i][j]`` is ``(span index, start, end)`` of tensor ``i``'s ``j``-th payload inside
-    that span's bytes.
-    """
+    """Tensors whose payloads are read together, and the reads that fetch them: ``where[i][j]``
+    is ``(span index, start, end)`` of tensor ``i``'s ``j``-th payload in that span's bytes."""
 
     tensors: tuple[TensorHistory, ...]
     spans: tuple[Span, ...]
@@ -84,18 +74,12 @@ class Window:
 
     @property
     def wire_bytes(self) -> int:
-        """Bytes this window's reads move."""
         return sum(s.end - s.start for s in self.spans)
 
     def frames(self, data: Sequence[bytes]) -> list[list[memoryview]]:
         """Each tensor's compressed frames, as views into the spans' bytes (``data``)."""
         views = [memoryview(d) for d in data]
         return [[views[s][a:b] for s, a, b in loc] for loc in self.where]
-
-
-def _first_payload(tensor: TensorHistory) -> tuple[int, str, int]:
-    first = tensor.payloads[0]
-    return first.version, first.shard, first.start
 
 
 def plan_windows(
@@ -105,7 +89,9 @@ def plan_windows(
     max_gap: int = MAX_GAP,
 ) -> list[Window]:
     """``tensors`` (each with at least one payload) cut into windows, in file order."""
-    ordered = sorted(tensors, key=_first_payload)
+    ordered = sorted(
+        tensors, key=lambda t: (t.payloads[0].version, t.payloads[0].shard, t.payloads[0].start)
+    )
     windows: list[Window] = []
     batch: list[TensorHistory] = []
     size = 0
@@ -153,8 +139,7 @@ def _window(tensors: list[TensorHistory], max_gap: int, window_bytes: int) -> Wi
 
 
 def tasks_of(sizes: Sequence[int], task_bytes: int = TASK_BYTES) -> list[range]:
-    """Indexes of ``sizes`` (model bytes per tensor) cut into consecutive runs of about
-    ``task_bytes`` bytes each."""
+    """Indexes of ``sizes`` (model bytes per tensor) cut into runs of about ``task_bytes``."""
     runs: list[range] = []
     count = len(sizes)
     begin, size = 0, 0
@@ -168,27 +153,19 @@ def tasks_of(sizes: Sequence[int], task_bytes: int = TASK_BYTES) -> list[range]:
     return runs
 
 
+@dataclass
 class _ChainApplier:
     """Applies one run of deltas tensor by tensor, remembering how to put each write back."""
 
-    def __init__(
-        self,
-        store: VersionStore,
-        files: MappedFiles,
-        local_tensors: dict[str, CheckpointTensor],
-        applied_version: int,
-        last: str,
-        stats: ApplyStats,
-    ) -> None:
-        self.store = store
-        self.files = files
-        self.local_tensors = local_tensors
-        self.applied_version = applied_version
-        self.last = last
-        self.stats = stats
-        self.written: list[tuple[str, UndoRecord]] = []
-        """Each tensor written so far (by name) and how to put it back."""
-        self._lock = threading.Lock()
+    store: VersionStore
+    files: MappedFiles
+    local_tensors: dict[str, CheckpointTensor]
+    applied_version: int
+    last: str
+    stats: ApplyStats
+    written: list[tuple[str, UndoRecord]] = field(default_factory=list)
+    """Each tensor written so far (by name) and how to put it back."""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def read_span(self, span: Span) -> bytes:
         data = self.store.read_range(span.version, span.shard, span.start, span.end)
@@ -312,12 +289,9 @@ class _ChainApplier:
 
 
 def _run_windows(applier: _ChainApplier, windows: Sequence[Window], workers: int) -> None:
-    """Read each window (one request per span) and apply it in tasks on a thread pool.
-
-    The next window is read while the pool applies the current one; at most two windows are
-    in flight. After the first error no new task or read starts; it is re-raised once every
-    started task has finished (so the put-back sees every tensor written).
-    """
+    """Read each window and apply it in tasks on the pool, the next window read while the
+    pool applies the current one. After the first error no new task or read starts; it is
+    re-raised once every started task has finished (so the put-back sees every write)."""
     first = FirstError()
     workers = max(1, workers)
     pool = kept_pool(f"deltastore-apply-{workers}", workers)
@@ -351,25 +325,19 @@ def apply_chain(
     deltas: Sequence[VersionIndex],
     local: LocalCheckpoint,
     applied_version: int,
-    *,
     workers: int = 4,
     tensors: dict[str, CheckpointTensor] | None = None,
     stats: ApplyStats | None = None,
     files: MappedFiles | None = None,
 ) -> None:
-    """Apply a run of deltas in place, one pass per changed tensor, verified before writing.
+    """Apply a run of deltas in place, building link by link on ``applied_version`` (else
+    :class:`OutOfOrderError`) onto tensors that exist locally (else :class:`NameMismatchError`).
 
-    ``deltas`` must build link by link on ``applied_version`` (else :class:`OutOfOrderError`);
-    a tensor named by a delta must exist locally (else :class:`NameMismatchError`). Each
-    changed tensor's result is checked against the digest of the last delta that changes it;
-    on any failure the tensors already written are put back (and flushed), so the checkpoint
+    On any failure the tensors already written are put back (and flushed), so the checkpoint
     still holds ``applied_version`` when the error is raised (:class:`PutBackError` when the
-    put-back itself fails).
-
-    Without ``files`` the data is flushed (msync + fsync) before returning (a flush that
-    fails raises :class:`PutBackError`); given ``files`` (open maps the caller owns), the
-    written files stay mapped there, verified but not flushed: the caller flushes them
-    (:func:`flush_applied`) before it records the state.
+    put-back itself fails). Without ``files`` the data is flushed before returning; given
+    ``files`` (maps the caller owns), the written files stay mapped there, verified but not
+    flushed: the caller flushes them (:func:`flush_applied`) before it records the state.
     """
     if not deltas:
         return

@@ -386,9 +386,5 @@ def fetch_state(
     if answer.status is None:
         raise StoreError(answer.body.decode())
     if not answer.ok:
-        try:
-            message = PullReply.from_json(answer.body).message
-        except FormatError:
-            message = answer.body.decode("utf-8", "replace")[:200]
-        raise StoreError(f"{answer.url} answered HTTP {answer.status}: {message}")
+        raise StoreError(f"{answer.url} answered HTTP {answer.status}: {answer.message()}")
     return CheckpointStatus.from_json(answer.body)

@@ -22,8 +22,8 @@ from deltastore.format.index import VersionIndex, check_shard_names
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.format.shard_stream import StreamedShardCheck
 from deltastore.pull.history import full_shard_check
-from deltastore.pull.local import LocalCheckpoint, synced_digest
-from deltastore.pull.result import ApplyStats, run_pool
+from deltastore.pull.local import LocalCheckpoint, PullContext, synced_digest
+from deltastore.pull.result import run_pool
 from deltastore.storage import VersionStore
 from deltastore.storage.durable import atomic_replace, fsync_path
 
@@ -117,13 +117,7 @@ def _download(
 
 
 def stage_full(
-    store: VersionStore,
-    index: VersionIndex,
-    local: LocalCheckpoint,
-    *,
-    model: dict[str, CheckpointTensor] | None = None,
-    workers: int = 4,
-    stats: ApplyStats | None = None,
+    pull: PullContext, index: VersionIndex, model: dict[str, CheckpointTensor] | None
 ) -> str:
     """Download a full version into the staging dir and verify it; returns the dir.
 
@@ -133,8 +127,8 @@ def stage_full(
     it is downloaded and again after it is written. Raises :class:`IntegrityError` /
     :class:`NameMismatchError`; the local weights are untouched.
     """
-    where = version_dir_name(index.version)
-    staging = os.path.join(local.state_dir, STAGING_NAME)
+    store, where = pull.store, version_dir_name(index.version)
+    staging = os.path.join(pull.local.state_dir, STAGING_NAME)
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     shards = index.shards()
@@ -148,10 +142,9 @@ def stage_full(
     def download(shard: str) -> None:  # shards download concurrently, one streamed GET each
         dst = os.path.join(staging, shard)
         size = _download(store, index.version, shard, dst, checks.get(shard))
-        if stats is not None:
-            stats.add(bytes_read=size, bytes_written=size)
+        pull.stats.add(bytes_read=size, bytes_written=size)
 
-    run_pool(list(shards), download, workers, name="deltastore-reseed")
+    run_pool(list(shards), download, pull.workers, name="deltastore-reseed")
     # An ordinary HF index so the engine's loader finds the shards.
     atomic_replace(os.path.join(staging, INDEX_NAME), index.to_json())
     staged = scan_checkpoint(staging)

@@ -27,14 +27,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import xxhash
 
-from deltastore.errors import ConfigError, FormatError, IntegrityError, LockTimeoutError
+from deltastore.errors import FormatError, IntegrityError, LockTimeoutError
 from deltastore.format.names import INDEX_NAME, LOCK_NAME, PENDING_NAME, STATE_DIR, STATE_NAME
 from deltastore.format.state import AppliedState, PendingTransition
 from deltastore.progress import ProgressCallback, ProgressMeter
-from deltastore.pull.result import kept_pool
+from deltastore.pull.result import ApplyStats, kept_pool
+from deltastore.storage import VersionStore
 from deltastore.storage.durable import atomic_replace, fsync_path
 
 log = logging.getLogger("deltastore.pull")
@@ -99,6 +101,18 @@ def same_dir(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
+
+
+@dataclass
+class PullContext:
+    """What each step of one pull on this host works with: the store it reads, the local
+    checkpoint, the base dir (None: not given), its threads and its counters."""
+
+    store: VersionStore
+    local: LocalCheckpoint
+    base: str | None
+    workers: int
+    stats: ApplyStats
 
 
 class HostLock:
@@ -244,14 +258,6 @@ class LocalCheckpoint:
     def seed_from_base(self, base_dir: str, progress: ProgressCallback | None = None) -> None:
         """Replace the local weights with a verified copy of ``base_dir`` (never modified);
         ``progress`` gets phase ``seed``, the bytes of the base copied."""
-        base_dir = os.path.abspath(base_dir)
-        if not os.path.isdir(base_dir):
-            raise ConfigError(f"base directory {base_dir!r} does not exist")
-        if same_dir(base_dir, self.dir):
-            raise ConfigError(
-                f"local checkpoint {self.dir} is the base model path itself; deltas would "
-                "modify the user's model. Pass a separate host-local directory"
-            )
         names = [
             n
             for n in sorted(os.listdir(base_dir))

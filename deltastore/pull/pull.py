@@ -34,7 +34,13 @@ from deltastore.pull.apply import apply_chain, flush_applied
 from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain, resolve_onto
 from deltastore.pull.fanout import pull_in_group, resolve_group
 from deltastore.pull.full import discard_staging, stage_full, swap_in
-from deltastore.pull.local import LocalCheckpoint, complete_behind, same_dir, wait_recorded
+from deltastore.pull.local import (
+    LocalCheckpoint,
+    PullContext,
+    complete_behind,
+    same_dir,
+    wait_recorded,
+)
 from deltastore.pull.mapped import MappedFiles
 from deltastore.pull.repair import repair_pending
 from deltastore.pull.result import ApplyStats, PullResult, RepairSummary
@@ -49,7 +55,6 @@ from deltastore.pull.source import (
 )
 from deltastore.pull.trusted import CheckedPlan, preflight
 from deltastore.pull.verify import verify_checkpoint
-from deltastore.storage import VersionStore
 from deltastore.trust import TrustedKey
 from deltastore.trust.keys import TrustedKeys, load_trusted
 
@@ -132,28 +137,17 @@ class _Options:
 
 
 @dataclass
-class _PullRun:
+class _PullRun(PullContext):
     """One pull on this host, under its lock: the store, the dir, what it has done so far."""
 
     source: PullSource
-    local: LocalCheckpoint
-    base: str | None
     options: _Options
-    stats: ApplyStats
     started: float = field(default_factory=time.perf_counter)
     checked: CheckedPlan = field(default_factory=CheckedPlan)
     """What the preflight verified (signature records, the verified delta copies)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase so far (see :attr:`PullResult.phase_seconds`)."""
     _mark: float = 0.0
-
-    @property
-    def store(self) -> VersionStore:
-        return self.source.store
-
-    @property
-    def workers(self) -> int:
-        return self.options.workers
 
     def phase_done(self, name: str) -> None:
         """The time since the previous mark (or the start) went to phase ``name``."""
@@ -217,14 +211,7 @@ class _PullRun:
             log.info("%s: seeding from full version %d", self.local.dir, chain.start)
             self.stats.report("download", chain.start_index.totals.get("wire_bytes"))
             try:
-                staging = stage_full(
-                    self.store,
-                    chain.start_index,
-                    self.local,
-                    model=self._model(),
-                    workers=self.workers,
-                    stats=self.stats,
-                )
+                staging = stage_full(self, chain.start_index, self._model())
                 self.checked.check_staged(staging, chain.start_index)
                 self.stats.end_report()
             except BaseException:
@@ -257,16 +244,10 @@ class _PullRun:
             PendingTransition(current, target, chain.stream_id, from_stream, plan.versions)
         )
         files = MappedFiles()
+        store, tensors = self.checked.delta_store or self.store, self.checked.local_tensors
         try:
             apply_chain(
-                self.checked.delta_store or self.store,
-                plan.deltas,
-                self.local,
-                current,
-                workers=self.workers,
-                tensors=self.checked.local_tensors,
-                stats=self.stats,
-                files=files,
+                store, plan.deltas, self.local, current, self.workers, tensors, self.stats, files
             )
         except BaseException as exc:
             files.close()
@@ -312,9 +293,7 @@ class _PullRun:
             )
             return None, None
         try:
-            summary = repair_pending(
-                self.store, local, pending, self.base, workers=self.workers, stats=self.stats
-            )
+            summary = repair_pending(self, pending)
         except DeltastoreError as exc:
             log.warning(
                 "%s: cannot repair the interrupted transition to v%06d (%s); reseeding",
@@ -385,9 +364,8 @@ class _PullRun:
             action = "noop" if repair is None else "repaired"
             return self.result(plan, state.version, action, repair), None
         make_durable = None
-        keys, workers = self.options.keys, self.workers
-        with preflight(self.store, chain, plan, self.local, self.base, keys, workers=workers) as c:
-            self.checked = c
+        with preflight(self, chain, plan, self.options.keys) as checked:
+            self.checked = checked
             self.phase_done("prepare")
             if plan.action == "reseed":
                 self.reseed(chain, state, plan.reason or "the target builds on version 0")
@@ -430,7 +408,8 @@ def _pull_here(
         if fresh:
             source.check_published(target)
     os.makedirs(local.dir, exist_ok=True)
-    run = _PullRun(source, local, base, options, ApplyStats(progress=progress))
+    stats = ApplyStats(progress=progress)
+    run = _PullRun(source.store, local, base, options.workers, stats, source, options)
     wait_recorded(local.dir, options.lock_timeout_s)  # this process's last pull of the dir
     with local.lock(options.lock_timeout_s) as held, gc_paused():
         # The collector resumes once the pull's objects (headers, histories, the scanned

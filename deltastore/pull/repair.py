@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from deltastore.pull.history import (
     collect_history,
     full_tensors,
 )
-from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.local import PullContext
 from deltastore.pull.mapped import MappedFiles
 from deltastore.pull.result import ApplyStats, RepairSummary, run_pool
 from deltastore.storage import VersionStore
@@ -44,15 +45,15 @@ from deltastore.storage import VersionStore
 log = logging.getLogger("deltastore.pull")
 
 
+@dataclass
 class _ChainStart:
     """Bytes and digests of tensors at a chain's start (the base dir or a full version)."""
 
-    def __init__(self, store: VersionStore, chain: Chain, base_dir: str | None) -> None:
-        self.store = store
-        self.chain = chain
-        self.base_dir = base_dir
-        self._lock = threading.Lock()
-        self._tensors: dict[str, CheckpointTensor] | dict[str, FullTensor] | None = None
+    store: VersionStore
+    chain: Chain
+    base_dir: str | None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _tensors: dict[str, CheckpointTensor] | dict[str, FullTensor] | None = None
 
     def _find(self, name: str, nbytes: int) -> CheckpointTensor | FullTensor:
         with self._lock:
@@ -140,18 +141,11 @@ def _repair_tensor(
     return kind, result
 
 
-def repair_pending(
-    store: VersionStore,
-    local: LocalCheckpoint,
-    pending: PendingTransition,
-    base_dir: str | None,
-    *,
-    workers: int = 4,
-    stats: ApplyStats | None = None,
-) -> RepairSummary:
+def repair_pending(pull: PullContext, pending: PendingTransition) -> RepairSummary:
     """Bring every tensor an interrupted transition touched to its target, verified and
     flushed (the caller then records the state). Raises a :class:`DeltastoreError` subclass
     when the repair cannot be proven (the caller then reseeds the whole checkpoint)."""
+    store, local, stats = pull.store, pull.local, pull.stats
     chain = repair_chain(store, pending)
     start_version = pending.from_version
     assert start_version is not None
@@ -163,7 +157,7 @@ def repair_pending(
     }
     tensors = scan_checkpoint(local.dir)
     check_local_names(touched, tensors, local.dir)
-    start = _ChainStart(store, chain, base_dir)
+    start = _ChainStart(store, chain, pull.base)
     outcomes: list[str] = []
 
     with MappedFiles() as files:
@@ -173,11 +167,10 @@ def repair_pending(
             kind, result = _repair_tensor(store, start, touched[name], view, start_version, stats)
             if result is not None:
                 view[:] = result
-                if stats is not None:
-                    stats.add(tensors=1, bytes_written=view.size)
+                stats.add(tensors=1, bytes_written=view.size)
             outcomes.append(kind)
 
-        run_pool(sorted(touched), fix, workers, name="deltastore-repair")
+        run_pool(sorted(touched), fix, pull.workers, name="deltastore-repair")
         files.flush()
     counts = (outcomes.count(kind) for kind in ("kept", "applied", "restored"))
     summary = RepairSummary(start_version, pending.to_version, *counts)

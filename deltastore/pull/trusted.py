@@ -21,7 +21,7 @@ from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
 from deltastore.pull.chain import Chain, Plan
-from deltastore.pull.local import LocalCheckpoint
+from deltastore.pull.local import PullContext
 from deltastore.pull.verify import verify_signatures
 from deltastore.storage import VersionStore
 from deltastore.storage.durable import fsync_path
@@ -95,18 +95,12 @@ def stage_deltas(
 
 @contextlib.contextmanager
 def preflight(
-    store: VersionStore,
-    chain: Chain,
-    plan: Plan,
-    local: LocalCheckpoint,
-    base: str | None,
-    keys: Sequence[TrustedKey] | None,
-    *,
-    workers: int = 4,
+    pull: PullContext, chain: Chain, plan: Plan, keys: Sequence[TrustedKey] | None
 ) -> Iterator[CheckedPlan]:
     """Check everything ``plan`` will apply before the first write, the staged copies removed
     on exit: :class:`SignatureError` (given ``keys``), and on a seed from version 0 what
     :func:`~deltastore.trust.base.check_base` raises."""
+    store, local, workers = pull.store, pull.local, pull.workers
     checked = CheckedPlan()
     staging = os.path.join(local.state_dir, TRUSTED_STAGING)
     try:
@@ -118,8 +112,8 @@ def preflight(
         first = plan.deltas[0] if plan.deltas else None
         if first is not None and first.base_version == 0:
             if plan.action == "reseed":
-                if base is not None:
-                    check_base(base, first, workers=workers)
+                if pull.base is not None:
+                    check_base(pull.base, first, workers=workers)
             else:
                 # The tensors the plan changes are verified after the apply (and put back on
                 # a mismatch); the base check hashes only the ones no delta of it touches.
