@@ -6,13 +6,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from deltastore.codecs import (
-    Checksum,
-    Digest,
-    check_compression,
-    get_checksum,
-    get_encoding,
-)
+from deltastore.codecs import Checksum, Digest, check_compression, get_checksum, get_encoding
 from deltastore.errors import ConfigError, FormatError, NameMismatchError, OutOfOrderError
 from deltastore.format.checkpoint import CheckpointTensor
 from deltastore.format.index import VersionIndex, check_shard_names
@@ -119,37 +113,30 @@ def full_shard_check(checksum: Checksum, where: str, source: str) -> StreamedSha
     return StreamedShardCheck(source, checksum.hasher, expected)
 
 
-def read_delta_headers(store: VersionStore, index: VersionIndex) -> dict[str, SafetensorsHeader]:
-    """Shard headers of a delta, each checked to hold exactly the names its index maps to it."""
-    headers = {}
-    for shard, names in index.shards().items():
-        header = store.read_shard_header(index.version, shard)
-        where = f"{store.url}/{version_dir_name(index.version)}/{shard}"
-        check_shard_names(index, shard, set(header.tensors), source=where)
-        for name in names:
-            entry = header.tensors[name]
-            if entry.dtype != "U8" or len(entry.shape) != 1:
-                raise FormatError(f"{where}: payload of tensor {name!r} is not a 1-D U8 tensor")
-        headers[shard] = header
-    return headers
-
-
 def collect_history(
     store: VersionStore, deltas: Sequence[VersionIndex]
 ) -> dict[str, TensorHistory]:
-    """Read each delta's shard headers once: every changed tensor's payloads and digests."""
+    """Read each delta's shard headers once, each checked to hold exactly the 1-D U8 payloads
+    its index maps to it: every changed tensor's payloads and digests."""
     history: dict[str, TensorHistory] = {}
     for index in deltas:
         where = version_dir_name(index.version)
         checksum = check_index_codecs(index)
-        for shard, header in read_delta_headers(store, index).items():
-            digests = recorded_digests(header, checksum, where=where, required=True)
+        for shard in index.shards():
+            header = store.read_shard_header(index.version, shard)
+            source = f"{store.url}/{where}/{shard}"
+            check_shard_names(index, shard, set(header.tensors), source=source)
             for name, entry in header.tensors.items():
+                if entry.dtype != "U8" or len(entry.shape) != 1:
+                    raise FormatError(
+                        f"{source}: payload of tensor {name!r} is not a 1-D U8 tensor"
+                    )
+                digest = check_digest(checksum, header.metadata.get(name), name=name, where=where)
                 tensor = history.setdefault(name, TensorHistory(name))
                 tensor.payloads.append(
                     PayloadRef(index.version, shard, entry.start, entry.end, index.encoding or "")
                 )
-                tensor.digests[index.version] = digests[name]
+                tensor.digests[index.version] = digest
     return history
 
 

@@ -278,29 +278,19 @@ class _PullRun(PullContext):
             # was flushed before the state was written, so the state stands.
             local.finish(state)
             return state, None
+        to, summary, why = pending.to_version, None, None
+        repaired = AppliedState(to, pending.stream_id, self.store.url)
         if pending.from_version is None:
-            log.warning("%s: an interrupted reseed was found; reseeding again", local.dir)
-            return None, None
-        repaired = AppliedState(pending.to_version, pending.stream_id, self.store.url)
-        if plan_pull(self.store, chain, repaired).action == "reseed":
-            log.warning(
-                "%s: an interrupted transition to v%06d was found, but v%06d does not lead to "
-                "v%06d: reseeding",
-                local.dir,
-                pending.to_version,
-                pending.to_version,
-                chain.target,
-            )
-            return None, None
-        try:
-            summary = repair_pending(self, pending)
-        except DeltastoreError as exc:
-            log.warning(
-                "%s: cannot repair the interrupted transition to v%06d (%s); reseeding",
-                local.dir,
-                pending.to_version,
-                exc,
-            )
+            why = "an interrupted reseed was found"
+        elif plan_pull(self.store, chain, repaired).action == "reseed":
+            why = f"an interrupted transition to v{to:06d} does not lead to v{chain.target:06d}"
+        else:
+            try:
+                summary = repair_pending(self, pending)
+            except DeltastoreError as exc:
+                why = f"cannot repair the interrupted transition to v{to:06d} ({exc})"
+        if why is not None:
+            log.warning("%s: %s; reseeding", local.dir, why)
             return None, None
         local.finish(repaired)
         return repaired, summary

@@ -1,40 +1,30 @@
 """``deltastore serve``: the reference ``/pull_weights`` endpoint as a small aiohttp server.
 
-One server per engine host. ``POST /pull_weights {local_checkpoint_dir, source_dir,
-target_version}`` pulls into that host-local dir from the store (the engine's model path,
-``--base``, is version 0) and answers ``{success, message}`` with 200 or 400; ``GET /state``
-reports what a local dir holds; ``GET /healthz`` answers while pulls run (they run in threads).
+One server per engine host: ``POST /pull_weights`` pulls into a host-local dir (the engine's
+model path, ``--base``, is version 0); ``GET /state`` reports what a local dir holds;
+``GET /healthz`` answers while pulls run (in threads); ``GET /metrics`` is the Prometheus text
+format (:class:`PullMetrics`, a registry per server; the names without ``deltastore_`` are
+the keys a trainer reads from ``pop_metrics()`` where the quantity exists there).
 
-Safety: binds 127.0.0.1 by default; an optional bearer token (401 without it); request paths
-must lie under an ``--allow`` root (403 otherwise), and with no ``--allow`` the server refuses
-to bind anything but loopback; a local dir that is, holds or lies inside the base or the source
-store is refused (the user's model and published versions are never modified); with ``--allow``
-every file of a local source store must resolve inside the allowed roots (a symlink out is
-refused); requests for one local dir run one at a time.
+Safety: binds 127.0.0.1 by default, and refuses anything else without ``--allow``; an optional
+bearer token (401); request paths must lie under an ``--allow`` root (403), every file of a
+local source store too (a symlink out is refused); a local dir that is, holds or lies inside
+the base or the source store is refused; requests for one local dir run one at a time.
+Against browsers (:class:`RequestRules`: a page can make a browser send a "simple" cross-site
+POST, and DNS rebinding makes one look same-site): ``Host`` must name this server, any
+``Origin`` must be its own, a POST must be ``Content-Type: application/json`` (which a page
+cannot send cross-site without a preflight this server never grants) and at most
+:data:`MAX_REQUEST_BYTES`. Every refusal and error is a ``{success, message}`` reply.
 
-Request rules against browsers (:class:`RequestRules`): a web page can make a browser send a
-"simple" cross-site POST, and DNS rebinding makes one look same-site; so every request's
-``Host`` must name this server (an IP literal, ``localhost``, this machine's names when bound
-beyond loopback, or an ``--allow-host`` name), any ``Origin`` must be the server's own, and a
-POST must be ``Content-Type: application/json`` (which a page cannot send cross-site without a
-preflight this server never grants) and at most :data:`MAX_REQUEST_BYTES` long. Every refusal
-and every error is the JSON ``{success, message}`` reply.
-
-Logging (logger ``deltastore.serve``): every refused or failed request (any status from 400
-on, a failed pull included) at WARNING with its method, target and reason; a pull that
-succeeded at INFO; other successful requests (``/healthz``, ``/state``, ``/metrics``) at DEBUG.
-
-Metrics (``GET /metrics``, the Prometheus text format): one :class:`PullMetrics` per server,
-with its own registry (two servers in one process never share counters). Every pull is
-counted once, by outcome: ``noop``, ``applied``, ``reseeded``, ``repaired`` or ``failed``. The
-names, with their ``deltastore_`` prefix dropped, are the keys a trainer reads from
-``pop_metrics()`` where the quantity exists there (``wire_bytes``, the phase seconds).
+Logging (``deltastore.serve``): a refused or failed request (status 400 and up) at WARNING
+with its method, target and reason; a pull that succeeded at INFO; the rest at DEBUG.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -131,11 +121,9 @@ def _split_host(header: str) -> str:
 
 
 class RequestRules:
-    """Which ``Host`` / ``Origin`` / content type a request may carry (403, 415, 413 otherwise).
-
-    An IP literal in ``Host`` is always accepted: DNS rebinding needs a name, and a page served
-    from another address or port of this machine is caught by its ``Origin``.
-    """
+    """Which ``Host`` / ``Origin`` / content type a request may carry (403, 415, 413 otherwise);
+    an IP literal in ``Host`` always passes (DNS rebinding needs a name, and a page served from
+    another address or port of this machine is caught by its ``Origin``)."""
 
     def __init__(self, config: ServerConfig) -> None:
         names = {"localhost", *(h.lower() for h in config.allowed_hosts)}
@@ -198,11 +186,8 @@ class PathPolicy:
         return real
 
     def source(self, source: str) -> str:
-        """A request's source (dir or URL), checked against the allowed roots.
-
-        With allowed roots, every file and directory of a local store must resolve inside them
-        (checked by walking the store now; see docs/engines.md for the race this leaves).
-        """
+        """A request's source (dir or URL) under the allowed roots, every file of a local store
+        too (walked now; docs/engines.md names the race this leaves)."""
         check_request_path(source, "source_dir")
         if self.open:
             return source
@@ -315,13 +300,8 @@ class PullMetrics:
         if state is not None:
             self.version.labels(local_dir).set(state.version)
         else:
-            try:
+            with contextlib.suppress(KeyError):
                 self.version.remove(local_dir)
-            except KeyError:
-                pass
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -364,7 +344,6 @@ class PullServer:
 
     @web.middleware
     async def _log_outcome(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """One log line per request with its outcome (see the module docstring)."""
         response = await handler(request)
         status = response.status
         level = (
@@ -416,7 +395,7 @@ class PullServer:
         return web.json_response({"ok": True, "pulls_running": len(self.busy)})
 
     async def metrics_page(self, _request: web.Request) -> web.Response:
-        body = self.metrics.exposition()
+        body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def state(self, request: web.Request) -> web.Response:

@@ -9,7 +9,7 @@ from typing import Any
 
 from deltastore.codecs import Digest, get_checksum
 from deltastore.errors import ConfigError, IntegrityError, NameMismatchError, VersionNotFoundError
-from deltastore.format.checkpoint import CheckpointTensor, read_tensor, scan_checkpoint
+from deltastore.format.checkpoint import read_tensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
 from deltastore.progress import ProgressCallback, ProgressMeter
@@ -21,38 +21,6 @@ from deltastore.storage import VersionStore
 from deltastore.trust import SignatureRecord, TrustedKey, verify_index
 from deltastore.trust.base import check_base_names, hash_tensor
 from deltastore.trust.keys import TrustedKeys, load_trusted
-
-
-def verify_tensors(
-    local_tensors: dict[str, CheckpointTensor],
-    expected: dict[str, Digest],
-    *,
-    where: str,
-    workers: int = 4,
-    progress: ProgressCallback | None = None,
-) -> None:
-    """Hash each local tensor named in ``expected`` (``progress`` phase ``verify``: the bytes
-    hashed); :class:`IntegrityError` lists mismatches, :class:`NameMismatchError` the missing."""
-    missing = sorted(set(expected) - set(local_tensors))
-    if missing:
-        raise NameMismatchError(f"{where}: the local checkpoint lacks tensors {missing[:5]}")
-
-    total = sum(local_tensors[n].entry.nbytes for n in expected) if progress else None
-    meter = ProgressMeter.start(progress, "verify", total)
-
-    def check(name: str) -> str | None:
-        digest = expected[name]
-        matches = hash_tensor(local_tensors[name], digest.checksum) == digest.hex
-        if meter is not None:
-            meter.advance(local_tensors[name].entry.nbytes)
-        return None if matches else name
-
-    with cf.ThreadPoolExecutor(max(1, workers)) as pool:
-        bad = [n for n in pool.map(check, sorted(expected)) if n is not None]
-    if bad:
-        raise IntegrityError(
-            f"{where}: {len(bad)} tensor(s) do not match their published digests, e.g. {bad[:5]}"
-        )
 
 
 def expected_digests(
@@ -106,9 +74,9 @@ def verify_checkpoint(
     workers: int,
     progress: ProgressCallback | None = None,
 ) -> None:
-    """Hash every tensor of ``local_dir`` against ``version`` of ``store``; raises
-    :class:`IntegrityError` / :class:`NameMismatchError` naming the tensors at fault,
-    :class:`VersionNotFoundError` when the version's chain is no longer in the store."""
+    """Hash every tensor of ``local_dir`` against ``version`` of ``store`` (``progress`` phase
+    ``verify``: the bytes hashed); raises :class:`IntegrityError` / :class:`NameMismatchError`
+    naming the tensors at fault, :class:`VersionNotFoundError` for a chain no longer stored."""
     chain = resolve_chain(store, version)
     expected = expected_digests(store, chain, base_dir, progress)
     local_tensors = scan_checkpoint(local_dir)
@@ -116,7 +84,25 @@ def verify_checkpoint(
     extra = sorted(set(local_tensors) - set(expected))
     if extra:
         raise NameMismatchError(f"{where}: local tensors {extra[:5]} are not in the version")
-    verify_tensors(local_tensors, expected, where=where, workers=workers, progress=progress)
+    missing = sorted(set(expected) - set(local_tensors))
+    if missing:
+        raise NameMismatchError(f"{where}: the local checkpoint lacks tensors {missing[:5]}")
+    total = sum(t.entry.nbytes for t in local_tensors.values()) if progress else None
+    meter = ProgressMeter.start(progress, "verify", total)
+
+    def check(name: str) -> str | None:
+        digest = expected[name]
+        matches = hash_tensor(local_tensors[name], digest.checksum) == digest.hex
+        if meter is not None:
+            meter.advance(local_tensors[name].entry.nbytes)
+        return None if matches else name
+
+    with cf.ThreadPoolExecutor(max(1, workers)) as pool:
+        bad = [n for n in pool.map(check, sorted(expected)) if n is not None]
+    if bad:
+        raise IntegrityError(
+            f"{where}: {len(bad)} tensor(s) do not match their published digests, e.g. {bad[:5]}"
+        )
 
 
 def verify_signatures(
