@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltastore.errors import ConfigError, FormatError, StoreError
-from deltastore.format.state import AppliedState, PendingTransition
 
 MAX_PATH_CHARS = 4096
 """Longest path or URL a request may carry (PATH_MAX on Linux)."""
@@ -169,23 +168,6 @@ class CheckpointStatus:
     """The interrupted or in-progress transition: ``from``, ``to``, ``versions``, streams."""
     busy: bool = False
     """True while this server runs a pull for that directory."""
-
-    @classmethod
-    def of(
-        cls,
-        directory: str,
-        state: AppliedState | None,
-        pending: PendingTransition | None,
-        busy: bool = False,
-    ) -> CheckpointStatus:
-        pending_body = json.loads(pending.to_json()) if pending is not None else None
-        return cls(
-            directory,
-            state.version if state is not None else None,
-            state.stream_id if state is not None else None,
-            pending_body,
-            busy,
-        )
 
     @classmethod
     def from_json(cls, data: bytes | str | Mapping[str, Any]) -> CheckpointStatus:

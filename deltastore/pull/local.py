@@ -171,15 +171,18 @@ class LocalCheckpoint:
 
     def read_state(self) -> AppliedState | None:
         """The applied state, or None when there is none (or it is unreadable)."""
-        wait_recorded(self.dir)
         try:
-            with open(self.state_path, "rb") as fh:
-                return AppliedState.from_json(fh.read(), source=self.state_path)
+            return AppliedState.from_json(self._read(self.state_path), source=self.state_path)
         except FileNotFoundError:
             return None
         except FormatError as exc:
             log.warning("%s; treating %s as holding nothing", exc, self.dir)
             return None
+
+    def _read(self, path: str) -> bytes:
+        wait_recorded(self.dir)
+        with open(path, "rb") as fh:
+            return fh.read()
 
     def write_state(self, state: AppliedState, *, sync_dir: bool = True) -> None:
         """Record ``state`` with the weight files' fingerprints as they are now."""
@@ -208,10 +211,9 @@ class LocalCheckpoint:
 
     def read_pending(self) -> PendingTransition | None:
         """The record of a transition in progress or interrupted, or None."""
-        wait_recorded(self.dir)
         try:
-            with open(self.pending_path, "rb") as fh:
-                return PendingTransition.from_json(fh.read(), source=self.pending_path)
+            data = self._read(self.pending_path)
+            return PendingTransition.from_json(data, source=self.pending_path)
         except FileNotFoundError:
             return None
         except FormatError as exc:

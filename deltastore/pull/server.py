@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -412,7 +413,10 @@ class PullServer:
         def read() -> CheckpointStatus:
             # The state reads wait for a flush still running after a pull's reply: off the
             # event loop, so /healthz and other dirs' requests answer meanwhile.
-            return CheckpointStatus.of(path, local.read_state(), local.read_pending(), busy=busy)
+            state, pending = local.read_state(), local.read_pending()
+            body = json.loads(pending.to_json()) if pending is not None else None
+            version, stream = (state.version, state.stream_id) if state else (None, None)
+            return CheckpointStatus(path, version, stream, body, busy)
 
         status = await asyncio.get_running_loop().run_in_executor(None, read)
         return web.json_response(dataclasses.asdict(status))

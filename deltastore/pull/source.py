@@ -90,20 +90,12 @@ def require_committed(
     if target in committed:
         return
     latest = committed[-1] if committed else 0
+    name, then = f"weight_v{target:06d}", f"the latest version is v{latest:06d}"
     if target > latest:
-        raise VersionNotFoundError(
-            f"weight_v{target:06d} is not published in {store.url}; the latest "
-            f"version is v{latest:06d}"
-        ) from None
-    if lost is None:
-        raise VersionNotFoundError(
-            f"weight_v{target:06d} is no longer in {store.url} (pruned); the latest "
-            f"version is v{latest:06d}: pull that instead"
-        )
-    raise VersionNotFoundError(
-        f"weight_v{target:06d} is no longer in {store.url}: it was pruned while this "
-        f"pull read it; the latest version is v{latest:06d}: pull that instead"
-    ) from lost
+        raise VersionNotFoundError(f"{name} is not published in {store.url}; {then}") from None
+    how = " (pruned)" if lost is None else ": it was pruned while this pull read it"
+    message = f"{name} is no longer in {store.url}{how}; {then}: pull that instead"
+    raise VersionNotFoundError(message) from lost
 
 
 def source_of(store: VersionStore, version: int) -> str:
@@ -143,12 +135,10 @@ class PullSource:
         return target
 
     def check_roots(self, *, list_remote: bool) -> None:
-        """Raise the no-store :class:`ConfigError` before a pull touches the host: when every
-        store is a local path that does not exist (free), and with ``list_remote`` (a host dir
-        the pull would create) when no store holds anything a publisher wrote (one listing
-        each, so a mistyped bucket prefix leaves no host dir, lock or state behind). Other
-        absent stores are found when the pull reads them. Skipped where a pre-read hook runs:
-        the hook may be what fills the root (a mirror of a bucket, say)."""
+        """The no-store :class:`ConfigError` before a pull touches the host: when every store
+        is a local path that does not exist, and with ``list_remote`` (a host dir the pull
+        would create) when no store holds anything a publisher wrote (so a mistyped bucket
+        leaves no host dir behind). Skipped where a pre-read hook may fill the root."""
         if self._hooked():
             return
         stores = each_store(self.store)
@@ -202,11 +192,8 @@ class _Served:
 
 
 class NearestStores(VersionStore):
-    """Read-only view of several copies of one store, nearest first (see the module doc).
-
-    Every read of a version goes to the store that served its index. :meth:`source_of` names
-    that store's URL. Raises :class:`ConfigError` for an empty list.
-    """
+    """Read-only view of several copies of one store, nearest first (see the module doc):
+    every read of a version goes to the store that served its index (:meth:`source_of`)."""
 
     def __init__(self, stores: Sequence[VersionStore]) -> None:
         if not stores:
@@ -221,7 +208,6 @@ class NearestStores(VersionStore):
         self._built_on_from: dict[int, int] = {}
         """Base version → position of the store whose delta named it as its base."""
 
-    # ----------------------------------------------------------------- routing
     def _serve(self, version: int) -> _Served:
         with self._lock:
             if version in self._served:
@@ -297,7 +283,6 @@ class NearestStores(VersionStore):
         served = self._served.get(version)
         return self.stores[served.position if served else 0].url
 
-    # ------------------------------------------------------------------- reads
     def refresh(self, version: int | None = None) -> None:
         for store in self.stores:
             store.refresh(version)
