@@ -4,13 +4,14 @@ A run is applied in **one pass per tensor** (catch-up). Its payloads are read in
 about :data:`WINDOW_BYTES`, one ranged request per run of nearby payloads of a shard, and each
 window is cut into tasks of about :data:`TASK_BYTES` of model bytes for a thread pool.
 Payloads of one foldable encoding are folded and applied once. A tensor whose payloads may be
-applied in place (:func:`~deltastore.pull.fold.applies_in_place`,
-:func:`~deltastore.pull.fold.batches_in_place`; a batch is one codec call per encoding and
-file, as the Python calls around a compiled decode cost more than the decode on small
-tensors) is written straight into the map, verified there, and put back by applying the same
-payloads again if it does not verify; any other is applied on a copy, verified *before* it is
-written. So each tensor on disk is at the version the run starts from, at the version it ends
-at, or (a write torn by a crash) neither: :mod:`deltastore.pull.repair` relies on that.
+applied in place (:func:`applies_in_place`, :func:`batches_in_place`; a batch is one codec
+call per encoding and file, as the Python calls around a compiled decode cost more than the
+decode on small tensors) is written straight into the map, verified there, and put back by
+applying the same payloads again if it does not verify; any other is applied on a copy,
+verified *before* it is written. So each tensor on disk is at the version the run starts
+from, at the version it ends at, or (a write torn by a crash) neither:
+:mod:`deltastore.pull.repair` relies on that. Everything here asks the encoding what it
+allows (``foldable``, ``self_inverse``, ...); nothing compares encoding names.
 """
 
 from __future__ import annotations
@@ -24,15 +25,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
-from deltastore.codecs import get_encoding
+from deltastore.codecs import ByteArray, Encoding, decompress, get_encoding
 from deltastore.codecs.compression import decompress_many
 from deltastore.errors import FormatError, IntegrityError, PutBackError
 from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
-from deltastore.pull.fold import UndoRecord, applies_in_place, batches_in_place, fold_apply
-from deltastore.pull.history import (
+from deltastore.format.payload import PayloadRef
+from deltastore.pull.chain import (
     TensorHistory,
     check_contiguous,
     check_local_names,
@@ -44,6 +46,141 @@ from deltastore.pull.result import ApplyStats, FirstError, kept_pool
 from deltastore.storage import VersionStore
 
 log = logging.getLogger("deltastore.pull")
+
+
+def read_payloads(
+    store: VersionStore, payloads: Sequence[PayloadRef], stats: ApplyStats | None
+) -> list[bytes]:
+    """The compressed frames of ``payloads``, one ranged read each."""
+    frames = [store.read_range(p.version, p.shard, p.start, p.end) for p in payloads]
+    if stats is not None:
+        stats.add(payloads=len(frames), bytes_read=sum(len(f) for f in frames))
+    return frames
+
+
+def fold_apply(
+    current: ByteArray,
+    payloads: Sequence[PayloadRef],
+    frames: Sequence[bytes | memoryview],
+    name: str,
+    *,
+    in_place: bool = False,
+) -> ByteArray:
+    """``current`` with ``payloads`` applied in order, as a new array (``current`` untouched),
+    or into ``current`` itself when ``in_place`` (see :func:`applies_in_place`).
+
+    Consecutive payloads of one foldable encoding are folded into one and applied once.
+    Raises :class:`FormatError` naming the version whose payload does not fit.
+    """
+    nbytes = current.size
+    result = current if in_place else current.copy()
+    folded: ByteArray | None = None
+    owned = False  # whether `folded` is a private copy (a frame's bytes are read-only)
+    folding: Encoding | None = None
+    last_version = 0
+
+    def apply_folded() -> None:
+        nonlocal folded, folding
+        if folded is not None and folding is not None:
+            _apply(folding, result, folded, name, last_version)
+        folded, folding = None, None
+
+    for payload, frame in zip(payloads, frames, strict=True):
+        encoding = get_encoding(payload.encoding)
+        raw = decompress(  # its declared size checked before allocating
+            frame,
+            max_size=encoding.max_payload_size(nbytes),
+            exact_size=nbytes if encoding.exact_payload_size else None,
+            what=f"{payload.where} payload of tensor {name!r}",
+        )
+        if folding is not None and encoding is not folding:
+            apply_folded()
+        if not encoding.foldable:
+            _apply(encoding, result, raw, name, payload.version)
+            continue
+        try:
+            if folded is None:
+                # One payload (the common case) is applied straight from its decompressed
+                # bytes; a private copy is made only when a second one folds into it.
+                folded, folding, owned = np.frombuffer(raw, dtype=np.uint8), encoding, False
+            else:
+                if not owned:
+                    folded, owned = folded.copy(), True
+                folded = encoding.fold(folded, raw, tensor=name)
+        except FormatError as exc:
+            raise FormatError(f"{payload.where}: {exc}") from None
+        last_version = payload.version
+    apply_folded()
+    return result
+
+
+def applies_in_place(payloads: Sequence[PayloadRef]) -> bool:
+    """True when ``payloads`` may be applied straight into the tensor's mapped bytes: one
+    encoding, foldable (every payload is decompressed, size-checked and folded before the
+    tensor is touched) and self-inverse (applying them again puts the old bytes back)."""
+    encodings = {get_encoding(p.encoding) for p in payloads}
+    if len(encodings) != 1:
+        return False
+    (encoding,) = encodings
+    return encoding.foldable and encoding.self_inverse
+
+
+def batches_in_place(payloads: Sequence[PayloadRef]) -> bool:
+    """True when a tensor's ``payloads`` may go into a batch applied straight into the map:
+    one payload of a self-inverse encoding that checks a payload whole before it writes (a
+    refused one leaves the tensor untouched, a written one that does not verify is put back
+    by applying it again) and applies in batches (``xor`` does not: its payloads are the
+    tensor's size, and joining them costs more than the calls it saves)."""
+    if len(payloads) != 1:
+        return False
+    encoding = get_encoding(payloads[0].encoding)
+    return encoding.self_inverse and encoding.checks_before_writing and encoding.applies_in_batches
+
+
+def _apply(
+    encoding: Encoding, target: ByteArray, raw: bytes | ByteArray, name: str, version: int
+) -> None:
+    try:
+        encoding.apply(target, memoryview(raw), tensor=name)
+    except FormatError as exc:
+        raise FormatError(f"weight_v{version:06d}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class UndoRecord:
+    """What it takes to put one written tensor back to the bytes it held before.
+
+    ``frames`` when every payload's encoding is self-inverse (small: the payloads are applied
+    again, newest first); else the ``positions`` the write changes and their old ``values``.
+    """
+
+    payloads: tuple[PayloadRef, ...]
+    frames: tuple[bytes | memoryview, ...] | None = None
+    positions: npt.NDArray[np.intp] | None = None
+    values: ByteArray | None = None
+
+    @classmethod
+    def of(
+        cls,
+        before: ByteArray,
+        after: ByteArray,
+        payloads: Sequence[PayloadRef],
+        frames: Sequence[bytes | memoryview],
+    ) -> UndoRecord:
+        """The cheapest record that restores ``before`` from ``after``."""
+        if all(get_encoding(p.encoding).self_inverse for p in payloads):
+            return cls(tuple(payloads), frames=tuple(frames))
+        positions = np.flatnonzero(before != after)
+        return cls(tuple(payloads), positions=positions, values=before[positions].copy())
+
+    def restore(self, view: ByteArray, name: str) -> None:
+        """Write the old bytes back into ``view`` (the tensor as it was written)."""
+        if self.frames is not None:
+            view[:] = fold_apply(view, self.payloads[::-1], self.frames[::-1], name)
+        else:
+            assert self.positions is not None and self.values is not None
+            view[self.positions] = self.values
+
 
 WINDOW_BYTES = 32 * 1024**2
 """Compressed payload bytes one window reads at most (one tensor's own payloads excepted)."""

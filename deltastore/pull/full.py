@@ -21,7 +21,7 @@ from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex, check_shard_names
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.format.shard_stream import StreamedShardCheck
-from deltastore.pull.history import full_shard_check
+from deltastore.pull.chain import full_shard_check
 from deltastore.pull.local import LocalCheckpoint, PullContext, synced_digest
 from deltastore.pull.result import run_pool
 from deltastore.storage import VersionStore

@@ -28,14 +28,15 @@ from deltastore.codecs import ByteArray, Checksum, Digest
 from deltastore.errors import ApplyError, ConfigError, IntegrityError, NameMismatchError
 from deltastore.format.checkpoint import CheckpointTensor, read_tensor, scan_checkpoint
 from deltastore.format.state import PendingTransition
-from deltastore.pull.chain import Chain, resolve_chain
-from deltastore.pull.fold import fold_apply, read_payloads
-from deltastore.pull.history import (
+from deltastore.pull.apply import fold_apply, read_payloads
+from deltastore.pull.chain import (
+    Chain,
     FullTensor,
     TensorHistory,
     check_local_names,
     collect_history,
     full_tensors,
+    resolve_chain,
 )
 from deltastore.pull.local import PullContext
 from deltastore.pull.mapped import MappedFiles

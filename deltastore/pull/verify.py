@@ -13,8 +13,7 @@ from deltastore.format.checkpoint import read_tensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
 from deltastore.progress import ProgressCallback, ProgressMeter
-from deltastore.pull.chain import Chain, resolve_chain
-from deltastore.pull.history import full_tensors, recorded_digests
+from deltastore.pull.chain import Chain, full_tensors, recorded_digests, resolve_chain
 from deltastore.pull.local import LocalCheckpoint, wait_recorded
 from deltastore.pull.source import open_store, require_stores
 from deltastore.storage import VersionStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 from deltastore.codecs import Digest, get_checksum
 from deltastore.format.payload import PayloadRef
 from deltastore.pull.apply import Span, plan_windows, tasks_of
-from deltastore.pull.history import TensorHistory
+from deltastore.pull.chain import TensorHistory
 
 _DIGEST = Digest(get_checksum("xxh3-128"), "0" * 32)
 

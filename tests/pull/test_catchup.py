@@ -12,7 +12,7 @@ from deltastore import DeltaPublisher, DeltastoreError, VersionStore, pull_weigh
 from deltastore.errors import PutBackError
 from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.pull import LocalCheckpoint
-from deltastore.pull.history import collect_history
+from deltastore.pull.chain import collect_history
 from deltastore.pull.mapped import MappedFiles
 from deltastore.storage import store_objects
 from tests.pull.helpers import (
