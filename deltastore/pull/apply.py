@@ -40,8 +40,7 @@ from deltastore.pull.chain import (
     check_local_names,
     collect_history,
 )
-from deltastore.pull.local import LocalCheckpoint
-from deltastore.pull.mapped import MappedFiles
+from deltastore.pull.local import LocalCheckpoint, MappedFiles
 from deltastore.pull.result import ApplyStats, FirstError, kept_pool
 from deltastore.storage import VersionStore
 

@@ -36,12 +36,12 @@ from deltastore.pull.fanout import pull_in_group, resolve_group
 from deltastore.pull.full import discard_staging, stage_full, swap_in
 from deltastore.pull.local import (
     LocalCheckpoint,
+    MappedFiles,
     PullContext,
     complete_behind,
     same_dir,
     wait_recorded,
 )
-from deltastore.pull.mapped import MappedFiles
 from deltastore.pull.repair import repair_pending
 from deltastore.pull.result import ApplyStats, PullResult, RepairSummary
 from deltastore.pull.source import (
@@ -53,8 +53,7 @@ from deltastore.pull.source import (
     require_committed,
     source_of,
 )
-from deltastore.pull.trusted import CheckedPlan, preflight
-from deltastore.pull.verify import verify_checkpoint
+from deltastore.pull.verify import CheckedPlan, preflight, verify_checkpoint
 from deltastore.trust import TrustedKey
 from deltastore.trust.keys import TrustedKeys, load_trusted
 

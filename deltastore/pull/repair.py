@@ -38,8 +38,7 @@ from deltastore.pull.chain import (
     full_tensors,
     resolve_chain,
 )
-from deltastore.pull.local import PullContext
-from deltastore.pull.mapped import MappedFiles
+from deltastore.pull.local import MappedFiles, PullContext
 from deltastore.pull.result import ApplyStats, RepairSummary, run_pool
 from deltastore.storage import VersionStore
 

@@ -13,7 +13,7 @@ from deltastore.errors import PutBackError
 from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.pull import LocalCheckpoint
 from deltastore.pull.chain import collect_history
-from deltastore.pull.mapped import MappedFiles
+from deltastore.pull.local import MappedFiles
 from deltastore.storage import store_objects
 from tests.pull.helpers import (
     evolve,
