@@ -5,12 +5,21 @@ tensor (:mod:`deltastore.pull.repair`), or the checkpoint reseeds when the repai
 proven; a checkpoint whose files changed since its state was written (or after a repair, or
 with a state written by another tool) is verified in full first; then the plan
 (:mod:`deltastore.pull.chain`) catches up, reseeds or does nothing.
+
+With a process group, every rank calls :func:`pull_weights` with its own host's local dir.
+Ranks on one host share that dir, so the per-host ``flock`` collapses them to one apply (the
+others find the state at the target: a no-op). Each rank's outcome is then gathered over the
+group (``all_gather_object``): the pull succeeds on every rank only if every host verified its
+checkpoint, and otherwise raises :class:`GroupPullError` on every rank, naming each failed
+rank, its host and its dir.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +29,7 @@ from deltastore.errors import (
     ConfigError,
     DeltastoreError,
     FormatError,
+    GroupPullError,
     IntegrityError,
     NameMismatchError,
     PutBackError,
@@ -32,7 +42,6 @@ from deltastore.gc_pause import gc_paused
 from deltastore.progress import ProgressCallback
 from deltastore.pull.apply import apply_chain, flush_applied
 from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain, resolve_onto
-from deltastore.pull.fanout import pull_in_group, resolve_group
 from deltastore.pull.full import discard_staging, stage_full, swap_in
 from deltastore.pull.local import (
     LocalCheckpoint,
@@ -43,7 +52,7 @@ from deltastore.pull.local import (
     wait_recorded,
 )
 from deltastore.pull.repair import repair_pending
-from deltastore.pull.result import ApplyStats, PullResult, RepairSummary
+from deltastore.pull.result import ApplyStats, HostOutcome, PullResult, RepairSummary
 from deltastore.pull.source import (
     PreRead,
     PullSource,
@@ -89,7 +98,7 @@ def pull_weights(
     ``source_dir`` may be a list of copies of one run, nearest first: each version is read
     from the first that has it committed (:class:`~deltastore.pull.source.NearestStores`).
     ``process_group`` (a ``ProcessGroup``, ``"world"``, or ``"auto"``) makes this a collective
-    that succeeds only if every rank did (:mod:`deltastore.pull.fanout`). ``trusted_keys``
+    that succeeds only if every rank did (see the module docstring). ``trusted_keys``
     makes the pull apply only versions signed by one of them, each verified (and its delta
     shards staged and checked) before the first write (docs/signing.md). ``progress`` gets
     phases ``seed``, ``download`` and ``apply``; if it raises, the pull stops as on any error
@@ -125,6 +134,75 @@ def pull_weights(
         return pull_here()
     local_dir = os.path.abspath(os.fspath(local_checkpoint_dir))
     return pull_in_group(group, pull_here, local_dir=local_dir, target_version=target)
+
+
+def resolve_group(process_group: Any) -> Any | None:
+    """The process group to gather over, or None: ``None``/``False`` none, ``"auto"`` the
+    default group when torch.distributed is initialised, ``True``/``"world"`` the default group
+    (must be initialised), anything else a ``ProcessGroup``. Opt-in, because a collective
+    called from only some ranks of an initialised group would wait forever."""
+    if process_group is None or process_group is False:
+        return None
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if isinstance(process_group, str) or process_group is True:
+        if process_group not in ("auto", "world", True):
+            raise ConfigError(
+                f"process_group={process_group!r}: pass a ProcessGroup, 'world', 'auto' or None"
+            )
+        if not initialised:
+            if process_group == "auto":
+                return None
+            raise ConfigError(
+                "process_group='world' but torch.distributed is not initialised; call "
+                "init_process_group first or pass process_group=None"
+            )
+        return dist.group.WORLD
+    if not initialised:
+        raise ConfigError("a process group was given but torch.distributed is not initialised")
+    return process_group
+
+
+def pull_in_group(
+    group: Any, pull: Callable[[], PullResult], *, local_dir: str, target_version: int
+) -> PullResult:
+    """Run ``pull`` on this rank, gather every rank's outcome (one rank's exception never
+    skips the collective), and raise :class:`GroupPullError` on every rank when any failed
+    (chained to the local error on the failing rank)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    host = socket.gethostname()
+    result: PullResult | None = None
+    error: Exception | None = None
+    try:
+        result = pull()
+        mine = HostOutcome(
+            rank, host, local_dir, True, result.message, result.version, result.action
+        )
+    except Exception as exc:  # every rank must reach the gather below
+        error = exc
+        mine = HostOutcome(rank, host, local_dir, False, f"{type(exc).__name__}: {exc}")
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, dataclasses.asdict(mine), group=group)
+    outcomes = [HostOutcome(**o) for o in gathered]
+    failed = [o for o in outcomes if not o.success]
+    if failed:
+        message = (
+            f"pull of v{target_version:06d} failed on {len(failed)} of {len(outcomes)} rank(s): "
+            + "; ".join(o.describe() for o in failed)
+        )
+        raise GroupPullError(message, outcomes) from error
+    assert result is not None
+    hosts = {(o.host, o.local_dir) for o in outcomes}
+    log.info(
+        "v%06d verified on all %d rank(s) (%d host dir(s))",
+        target_version,
+        len(outcomes),
+        len(hosts),
+    )
+    return dataclasses.replace(result, group=tuple(outcomes))
 
 
 @dataclass(frozen=True)
