@@ -65,12 +65,9 @@ def fold_apply(
     *,
     in_place: bool = False,
 ) -> ByteArray:
-    """``current`` with ``payloads`` applied in order, as a new array (``current`` untouched),
-    or into ``current`` itself when ``in_place`` (see :func:`applies_in_place`).
-
-    Consecutive payloads of one foldable encoding are folded into one and applied once.
-    Raises :class:`FormatError` naming the version whose payload does not fit.
-    """
+    """``current`` with ``payloads`` applied in order (consecutive ones of a foldable encoding
+    folded into one), as a new array, or into ``current`` itself when ``in_place``;
+    :class:`FormatError` naming the version whose payload does not fit."""
     nbytes = current.size
     result = current if in_place else current.copy()
     folded: ByteArray | None = None
@@ -147,11 +144,8 @@ def _apply(
 
 @dataclass(frozen=True)
 class UndoRecord:
-    """What it takes to put one written tensor back to the bytes it held before.
-
-    ``frames`` when every payload's encoding is self-inverse (small: the payloads are applied
-    again, newest first); else the ``positions`` the write changes and their old ``values``.
-    """
+    """What puts one written tensor back: ``frames`` when every payload's encoding is
+    self-inverse (applied again, newest first), else changed ``positions`` and old ``values``."""
 
     payloads: tuple[PayloadRef, ...]
     frames: tuple[bytes | memoryview, ...] | None = None
@@ -311,10 +305,8 @@ class _ChainApplier:
     def apply_run(
         self, tensors: Sequence[TensorHistory], frames: Sequence[list[memoryview]], run: range
     ) -> None:
-        """Apply the tensors ``run`` indexes (one pool task), each verified before the task
-        ends: in batches (one codec call per encoding and file) where :func:`batches_in_place`
-        allows, else one by one. Every tensor written is recorded, even when a later one fails.
-        """
+        """Apply and verify the tensors ``run`` indexes (one pool task), in batches where
+        :func:`batches_in_place` allows; every tensor written is recorded, even on a failure."""
         written: list[tuple[str, UndoRecord]] = []
         # Every tensor of the run is written whole (unless one fails): its pages are made
         # writable in a few calls instead of two page faults per page.
@@ -468,12 +460,9 @@ def apply_chain(
 ) -> None:
     """Apply a run of deltas in place, building link by link on ``applied_version`` (else
     :class:`OutOfOrderError`) onto tensors that exist locally (else :class:`NameMismatchError`).
-
-    On any failure the tensors already written are put back (and flushed), so the checkpoint
-    still holds ``applied_version`` when the error is raised (:class:`PutBackError` when the
-    put-back itself fails). Without ``files`` the data is flushed before returning; given
-    ``files`` (maps the caller owns), the written files stay mapped there, verified but not
-    flushed: the caller flushes them (:func:`flush_applied`) before it records the state.
+    On any failure what was written is put back and flushed (:class:`PutBackError` if that
+    fails). Without ``files`` the data is flushed before returning; given ``files`` (maps the
+    caller owns), the caller flushes them (:func:`flush_applied`) before it records the state.
     """
     if not deltas:
         return

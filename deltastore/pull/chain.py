@@ -75,12 +75,9 @@ class Chain:
 
 
 def resolve_chain(store: IndexSource, target: int) -> Chain:
-    """Walk ``base_version`` links back from ``target`` to a full version or the base.
-
-    Raises :class:`VersionNotFoundError` if the target or a link is not committed (pruned:
-    a partial chain must never be replayed onto the wrong start), :class:`FormatError` if the
-    chain mixes streams.
-    """
+    """Walk ``base_version`` links back from ``target`` to a full version or the base;
+    :class:`VersionNotFoundError` if the target or a link is not committed (a partial chain
+    must never be replayed onto the wrong start), :class:`FormatError` if streams mix."""
     start, deltas = walk_chain(store, target)
     return Chain(target, start.version if start else 0, start, deltas)
 
@@ -88,12 +85,9 @@ def resolve_chain(store: IndexSource, target: int) -> Chain:
 def resolve_onto(store: VersionStore, target: int, state: AppliedState | None) -> Chain:
     """The chain to ``target`` as seen from a host holding ``state``: O(versions applied).
 
-    A host that holds a verified version of the target's stream needs only the deltas after
-    it: the walk from ``target`` stops at the host's version, and each delta read must be of
-    the host's stream and link, base by base, onto the host's version. Anything else (no
-    state, the base, a full version or a gap on the way, another stream, a backward target)
-    resolves the whole chain with :func:`resolve_chain` (a reseed needs its start). Raises
-    what :func:`resolve_chain` raises.
+    The walk from ``target`` stops at the host's version, each delta of the host's stream and
+    linking onto it; anything else (no state, the base, a full version or a gap on the way,
+    another stream, a backward target) resolves the whole chain (a reseed needs its start).
     """
     if state is None or state.version <= 0 or state.version >= target:
         return resolve_chain(store, target)
@@ -184,13 +178,9 @@ def _reseed_bytes(store: VersionStore, chain: Chain) -> int:
 
 
 def plan_pull(store: VersionStore, chain: Chain, state: AppliedState | None) -> Plan:
-    """Decide how to reach ``chain.target`` from ``state`` (None: nothing verified locally).
-
-    A state on the chain (same stream) catches up with the deltas after it, unless reseeding
-    from the chain's start would move fewer bytes. Anything else (no state, a version of
-    another stream, a backward target) reseeds from the base or the newest full version on
-    the chain and replays: never a silent no-op.
-    """
+    """How to reach ``chain.target`` from ``state`` (None: nothing verified locally): a state
+    on the chain (same stream) catches up, unless reseeding from the chain's start moves fewer
+    bytes; anything else reseeds and replays, never a silent no-op."""
     target = chain.target
     if state is None:
         reason = "no verified local state"
@@ -313,10 +303,8 @@ def full_tensors(store: VersionStore, index: VersionIndex) -> dict[str, FullTens
 
 
 def full_shard_check(checksum: Checksum, where: str, source: str) -> StreamedShardCheck:
-    """A download sink (see :meth:`VersionStore.download`) for one shard of a full version:
-    every tensor its metadata gives a digest for is hashed as its bytes arrive, so a reseed
-    verifies in the same pass as it downloads (``where`` names the version in errors,
-    ``source`` the shard's URL)."""
+    """A download sink for one shard of a full version hashing every tensor its metadata
+    gives a digest for as its bytes arrive, so a reseed verifies as it downloads."""
 
     def expected(header: SafetensorsHeader) -> dict[str, str]:
         return {n: d.hex for n, d in recorded_digests(header, checksum, where=where).items()}

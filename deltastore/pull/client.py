@@ -331,10 +331,7 @@ def pull_all(
     max_parallel: int | None = None,
 ) -> list[EndpointReply]:
     """Ask every endpoint to pull ``target_version`` concurrently; replies in endpoint order.
-
-    ``local_checkpoint_dir`` is one path for every host, or a mapping endpoint → path.
-    Check ``all(r.success for r in replies)``; each failed reply's message names its host.
-    """
+    ``local_checkpoint_dir`` is one path for every host, or a mapping endpoint → path."""
     if not endpoints:
         raise ConfigError("pull_all needs at least one endpoint")
 

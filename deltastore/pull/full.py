@@ -119,14 +119,9 @@ def _download(
 def stage_full(
     pull: PullContext, index: VersionIndex, model: dict[str, CheckpointTensor] | None
 ) -> str:
-    """Download a full version into the staging dir and verify it; returns the dir.
-
-    The staged headers are checked against ``model`` (names and sizes), and each tensor
-    against the digest its shard metadata records (deltastore always records them) as its
-    bytes arrive; a foreign full version without digests is checked by hashing each file as
-    it is downloaded and again after it is written. Raises :class:`IntegrityError` /
-    :class:`NameMismatchError`; the local weights are untouched.
-    """
+    """Download a full version into the staging dir and verify it (names and sizes against
+    ``model``, each tensor against its recorded digest as it arrives, or, without digests,
+    each file as read and as written); returns the dir. The local weights are untouched."""
     store, where = pull.store, version_dir_name(index.version)
     staging = os.path.join(pull.local.state_dir, STAGING_NAME)
     shutil.rmtree(staging, ignore_errors=True)

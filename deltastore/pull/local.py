@@ -121,12 +121,8 @@ _populate = {"works": _POPULATE_WRITE is not None}
 
 
 def prefault(mm: mmap.mmap, start: int, end: int) -> None:
-    """Map bytes ``[start, end)`` of ``mm`` writable in one call, where the OS allows it.
-
-    A write into a shared map otherwise takes two page faults per 4 KiB page (read, then
-    write). Only pages about to be written are populated: a page made writable is dirty and
-    is written back by the next msync.
-    """
+    """Map bytes ``[start, end)`` of ``mm`` writable in one call where the OS allows it (else
+    a write takes two page faults per page); only pages about to be written: each is dirty."""
     if _POPULATE_WRITE is None or not _populate["works"] or end <= start:
         return
     begin = start - start % mmap.PAGESIZE
@@ -338,12 +334,9 @@ class LocalCheckpoint:
             return PendingTransition(None, 0)
 
     def begin(self, pending: PendingTransition) -> None:
-        """Before the first in-place write: record the transition and drop the state.
-
-        The pending record is renamed in and the state removed under one directory fsync: a
-        crash before it leaves either the old state alone (nothing written yet) or both, and a
-        pending record beside a state that does not name its target is repaired from.
-        """
+        """Before the first in-place write: rename the pending record in and remove the state
+        under one directory fsync (a crash before it leaves the old state alone, or both: a
+        record beside a state that does not name its target is repaired from)."""
         os.makedirs(self.state_dir, exist_ok=True)
         atomic_replace(self.pending_path, pending.to_json(), sync_dir=False)
         with contextlib.suppress(FileNotFoundError):

@@ -84,31 +84,20 @@ def pull_weights(
     progress: ProgressCallback | None = None,
     flush_after_reply: bool = False,
 ) -> PullResult:
-    """Bring ``local_checkpoint_dir`` to ``target_version`` (a number or ``"latest"``, the
-    newest committed version) of the store at ``source_dir``, verified.
+    """Bring ``local_checkpoint_dir`` to ``target_version`` (a number or ``"latest"``) of the
+    store at ``source_dir`` (or a list of copies of one run, nearest first), verified.
 
-    Version 0 resets to ``base_dir`` (copied and content-verified, never modified); a
-    checkpoint holding a version on the target's chain catches up with the remaining deltas
-    in one pass per tensor; anything else (no state, another stream, a backward target)
-    reseeds from the base or the newest full version on the chain (staged and verified before
-    it replaces anything) and replays. Every written tensor is verified against the published
-    digest; the state file never names a version whose bytes were not verified and flushed.
-    A store passed in is not modified (``pre_read`` is this call's own hook).
+    Version 0 resets to ``base_dir`` (copied and content-verified, never modified); a host on
+    the target's chain catches up in one pass per tensor; anything else reseeds from the base
+    or the newest full version on the chain (staged and verified first) and replays. The state
+    file never names a version whose bytes were not verified and flushed; a store passed in is
+    not modified. ``process_group`` makes this a collective (see the module docstring);
+    ``trusted_keys`` applies only versions signed by one of them (docs/signing.md);
+    ``progress`` gets phases ``seed``, ``download`` and ``apply``; ``flush_after_reply=True``
+    returns once a catch-up's tensors are verified in the mapped files, the flush and the state
+    following (:mod:`deltastore.pull.local`). See docs/api.md.
 
-    ``source_dir`` may be a list of copies of one run, nearest first: each version is read
-    from the first that has it committed (:class:`~deltastore.pull.source.NearestStores`).
-    ``process_group`` (a ``ProcessGroup``, ``"world"``, or ``"auto"``) makes this a collective
-    that succeeds only if every rank did (see the module docstring). ``trusted_keys``
-    makes the pull apply only versions signed by one of them, each verified (and its delta
-    shards staged and checked) before the first write (docs/signing.md). ``progress`` gets
-    phases ``seed``, ``download`` and ``apply``; if it raises, the pull stops as on any error
-    there. ``flush_after_reply=True`` returns once a catch-up's tensors are verified in the
-    mapped files; the flush and the state follow (:mod:`deltastore.pull.local`,
-    docs/engines.md).
-
-    Raises a :class:`DeltastoreError` subclass naming the version and tensor at fault
-    (:class:`SignatureError`, :class:`ConfigError` for a local dir overlapping a local store,
-    :class:`GroupPullError` listing every failed rank in a group pull).
+    Raises a :class:`DeltastoreError` subclass naming the version and tensor at fault.
     """
     group = resolve_group(process_group)
     options = _Options(workers, lock_timeout_s, load_trusted(trusted_keys), flush_after_reply)
@@ -215,19 +204,16 @@ class _Options:
 
 @dataclass
 class _PullRun(PullContext):
-    """One pull on this host, under its lock: the store, the dir, what it has done so far."""
+    """One pull on this host, under its lock, and what it has done so far."""
 
     source: PullSource
     options: _Options
     started: float = field(default_factory=time.perf_counter)
     checked: CheckedPlan = field(default_factory=CheckedPlan)
-    """What the preflight verified (signature records, the verified delta copies)."""
     phases: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase so far (see :attr:`PullResult.phase_seconds`)."""
     _mark: float = 0.0
 
     def phase_done(self, name: str) -> None:
-        """The time since the previous mark (or the start) went to phase ``name``."""
         now = time.perf_counter()
         self.phases[name] = self.phases.get(name, 0.0) + now - (self._mark or self.started)
         self._mark = now
@@ -260,8 +246,7 @@ class _PullRun(PullContext):
         )
 
     def applied(self, version: int, stream: str | None) -> AppliedState:
-        """The state recording ``version``: the store it came from, and, when reading from
-        several stores, where each version this pull read came from."""
+        """The state recording ``version`` and the store (or stores) it came from."""
         sources = None
         if len(each_store(self.store)) > 1:
             read = [*self.stats.versions, version]
@@ -375,13 +360,9 @@ class _PullRun(PullContext):
     def trusted(
         self, state: AppliedState | None, chain: Chain, *, suspect: bool
     ) -> AppliedState | None:
-        """``state`` if the checkpoint's bytes can be taken to hold it, else None (reseed).
-
-        Cheap when the weight files' fingerprints (size, mtime) match those the state
-        recorded. Otherwise (files changed behind the state's back, a state written by another
-        tool, or ``suspect``: an interrupted pull was found) every tensor is hashed against the
-        state's version first. A state not on the target's chain reseeds without a check.
-        """
+        """``state`` if the checkpoint's bytes can be taken to hold it, else None (reseed):
+        cheap when the weight files' fingerprints match the state's, else (or ``suspect``: an
+        interrupted pull was found) every tensor is hashed against the state's version."""
         local = self.local
         if state is None or chain.suffix_after(state.version) is None:
             return state

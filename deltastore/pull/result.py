@@ -21,9 +21,7 @@ class ApplyStats:
     """Counters of one pull, shared by its apply threads."""
 
     tensors: int = 0
-    """Tensors written (applied, restored or copied)."""
     payloads: int = 0
-    """Delta payloads read (one per changed tensor per version)."""
     bytes_read: int = 0
     bytes_written: int = 0
     versions: list[int] = field(default_factory=list)

@@ -140,16 +140,11 @@ def verify_local(
     trusted_keys: TrustedKeys | None = None,
     progress: ProgressCallback | None = None,
 ) -> int:
-    """Check every tensor of a local checkpoint against ``version`` by digest (not by state).
-
-    ``version`` defaults to the one the local state records. Returns the version verified.
-    With ``trusted_keys``, every version of its chain must carry a valid signature of one of
-    them first (the digests compared are then the signed ones). ``progress`` (see
-    :mod:`deltastore.progress`) gets phase ``base`` (hashing the base's tensors no version
-    changed, when the chain starts at the base) and ``verify`` (hashing the local tensors).
-    Raises :class:`IntegrityError` / :class:`NameMismatchError` naming the tensors at fault,
-    :class:`SignatureError` for a version the keys do not vouch for.
-    """
+    """Check every tensor of a local checkpoint against ``version`` (default: the one its
+    state records) by digest; returns the version. With ``trusted_keys`` every version of the
+    chain must be signed by one of them first. ``progress`` gets phases ``base`` and
+    ``verify``. Raises :class:`IntegrityError` / :class:`NameMismatchError` naming the tensors
+    at fault, :class:`SignatureError` for a version the keys do not vouch for."""
     keys = load_trusted(trusted_keys)
     local = LocalCheckpoint(local_checkpoint_dir)
     store = open_store(source_dir, storage_options)
