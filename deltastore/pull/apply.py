@@ -294,7 +294,6 @@ class _ChainApplier:
     last: str
     stats: ApplyStats
     written: list[tuple[str, UndoRecord]] = field(default_factory=list)
-    """Each tensor written so far (by name) and how to put it back."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def read_span(self, span: Span) -> bytes:

@@ -40,7 +40,6 @@ class Chain:
     target: int
     start: int
     start_index: VersionIndex | None
-    """The full version's index, None when starting from the base."""
     deltas: list[VersionIndex]
     start_stream: str | None = None
     partial: bool = False
@@ -244,17 +243,6 @@ class TensorHistory:
         return self.digests[self.payloads[-1].version]
 
 
-def check_index_codecs(index: VersionIndex) -> Checksum:
-    """The checksum a delta index names; :class:`FormatError` naming the version for an
-    unknown encoding, compression or checksum."""
-    try:
-        get_encoding(index.encoding or "")
-        check_compression(index.compression)
-        return get_checksum(index.checksum or "")
-    except ConfigError as exc:
-        raise FormatError(f"{version_dir_name(index.version)} cannot be applied: {exc}") from None
-
-
 def check_digest(checksum: Checksum, digest: object, *, name: str, where: str) -> Digest:
     """``digest`` (from shard metadata) as a :class:`Digest`; :class:`FormatError` if invalid."""
     if (
@@ -320,7 +308,12 @@ def collect_history(
     history: dict[str, TensorHistory] = {}
     for index in deltas:
         where = version_dir_name(index.version)
-        checksum = check_index_codecs(index)
+        try:  # an unknown encoding, compression or checksum
+            get_encoding(index.encoding or "")
+            check_compression(index.compression)
+            checksum = get_checksum(index.checksum or "")
+        except ConfigError as exc:
+            raise FormatError(f"{where} cannot be applied: {exc}") from None
         for shard in index.shards():
             header = store.read_shard_header(index.version, shard)
             source = f"{store.url}/{where}/{shard}"

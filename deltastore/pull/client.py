@@ -98,10 +98,8 @@ class PullRequest:
 
 
 REQUEST_FIELDS = ("local_checkpoint_dir", "source_dir", "target_version")
-"""The fields of a ``POST /pull_weights`` body, as the reference engine endpoint takes them."""
 
-MAX_SOURCES = 8
-"""Most stores one request may name in ``source_dir``."""
+MAX_SOURCES = 8  # stores one request may name in ``source_dir``
 
 
 def _source_dir(raw: object) -> str | tuple[str, ...]:
@@ -219,13 +217,6 @@ def normalize_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-def _headers(token: str | None) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    return headers
-
-
 @dataclass(frozen=True)
 class HttpReply:
     """What one HTTP call to an engine or a ``deltastore serve`` answered."""
@@ -283,7 +274,10 @@ def call(
     full = f"{url}?{urllib.parse.urlencode(dict(query))}" if query else url
     data = json.dumps(dict(body)).encode() if body is not None else None
     started = time.perf_counter()
-    http = urllib.request.Request(full, data=data, headers=_headers(token), method=method)
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    http = urllib.request.Request(full, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(http, timeout=timeout_s) as response:
             status, raw = response.status, response.read()

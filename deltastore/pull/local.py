@@ -69,11 +69,6 @@ def _reflink(src: str, dst: str) -> bool:
         return False
 
 
-def temp_sibling(path: str) -> str:
-    """A fresh temp name beside ``path``: ``<name>.<token>.tmp`` (as ``atomic_replace`` uses)."""
-    return f"{path}.{uuid.uuid4().hex[:12]}.tmp"
-
-
 def synced_digest(path: str) -> bytes:
     """fsync ``path``, then hash it as read back (xxh3-128): what a copy must match."""
     hasher = xxhash.xxh3_128()
@@ -88,7 +83,7 @@ def copy_verified(src: str, dst: str, on_read: Callable[[int], None] | None = No
     """Copy a file (never a hard link: the source must stay untouched), hashing the source as
     it is read (``on_read(n)`` told of each chunk) and the copy again after an fsync;
     :class:`IntegrityError` on a mismatch."""
-    tmp = temp_sibling(dst)
+    tmp = f"{dst}.{uuid.uuid4().hex[:12]}.tmp"  # as atomic_replace names its temp files
     source_hash = xxhash.xxh3_128()
     cloned = _reflink(src, tmp)
     with open(src, "rb") as fin, contextlib.ExitStack() as stack:

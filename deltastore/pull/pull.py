@@ -184,13 +184,8 @@ def pull_in_group(
         )
         raise GroupPullError(message, outcomes) from error
     assert result is not None
-    hosts = {(o.host, o.local_dir) for o in outcomes}
-    log.info(
-        "v%06d verified on all %d rank(s) (%d host dir(s))",
-        target_version,
-        len(outcomes),
-        len(hosts),
-    )
+    ranks, hosts = len(outcomes), len({(o.host, o.local_dir) for o in outcomes})
+    log.info("v%06d verified on all %d rank(s) (%d host dir(s))", target_version, ranks, hosts)
     return dataclasses.replace(result, group=tuple(outcomes))
 
 

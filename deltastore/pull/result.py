@@ -113,11 +113,8 @@ class RepairSummary:
     from_version: int
     to_version: int
     kept: int
-    """Touched tensors already at the target."""
     applied: int
-    """Tensors still at their previous version: the transition's payloads were applied."""
     restored: int
-    """Tensors at neither (a torn write): rebuilt from the chain's start."""
 
     def describe(self) -> str:
         return (
@@ -158,13 +155,10 @@ class PullResult:
     shards, index files are not counted)."""
     seconds: float = 0.0
     plan: str = ""
-    """The plan that was followed (versions, bytes to move), as logged."""
     repair: RepairSummary | None = None
-    """Set when an interrupted transition was found and repaired."""
     payloads_read: int = 0
     """Delta payloads read: one per changed tensor per version."""
     group: tuple[HostOutcome, ...] = ()
-    """Every rank's outcome when the pull ran across a process group."""
     bytes_reconstructed: int = 0
     """Bytes of local tensors written (patched, restored or copied in by a reseed)."""
     tensors_skipped: int = 0

@@ -34,7 +34,6 @@ T = TypeVar("T")
 
 PreRead = Callable[[str, int], None]
 StoreSpec = VersionStore | str | os.PathLike[str]
-"""One store: a :class:`VersionStore` or its URL."""
 
 
 def open_store(
