@@ -108,9 +108,8 @@ def pull_weights(
         try:
             return _pull_here(local_checkpoint_dir, source, target, base_dir, options, progress)
         except VersionNotFoundError as lost:
-            # A version vanished mid-pull (pruned): what was applied before the loss is
-            # verified and recorded (or put back), so resolving once more is safe; a target
-            # that is gone itself gets an error naming the newest version.
+            # A version vanished mid-pull (pruned): what was applied is verified and recorded
+            # (or put back), so resolving once more is safe.
             require_committed(source.store, target, lost=lost)
             log.warning(
                 "a version vanished while pulling v%06d (%s); re-resolving its chain once",

@@ -462,9 +462,8 @@ class PullServer:
                 pre_read=self.config.pre_read,
                 workers=self.config.workers,
                 trusted_keys=self.config.trusted_keys,
-                # The engine reloads from the page cache: reply once the tensors are verified
-                # there; the flush and the state follow (docs/engines.md, "Replying before
-                # the flush"), and the next pull of the dir waits for them.
+                # The engine reloads from the page cache (docs/engines.md, "Replying before
+                # the flush"); the next pull of the dir waits for the flush and the state.
                 flush_after_reply=True,
             )
         except (DeltastoreError, OSError) as exc:

@@ -205,40 +205,32 @@ class CheckedPlan:
             record.check_shard(index.version, shard, fact)
 
 
-def _download_checked(
-    store: VersionStore, index: VersionIndex, shard: str, record: SignatureRecord, dst: str
-) -> None:
-    """Copy one shard to ``dst`` (fsynced), refusing it unless it is the signed bytes."""
-    signed = record.shards[shard]
-    hasher = ShardHasher()
-    size = 0
-    with store.open_read(index.version, shard) as src, open(dst, "wb") as out:
-        # One byte past the signed size is enough to refuse a longer file: never read the rest.
-        while chunk := src.read(min(_CHUNK, signed.size + 1 - size)):
-            hasher.update(chunk)
-            size += len(chunk)
-            out.write(chunk)
-        out.flush()
-        os.fsync(out.fileno())
-    record.check_shard(index.version, shard, hasher.fact())
-
-
 def stage_deltas(
     store: VersionStore,
     deltas: Sequence[VersionIndex],
     records: dict[int, SignatureRecord],
     staging: str,
 ) -> VersionStore:
-    """Download every shard of ``deltas`` into ``staging`` as a local store, each checked
-    against its signed record."""
+    """Download every shard of ``deltas`` into ``staging`` as a local store (fsynced), each
+    refused unless it is the signed bytes."""
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     for index in deltas:
         vdir = os.path.join(staging, version_dir_name(index.version))
         os.makedirs(vdir)
+        record = records[index.version]
         for shard in index.shards():
+            signed, hasher, size = record.shards[shard], ShardHasher(), 0
             dst = os.path.join(vdir, shard)
-            _download_checked(store, index, shard, records[index.version], dst)
+            with store.open_read(index.version, shard) as src, open(dst, "wb") as out:
+                # One byte past the signed size is enough to refuse a longer file.
+                while chunk := src.read(min(_CHUNK, signed.size + 1 - size)):
+                    hasher.update(chunk)
+                    size += len(chunk)
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            record.check_shard(index.version, shard, hasher.fact())
         fsync_path(vdir)
     return VersionStore(staging)
 
