@@ -44,16 +44,12 @@ def flushed_behind(path: str, every_s: float = FLUSH_BEHIND_S) -> Iterator[None]
 
     def flush() -> None:
         while not done.wait(every_s):
-            try:
+            with contextlib.suppress(OSError):  # the final fsync reports a real failure
                 fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                _datasync(fd)
-            except OSError:
-                pass  # the final fsync reports a real failure
-            finally:
-                os.close(fd)
+                try:
+                    _datasync(fd)
+                finally:
+                    os.close(fd)
 
     flusher = threading.Thread(target=flush, name="deltastore-flush-behind", daemon=True)
     flusher.start()
@@ -62,25 +58,6 @@ def flushed_behind(path: str, every_s: float = FLUSH_BEHIND_S) -> Iterator[None]
     finally:
         done.set()
         flusher.join()
-
-
-def _check_complete(
-    where: str, model: dict[str, CheckpointTensor] | None, staged: dict[str, CheckpointTensor]
-) -> None:
-    """Refuse a full version whose tensor names or sizes differ from ``model`` (the base's or,
-    without a base, the local checkpoint's tensors; None skips the check)."""
-    if model is None:
-        return
-    sizes = {name: tensor.entry.nbytes for name, tensor in staged.items()}
-    missing = sorted(set(model) - set(sizes))
-    extra = sorted(set(sizes) - set(model))
-    resized = sorted(n for n in set(model) & set(sizes) if model[n].entry.nbytes != sizes[n])
-    if missing or extra or resized:
-        raise NameMismatchError(
-            f"{where} is a full version that does not match the model: missing {missing[:5]}, "
-            f"extra {extra[:5]}, other sizes {resized[:5]}; it is incomplete or of another "
-            "model. Nothing local was changed"
-        )
 
 
 class _WholeFile:
@@ -143,7 +120,16 @@ def stage_full(
     # An ordinary HF index so the engine's loader finds the shards.
     atomic_replace(os.path.join(staging, INDEX_NAME), index.to_json())
     staged = scan_checkpoint(staging)
-    _check_complete(f"{store.url}/{where}", model, staged)
+    if model is not None:  # names and sizes: the base's (else the local checkpoint's)
+        sizes = {name: tensor.entry.nbytes for name, tensor in staged.items()}
+        missing, extra = sorted(set(model) - set(sizes)), sorted(set(sizes) - set(model))
+        resized = sorted(n for n in set(model) & set(sizes) if model[n].entry.nbytes != sizes[n])
+        if missing or extra or resized:
+            raise NameMismatchError(
+                f"{store.url}/{where} is a full version that does not match the model: missing "
+                f"{missing[:5]}, extra {extra[:5]}, other sizes {resized[:5]}; it is incomplete "
+                "or of another model. Nothing local was changed"
+            )
     for shard in shards:
         names = {n for n, t in staged.items() if os.path.basename(t.file) == shard}
         check_shard_names(index, shard, names, source=f"{store.url}/{where}/{shard}")

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -223,24 +224,6 @@ class PullContext:
     stats: ApplyStats
 
 
-class HostLock:
-    """The per-host ``flock`` held through one open descriptor; closing it releases the lock."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd: int | None = fd
-
-    def hand_over(self) -> HostLock:
-        """A new owner of the held lock; this one no longer releases it."""
-        fd, self._fd = self._fd, None
-        assert fd is not None, "the host lock was already released or handed over"
-        return HostLock(fd)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing releases the flock
-            self._fd = None
-
-
 class LocalCheckpoint:
     """A host-local HF checkpoint kept in step by :func:`pull_weights`; its ``read_state`` and
     ``read_pending`` first wait for this process's pull of the dir to be durable and recorded
@@ -253,12 +236,19 @@ class LocalCheckpoint:
         self.pending_path = os.path.join(self.state_dir, PENDING_NAME)
 
     @contextlib.contextmanager
-    def lock(self, timeout_s: float = 3600.0) -> Iterator[HostLock]:
-        """Hold the per-host ``flock`` (co-located ranks serialise on it); released on exit
-        unless handed over (:meth:`HostLock.hand_over`) to the completion after the reply."""
+    def lock(self, timeout_s: float = 3600.0) -> Iterator[Callable[[], Callable[[], None]]]:
+        """Hold the per-host ``flock`` (co-located ranks serialise on it) through one open
+        descriptor, released on exit unless ``hand_over()`` (what this yields) gave its release
+        to the completion after the reply."""
         os.makedirs(self.state_dir, exist_ok=True)
         fd = os.open(os.path.join(self.state_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-        held = HostLock(fd)
+        held = [fd]
+
+        def hand_over() -> Callable[[], None]:
+            assert held, "the host lock was already handed over"
+            held.clear()
+            return functools.partial(os.close, fd)  # closing releases the flock
+
         deadline = time.monotonic() + timeout_s
         try:
             while True:
@@ -273,9 +263,10 @@ class LocalCheckpoint:
                             f"{self.dir} is locked by another pull for over {timeout_s:.0f} s"
                         ) from None
                     time.sleep(0.05)
-            yield held
+            yield hand_over
         finally:
-            held.release()
+            if held:
+                os.close(fd)
 
     def read_state(self) -> AppliedState | None:
         """The applied state, or None when there is none (or it is unreadable)."""

@@ -453,13 +453,13 @@ def _pull_here(
     stats = ApplyStats(progress=progress)
     run = _PullRun(source.store, local, base, options.workers, stats, source, options)
     wait_recorded(local.dir, options.lock_timeout_s)  # this process's last pull of the dir
-    with local.lock(options.lock_timeout_s) as held, gc_paused():
+    with local.lock(options.lock_timeout_s) as hand_over, gc_paused():
         # The collector resumes once the pull's objects (headers, histories, the scanned
         # checkpoint) are gone with run.pull's frame, so its first collection is short.
         done, make_durable = run.pull(target)
         if make_durable is not None:
             # Reply now: every written tensor is verified in the page cache the engine
             # reloads from; the flush and the state follow under the host lock.
-            complete_behind(local.dir, make_durable, held.hand_over().release)
+            complete_behind(local.dir, make_durable, hand_over())
     log.info("%s: %s", local.dir, done.message)
     return done
