@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import logging
 import threading
 from collections import deque
@@ -433,12 +434,8 @@ def _run_windows(applier: _ChainApplier, windows: Sequence[Window], workers: int
                 first.record(exc)
                 break
             sizes = [applier.local_tensors[t.name].entry.nbytes for t in window.tensors]
-            in_flight.append(
-                [
-                    pool.submit(first.run, applier.apply_run, window.tensors, frames, run)
-                    for run in tasks_of(sizes)
-                ]
-            )
+            run = functools.partial(first.run, applier.apply_run, window.tensors, frames)
+            in_flight.append([pool.submit(run, task) for task in tasks_of(sizes)])
             while len(in_flight) > 1:
                 cf.wait(in_flight.popleft())
     finally:
