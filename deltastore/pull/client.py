@@ -329,18 +329,14 @@ def pull_all(
     if not endpoints:
         raise ConfigError("pull_all needs at least one endpoint")
 
-    def request_for(endpoint: str) -> PullRequest:
-        if isinstance(local_checkpoint_dir, str):
-            directory = local_checkpoint_dir
-        else:
-            try:
-                directory = local_checkpoint_dir[endpoint]
-            except KeyError:
-                raise ConfigError(f"no local_checkpoint_dir given for {endpoint}") from None
-        sources = source_dir if isinstance(source_dir, str) else tuple(source_dir)
-        return PullRequest(directory, sources, target_version)
-
-    requests = [request_for(e) for e in endpoints]
+    dirs = local_checkpoint_dir
+    if isinstance(dirs, str):
+        dirs = dict.fromkeys(endpoints, dirs)
+    for endpoint in endpoints:
+        if endpoint not in dirs:
+            raise ConfigError(f"no local_checkpoint_dir given for {endpoint}")
+    sources = source_dir if isinstance(source_dir, str) else tuple(source_dir)
+    requests = [PullRequest(dirs[e], sources, target_version) for e in endpoints]
     with cf.ThreadPoolExecutor(max_parallel or len(endpoints)) as pool:
         futures = [
             pool.submit(pull_one, e, r, token=token, timeout_s=timeout_s)

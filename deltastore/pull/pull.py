@@ -445,10 +445,7 @@ def _pull_here(
             "trainer was seeded from"
         )
     if target > 0:
-        fresh = not os.path.exists(local.dir)
-        source.check_roots(list_remote=fresh)
-        if fresh:
-            source.check_published(target)
+        source.check_target(target, fresh=not os.path.exists(local.dir))
     os.makedirs(local.dir, exist_ok=True)
     stats = ApplyStats(progress=progress)
     run = _PullRun(source.store, local, base, options.workers, stats, source, options)

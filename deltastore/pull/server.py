@@ -347,13 +347,9 @@ class PullServer:
     async def _log_outcome(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         response = await handler(request)
         status = response.status
-        level = (
-            logging.WARNING
-            if status >= 400
-            else logging.INFO
-            if request.path == "/pull_weights"
-            else logging.DEBUG
-        )
+        level = logging.WARNING if status >= 400 else logging.DEBUG
+        if status < 400 and request.path == "/pull_weights":
+            level = logging.INFO
         if log.isEnabledFor(level):
             what = request.get(PULL_DETAIL)
             target = f"{request.method} {request.path_qs}" + (f" ({what})" if what else "")
@@ -508,10 +504,8 @@ async def serve_async(
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
                 loop.add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError):  # not the main thread
-                pass
         await stop.wait()
     finally:
         await runner.cleanup()

@@ -133,27 +133,18 @@ class PullSource:
             raise ConfigError(f"target version {target} is negative")
         return target
 
-    def check_roots(self, *, list_remote: bool) -> None:
-        """The no-store :class:`ConfigError` before a pull touches the host: when every store
-        is a local path that does not exist, and with ``list_remote`` (a host dir the pull
-        would create) when no store holds anything a publisher wrote (so a mistyped bucket
-        leaves no host dir behind). Skipped where a pre-read hook may fill the root."""
-        if self._hooked():
-            return
+    def check_target(self, target: int, *, fresh: bool) -> None:
+        """Before a pull touches the host, unless a pre-read hook may fill the root or bring
+        the version: the no-store :class:`ConfigError` when every store is a local path that
+        does not exist, or when no store holds anything a publisher wrote and the pull would
+        create the host dir (``fresh``: a mistyped bucket leaves no host dir behind), and
+        then, for a fresh dir, :func:`require_committed`."""
         stores = each_store(self.store)
-        if list_remote or all(s.is_local and not os.path.isdir(s.root) for s in stores):
+        if self.pre_read is not None or any(s.pre_read is not None for s in stores):
+            return
+        if fresh or all(s.is_local and not os.path.isdir(s.root) for s in stores):
             require_stores(self.store)
-
-    def _hooked(self) -> bool:
-        """Whether a pre-read hook runs before reads (this pull's or a store's own)."""
-        return self.pre_read is not None or any(
-            s.pre_read is not None for s in each_store(self.store)
-        )
-
-    def check_published(self, target: int) -> None:
-        """:func:`require_committed` before a pull creates a host dir (so a version not, or no
-        longer, published leaves none behind), unless a pre-read hook may bring the version."""
-        if not self._hooked():
+        if fresh:
             require_committed(self.store, target)
 
     def check_apart_from(self, local_dir: str) -> None:
