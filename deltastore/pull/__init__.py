@@ -1,13 +1,9 @@
 """Engine side: the local checkpoint, applying versions, repair, fan-out, the HTTP server.
 
-Modules: ``pull`` (``pull_weights``: recover, trust the state, plan, apply or reseed),
-``source`` (stores, nearest first, hook, target), ``chain`` (resolving and planning),
-``history`` (payloads and digests per tensor), ``apply`` (deltas in place, in read windows),
-``fold`` (payloads in memory, undo), ``mapped`` (writable maps, private files), ``full``
-(staged full versions), ``trusted`` (signatures before the first write), ``verify``
-(digests, ``verify_local``), ``repair``, ``local`` (lock, state, the durability completed
-after the reply), ``result`` (counters and results), ``fanout``, ``server``
-(``deltastore serve``: rules, metrics), ``client`` and ``protocol`` (HTTP).
+Modules: ``pull`` (``pull_weights``, group pulls), ``source`` (stores, nearest first),
+``chain`` (resolving, planning, per-tensor history), ``apply`` (deltas in place), ``full``
+(staged full versions), ``verify`` (digests, signatures first), ``repair``, ``local`` (lock,
+state, maps, durability after the reply), ``result``, ``server`` and ``client`` (HTTP).
 """
 
 from deltastore.errors import GroupPullError

@@ -291,11 +291,8 @@ class LocalCheckpoint:
 
     def fingerprints(self) -> dict[str, tuple[int, int]]:
         """Weight file name → (size, mtime_ns), following links (one ``stat`` per file)."""
-        out = {}
-        for name in self.weight_files():
-            info = os.stat(os.path.join(self.dir, name))
-            out[name] = (info.st_size, info.st_mtime_ns)
-        return out
+        infos = {name: os.stat(os.path.join(self.dir, name)) for name in self.weight_files()}
+        return {name: (info.st_size, info.st_mtime_ns) for name, info in infos.items()}
 
     def unchanged_since(self, state: AppliedState) -> bool:
         """True when the state recorded fingerprints and every weight file still matches them

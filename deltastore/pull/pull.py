@@ -16,6 +16,7 @@ rank, its host and its dir.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -282,12 +283,9 @@ class _PullRun(PullContext):
 
     def _model(self) -> dict[str, CheckpointTensor] | None:
         """The tensors a full version must match: the base's, else the local checkpoint's."""
-        for directory in (self.base, self.local.dir):
-            if directory is not None:
-                try:
-                    return scan_checkpoint(directory)
-                except DeltastoreError:
-                    continue
+        for directory in filter(None, (self.base, self.local.dir)):
+            with contextlib.suppress(DeltastoreError):
+                return scan_checkpoint(directory)
         return None
 
     def catch_up(self, chain: Chain, plan: Plan) -> Callable[[], None]:

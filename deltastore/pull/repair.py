@@ -91,29 +91,6 @@ class _ChainStart:
         return Digest.of(checksum, self.read(name, nbytes, None))
 
 
-def repair_chain(store: VersionStore, pending: PendingTransition) -> Chain:
-    """The chain of the pending target; :class:`ApplyError` when it no longer holds the
-    recorded transition (pruned, republished, another stream): the repair cannot be proven."""
-    if pending.from_version is None:
-        raise ApplyError(
-            f"the interrupted transition to v{pending.to_version:06d} was a reseed (a copy)"
-        )
-    chain = resolve_chain(store, pending.to_version)
-    todo = chain.suffix_after(pending.from_version)
-    versions = [d.version for d in todo] if todo is not None else None
-    if versions is None or (pending.versions and versions != pending.versions):
-        raise ApplyError(
-            f"the store's chain to v{pending.to_version:06d} no longer passes through "
-            f"v{pending.from_version:06d} with versions {pending.versions}"
-        )
-    if pending.stream_id is not None and chain.stream_at(pending.to_version) != pending.stream_id:
-        raise ApplyError(
-            f"v{pending.to_version:06d} is now of stream {chain.stream_id}, the interrupted "
-            f"transition was to stream {pending.stream_id}"
-        )
-    return chain
-
-
 def _repair_tensor(
     store: VersionStore,
     start: _ChainStart,
@@ -146,9 +123,23 @@ def repair_pending(pull: PullContext, pending: PendingTransition) -> RepairSumma
     flushed (the caller then records the state). Raises a :class:`DeltastoreError` subclass
     when the repair cannot be proven (the caller then reseeds the whole checkpoint)."""
     store, local, stats = pull.store, pull.local, pull.stats
-    chain = repair_chain(store, pending)
-    start_version = pending.from_version
-    assert start_version is not None
+    start_version, target = pending.from_version, pending.to_version
+    assert start_version is not None  # (an interrupted reseed is reseeded again)
+    chain = resolve_chain(store, target)
+    # The store must still hold the recorded transition (not pruned, republished, another
+    # stream), else the repair cannot be proven.
+    todo = chain.suffix_after(start_version)
+    versions = [d.version for d in todo] if todo is not None else None
+    if versions is None or (pending.versions and versions != pending.versions):
+        raise ApplyError(
+            f"the store's chain to v{target:06d} no longer passes through "
+            f"v{start_version:06d} with versions {pending.versions}"
+        )
+    if pending.stream_id is not None and chain.stream_at(target) != pending.stream_id:
+        raise ApplyError(
+            f"v{target:06d} is now of stream {chain.stream_id}, the interrupted "
+            f"transition was to stream {pending.stream_id}"
+        )
     history = collect_history(store, chain.deltas)
     touched = {
         name: tensor
@@ -173,6 +164,6 @@ def repair_pending(pull: PullContext, pending: PendingTransition) -> RepairSumma
         run_pool(sorted(touched), fix, pull.workers, name="deltastore-repair")
         files.flush()
     counts = (outcomes.count(kind) for kind in ("kept", "applied", "restored"))
-    summary = RepairSummary(start_version, pending.to_version, *counts)
+    summary = RepairSummary(start_version, target, *counts)
     log.warning("%s: %s", local.dir, summary.describe())
     return summary

@@ -55,14 +55,17 @@ MAX_REQUEST_BYTES = 64 * 1024
 """Largest request body accepted (413 above): a pull request is three short fields."""
 
 
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    ip = _ip(host)
+    return host == "localhost" or (ip is not None and ip.is_loopback)
 
 
 def _is_url(path: str) -> bool:
@@ -135,7 +138,8 @@ class RequestRules:
     def refusal(self, request: web.Request) -> tuple[int, str] | None:
         """``(status, message)`` when the request breaks a rule, None when it may proceed."""
         host_header = request.headers.get("Host")
-        if host_header is not None and not self._host_ok(_split_host(host_header)):
+        host = _split_host(host_header) if host_header is not None else None
+        if host is not None and host not in self.names and _ip(host) is None:
             return 403, (
                 f"Host {host_header!r} does not name this server (DNS rebinding?); call it by "
                 "IP address or localhost, or start it with --allow-host NAME"
@@ -153,13 +157,6 @@ class RequestRules:
             if length is not None and length > MAX_REQUEST_BYTES:
                 return 413, f"request body of {length} bytes exceeds {MAX_REQUEST_BYTES} bytes"
         return None
-
-    def _host_ok(self, host: str) -> bool:
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            return host in self.names
-        return True
 
 
 class PathPolicy:
