@@ -272,15 +272,14 @@ def _window(tensors: list[TensorHistory], max_gap: int, window_bytes: int) -> Wi
 def tasks_of(sizes: Sequence[int], task_bytes: int = TASK_BYTES) -> list[range]:
     """Indexes of ``sizes`` (model bytes per tensor) cut into runs of about ``task_bytes``."""
     runs: list[range] = []
-    count = len(sizes)
     begin, size = 0, 0
-    for i in range(count):
-        size += sizes[i]
+    for i, nbytes in enumerate(sizes):
+        size += nbytes
         if size >= task_bytes:
             runs.append(range(begin, i + 1))
             begin, size = i + 1, 0
-    if begin < count:
-        runs.append(range(begin, count))
+    if begin < len(sizes):
+        runs.append(range(begin, len(sizes)))
     return runs
 
 

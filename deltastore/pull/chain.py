@@ -239,7 +239,6 @@ class TensorHistory:
 
     @property
     def final(self) -> Digest:
-        """Digest after the last payload."""
         return self.digests[self.payloads[-1].version]
 
 

@@ -69,7 +69,6 @@ class PullRequest:
 
     @property
     def sources(self) -> tuple[str, ...]:
-        """``source_dir`` as a tuple of one or more sources."""
         return (self.source_dir,) if isinstance(self.source_dir, str) else self.source_dir
 
     def to_dict(self) -> dict[str, Any]:

@@ -29,8 +29,7 @@ from deltastore.storage.durable import atomic_replace, fsync_path
 
 STAGING_NAME = "staging"
 FLUSH_BEHIND_S = 0.2
-"""While a shard downloads, its bytes so far are flushed to disk this often, so the fsync
-that ends the download has only the last moments' bytes left to write."""
+"""How often a downloading shard's bytes so far are flushed (see :func:`flushed_behind`)."""
 _datasync = getattr(os, "fdatasync", os.fsync)
 
 

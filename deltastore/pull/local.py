@@ -103,12 +103,9 @@ def copy_verified(src: str, dst: str, on_read: Callable[[int], None] | None = No
 
 def same_dir(a: str, b: str) -> bool:
     """True when two paths name one directory (through symlinks or bind mounts too)."""
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
+    with contextlib.suppress(OSError):  # (samefile of a path that does not exist)
+        return os.path.realpath(a) == os.path.realpath(b) or os.path.samefile(a, b)
+    return False
 
 
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform == "linux" else None
@@ -148,16 +145,13 @@ def own_regular_file(path: str) -> None:
     fsync_path(os.path.dirname(path))
 
 
-class MappedFiles:
+class MappedFiles(contextlib.AbstractContextManager["MappedFiles"]):
     """Writable mmaps of the local safetensors files, opened lazily and flushed together; as
     a context manager, closed on exit (flushing is the caller's explicit step)."""
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}
         self._lock = threading.Lock()
-
-    def __enter__(self) -> MappedFiles:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -377,9 +371,9 @@ class LocalCheckpoint:
                 shutil.copyfile(src, dst)
 
 
+# This process's last completion of each local dir (a forked child waits for none of its
+# parent's, whose thread makes those durable).
 _completions: dict[str, cf.Future[None]] = {}
-"""This process's last completion of each local dir (a forked child waits for none of its
-parent's, whose thread makes those durable)."""
 _guard = threading.Lock()
 _DURABLE = "deltastore-durable"
 os.register_at_fork(after_in_child=_completions.clear)

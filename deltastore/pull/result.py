@@ -82,8 +82,7 @@ os.register_at_fork(after_in_child=_kept.clear)  # a child has none of its paren
 
 def kept_pool(name: str, workers: int) -> cf.ThreadPoolExecutor:
     """The process's pool of ``workers`` threads named ``name``, kept between pulls (starting a
-    thread waits for it to be scheduled, which on a loaded host costs more than a small pull;
-    at interpreter exit its queue is drained, as every pool's is)."""
+    thread waits to be scheduled, which on a loaded host costs more than a small pull)."""
     with _kept_guard:
         pool = _kept.get((name, workers))
         if pool is None:

@@ -415,13 +415,13 @@ class PullServer:
         return web.json_response(dataclasses.asdict(status))
 
     async def pull_weights(self, request: web.Request) -> web.Response:
+        loop = asyncio.get_running_loop()
         try:
             body = PullRequest.from_json(await request.read())
             local_dir = self.policy.local_dir(body.local_checkpoint_dir)
             # The source check walks a local store: off the event loop, so /healthz answers.
             sources = [
-                await asyncio.get_running_loop().run_in_executor(None, self.policy.source, one)
-                for one in body.sources
+                await loop.run_in_executor(None, self.policy.source, s) for s in body.sources
             ]
             for one in sources:
                 self.policy.separate(local_dir, one)
@@ -437,9 +437,8 @@ class PullServer:
         async with lock:  # one pull per local dir at a time; the flock covers other processes
             self.busy.add(local_dir)
             try:
-                reply = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, functools.partial(self._pull, local_dir, sources, body)
-                )
+                pull = functools.partial(self._pull, local_dir, sources, body)
+                reply = await loop.run_in_executor(self.executor, pull)
             finally:
                 self.busy.discard(local_dir)
         return _reply(reply)
@@ -459,12 +458,11 @@ class PullServer:
                 # the flush"); the next pull of the dir waits for the flush and the state.
                 flush_after_reply=True,
             )
-        except (DeltastoreError, OSError) as exc:
-            self.metrics.failed(local_dir)
-            return PullReply(False, f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # a bug must still answer {success, message}
-            log.exception("pull of %s failed unexpectedly", local_dir)
             self.metrics.failed(local_dir)
+            if isinstance(exc, (DeltastoreError, OSError)):
+                return PullReply(False, f"{type(exc).__name__}: {exc}")
+            log.exception("pull of %s failed unexpectedly", local_dir)
             return PullReply(False, f"unexpected {type(exc).__name__}: {exc}")
         self.metrics.pulled(local_dir, result)
         return PullReply(True, result.message)

@@ -173,8 +173,7 @@ def overlaps(a: str, b: str) -> bool:
 class _Served:
     """The index of one version as the store that serves it holds it."""
 
-    position: int
-    """Position of that store in :attr:`NearestStores.stores`."""
+    position: int  # in NearestStores.stores
     data: bytes
     index: VersionIndex
     digest: str

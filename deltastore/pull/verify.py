@@ -178,8 +178,7 @@ def verify_local(
     return version
 
 
-TRUSTED_STAGING = "verified-deltas"
-"""Dir under the checkpoint's state dir holding the verified copies of the deltas to apply."""
+TRUSTED_STAGING = "verified-deltas"  # under the state dir: the verified delta copies
 
 _CHUNK = 8 << 20
 
