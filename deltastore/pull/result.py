@@ -20,11 +20,11 @@ _T = TypeVar("_T")
 class ApplyStats:
     """Counters of one pull, shared by its apply threads."""
 
+    versions: list[int] = field(default_factory=list)
     tensors: int = 0
     payloads: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
-    versions: list[int] = field(default_factory=list)
     progress: ProgressCallback | None = field(default=None, repr=False, compare=False)
     _meter: ProgressMeter | None = field(default=None, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
