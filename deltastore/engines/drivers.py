@@ -21,8 +21,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from deltastore.errors import ConfigError, EngineSyncError
-from deltastore.pull.client import EndpointReply, HttpReply, call, pull_all, pull_one
-from deltastore.pull.protocol import PullRequest
+from deltastore.pull.client import EndpointReply, HttpReply, PullRequest, call, pull_all, pull_one
 
 CONTROL_TIMEOUT_S = 600.0
 """Longest wait for a pause, resume, flush or init call."""

@@ -42,8 +42,7 @@ from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.state import AppliedState
 from deltastore.progress import ProgressCallback
 from deltastore.pull import LocalCheckpoint, PullResult, pull_weights
-from deltastore.pull.chain import resolve_onto
-from deltastore.pull.history import TensorHistory, check_contiguous, collect_history
+from deltastore.pull.chain import TensorHistory, check_contiguous, collect_history, resolve_onto
 from deltastore.pull.source import PreRead, PullSource, StoreSpec, open_store
 from deltastore.trust.keys import TrustedKeys
 

@@ -23,8 +23,8 @@ import torch
 from deltastore.codecs import Digest, get_encoding
 from deltastore.engines.targets import NUMPY_WORDS, CheckpointViews, Target, pinned_like
 from deltastore.format.checkpoint import CheckpointTensor
-from deltastore.pull.fold import fold_apply, read_payloads
-from deltastore.pull.history import TensorHistory
+from deltastore.pull.apply import fold_apply, read_payloads
+from deltastore.pull.chain import TensorHistory
 from deltastore.storage import VersionStore
 
 

@@ -1,106 +1,312 @@
 """Applying a run of deltas to a local checkpoint in place, verified before writing.
 
-A run of deltas is applied in **one pass per tensor** (catch-up): each changed tensor's payload
-is read once per version, payloads of a foldable encoding are folded and applied once, the
-others in order. Payloads of one foldable, self-inverse encoding (``xor``) are applied straight
-into the mapped file and the result verified there; one that does not verify is put back at
-once by applying the same payloads again. A tensor with one payload of a self-inverse
-encoding that checks a payload whole before writing (``auto``, ``sparse-v2``, ``xor``) goes
-into a batch: the task's batch is decompressed in one call and applied straight into the map
-in one codec call (:meth:`~deltastore.codecs.Encoding.apply_batch`), then each tensor is
-verified there and one that does not verify is put back by applying its payload again; a
-payload the codec refuses leaves its tensor untouched. (Per tensor, the Python calls around a
-compiled decode and the GIL hand-offs of each call that releases it cost more than the decode
-on 64 KB tensors.) Any other run is applied on a copy, verified *before* it is written. So
-whatever happens, each tensor on disk is either at the version the run starts from, at the
-version it ends at, or (a write torn by a crash) neither; :mod:`deltastore.pull.repair` relies
-on exactly that.
+A run is applied in **one pass per tensor** (catch-up). Its payloads are read in windows of
+about :data:`WINDOW_BYTES`, one ranged request per run of nearby payloads of a shard, and each
+window is cut into tasks of about :data:`TASK_BYTES` of model bytes for a thread pool.
+Payloads of one foldable encoding are folded and applied once. A tensor whose payloads may be
+applied in place (:func:`applies_in_place`, :func:`batches_in_place`; a batch is one codec
+call per encoding and file, as the Python calls around a compiled decode cost more than the
+decode on small tensors) is written straight into the map, verified there, and put back by
+applying the same payloads again if it does not verify; any other is applied on a copy,
+verified *before* it is written. So each tensor on disk is at the version the run starts
+from, at the version it ends at, or (a write torn by a crash) neither:
+:mod:`deltastore.pull.repair` relies on that. Everything here asks the encoding what it
+allows (``foldable``, ``self_inverse``, ...); nothing compares encoding names.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
-from deltastore.codecs import get_encoding
+from deltastore.codecs import ByteArray, Encoding, decompress, get_encoding
 from deltastore.codecs.compression import decompress_many
 from deltastore.errors import FormatError, IntegrityError, PutBackError
 from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
-from deltastore.pull.batches import Span, Window, plan_windows, read_window, tasks_of
-from deltastore.pull.fold import UndoRecord, applies_in_place, batches_in_place, fold_apply
-from deltastore.pull.history import (
+from deltastore.format.payload import PayloadRef
+from deltastore.pull.chain import (
     TensorHistory,
     check_contiguous,
     check_local_names,
     collect_history,
 )
-from deltastore.pull.local import LocalCheckpoint
-from deltastore.pull.mapped import MappedFiles, mapped_files
-from deltastore.pull.stats import ApplyStats
+from deltastore.pull.local import LocalCheckpoint, MappedFiles
+from deltastore.pull.result import ApplyStats, FirstError, kept_pool
 from deltastore.storage import VersionStore
 
 log = logging.getLogger("deltastore.pull")
 
 
+def read_payloads(
+    store: VersionStore, payloads: Sequence[PayloadRef], stats: ApplyStats | None
+) -> list[bytes]:
+    """The compressed frames of ``payloads``, one ranged read each."""
+    frames = [store.read_range(p.version, p.shard, p.start, p.end) for p in payloads]
+    if stats is not None:
+        stats.add(payloads=len(frames), bytes_read=sum(len(f) for f in frames))
+    return frames
+
+
+def fold_apply(
+    current: ByteArray,
+    payloads: Sequence[PayloadRef],
+    frames: Sequence[bytes | memoryview],
+    name: str,
+    *,
+    in_place: bool = False,
+) -> ByteArray:
+    """``current`` with ``payloads`` applied in order (consecutive ones of a foldable encoding
+    folded into one), as a new array, or into ``current`` itself when ``in_place``;
+    :class:`FormatError` naming the version whose payload does not fit."""
+    nbytes = current.size
+    result = current if in_place else current.copy()
+    folded: ByteArray | None = None
+    owned = False  # whether `folded` is a private copy (a frame's bytes are read-only)
+    folding: Encoding | None = None
+    last_version = 0
+
+    def apply_folded() -> None:
+        nonlocal folded, folding
+        if folded is not None and folding is not None:
+            _apply(folding, result, folded, name, last_version)
+        folded, folding = None, None
+
+    for payload, frame in zip(payloads, frames, strict=True):
+        encoding = get_encoding(payload.encoding)
+        raw = decompress(  # its declared size checked before allocating
+            frame,
+            max_size=encoding.max_payload_size(nbytes),
+            exact_size=nbytes if encoding.exact_payload_size else None,
+            what=f"{payload.where} payload of tensor {name!r}",
+        )
+        if folding is not None and encoding is not folding:
+            apply_folded()
+        if not encoding.foldable:
+            _apply(encoding, result, raw, name, payload.version)
+            continue
+        try:
+            if folded is None:
+                # One payload (the common case) is applied straight from its decompressed
+                # bytes; a private copy is made only when a second one folds into it.
+                folded, folding, owned = np.frombuffer(raw, dtype=np.uint8), encoding, False
+            else:
+                if not owned:
+                    folded, owned = folded.copy(), True
+                folded = encoding.fold(folded, raw, tensor=name)
+        except FormatError as exc:
+            raise FormatError(f"{payload.where}: {exc}") from None
+        last_version = payload.version
+    apply_folded()
+    return result
+
+
+def applies_in_place(payloads: Sequence[PayloadRef]) -> bool:
+    """True when ``payloads`` may be applied straight into the tensor's mapped bytes: one
+    encoding, foldable (every payload is decompressed, size-checked and folded before the
+    tensor is touched) and self-inverse (applying them again puts the old bytes back)."""
+    encodings = {get_encoding(p.encoding) for p in payloads}
+    if len(encodings) != 1:
+        return False
+    (encoding,) = encodings
+    return encoding.foldable and encoding.self_inverse
+
+
+def batches_in_place(payloads: Sequence[PayloadRef]) -> bool:
+    """True when a tensor's ``payloads`` may go into a batch applied straight into the map:
+    one payload of a self-inverse encoding that checks a payload whole before it writes (a
+    refused one leaves the tensor untouched, a written one that does not verify is put back
+    by applying it again) and applies in batches (``xor`` does not: its payloads are the
+    tensor's size, and joining them costs more than the calls it saves)."""
+    if len(payloads) != 1:
+        return False
+    encoding = get_encoding(payloads[0].encoding)
+    return encoding.self_inverse and encoding.checks_before_writing and encoding.applies_in_batches
+
+
+def _apply(
+    encoding: Encoding, target: ByteArray, raw: bytes | ByteArray, name: str, version: int
+) -> None:
+    try:
+        encoding.apply(target, memoryview(raw), tensor=name)
+    except FormatError as exc:
+        raise FormatError(f"weight_v{version:06d}: {exc}") from None
+
+
 @dataclass(frozen=True)
-class _Written:
-    tensor: CheckpointTensor
-    name: str
-    undo: UndoRecord
+class UndoRecord:
+    """What puts one written tensor back: ``frames`` when every payload's encoding is
+    self-inverse (applied again, newest first), else changed ``positions`` and old ``values``."""
+
+    payloads: tuple[PayloadRef, ...]
+    frames: tuple[bytes | memoryview, ...] | None = None
+    positions: npt.NDArray[np.intp] | None = None
+    values: ByteArray | None = None
+
+    @classmethod
+    def of(
+        cls,
+        before: ByteArray,
+        after: ByteArray,
+        payloads: Sequence[PayloadRef],
+        frames: Sequence[bytes | memoryview],
+    ) -> UndoRecord:
+        """The cheapest record that restores ``before`` from ``after``."""
+        if all(get_encoding(p.encoding).self_inverse for p in payloads):
+            return cls(tuple(payloads), frames=tuple(frames))
+        positions = np.flatnonzero(before != after)
+        return cls(tuple(payloads), positions=positions, values=before[positions].copy())
+
+    def restore(self, view: ByteArray, name: str) -> None:
+        """Write the old bytes back into ``view`` (the tensor as it was written)."""
+        if self.frames is not None:
+            view[:] = fold_apply(view, self.payloads[::-1], self.frames[::-1], name)
+        else:
+            assert self.positions is not None and self.values is not None
+            view[self.positions] = self.values
 
 
+WINDOW_BYTES = 32 * 1024**2
+"""Compressed payload bytes one window reads at most (one tensor's own payloads excepted)."""
+MAX_GAP = 1024**2
+"""Bytes between two payloads of a shard that are read (and dropped) to save a request."""
+TASK_BYTES = 8 * 1024**2
+"""Model bytes one apply task covers at most (a larger tensor is a task of its own)."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """One ranged read: bytes ``[start, end)`` of a shard of a version."""
+
+    version: int
+    shard: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """Tensors whose payloads are read together, and the reads that fetch them: ``where[i][j]``
+    is ``(span index, start, end)`` of tensor ``i``'s ``j``-th payload in that span's bytes."""
+
+    tensors: tuple[TensorHistory, ...]
+    spans: tuple[Span, ...]
+    where: tuple[tuple[tuple[int, int, int], ...], ...]
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(s.end - s.start for s in self.spans)
+
+    def frames(self, data: Sequence[bytes]) -> list[list[memoryview]]:
+        """Each tensor's compressed frames, as views into the spans' bytes (``data``)."""
+        views = [memoryview(d) for d in data]
+        return [[views[s][a:b] for s, a, b in loc] for loc in self.where]
+
+
+def plan_windows(
+    tensors: Sequence[TensorHistory],
+    *,
+    window_bytes: int = WINDOW_BYTES,
+    max_gap: int = MAX_GAP,
+) -> list[Window]:
+    """``tensors`` (each with at least one payload) cut into windows, in file order."""
+    ordered = sorted(
+        tensors, key=lambda t: (t.payloads[0].version, t.payloads[0].shard, t.payloads[0].start)
+    )
+    windows: list[Window] = []
+    batch: list[TensorHistory] = []
+    size = 0
+    for tensor in ordered:
+        batch.append(tensor)
+        size += sum(p.size for p in tensor.payloads)
+        if size >= window_bytes:
+            windows.append(_window(batch, max_gap, window_bytes))
+            batch, size = [], 0
+    if batch:
+        windows.append(_window(batch, max_gap, window_bytes))
+    return windows
+
+
+def _window(tensors: list[TensorHistory], max_gap: int, window_bytes: int) -> Window:
+    """The spans covering ``tensors``' payloads: one per run of payloads of a shard that lie
+    within ``max_gap`` of each other (and span at most twice ``window_bytes``)."""
+    refs = sorted(
+        (p.version, p.shard, p.start, p.end, i, j)
+        for i, tensor in enumerate(tensors)
+        for j, p in enumerate(tensor.payloads)
+    )
+    where: list[list[tuple[int, int, int]]] = [[(0, 0, 0)] * len(t.payloads) for t in tensors]
+    spans: list[Span] = []
+    first = 0  # index in refs of the open span's first payload
+    while first < len(refs):
+        version, shard, begin, end = refs[first][:4]
+        last = first + 1
+        while last < len(refs):
+            v, s, start, stop = refs[last][:4]
+            if (
+                v != version
+                or s != shard
+                or start - end > max_gap
+                or stop - begin > 2 * window_bytes
+            ):
+                break
+            end = max(end, stop)
+            last += 1
+        for _, _, start, stop, i, j in refs[first:last]:
+            where[i][j] = (len(spans), start - begin, stop - begin)
+        spans.append(Span(version, shard, begin, end))
+        first = last
+    return Window(tuple(tensors), tuple(spans), tuple(tuple(w) for w in where))
+
+
+def tasks_of(sizes: Sequence[int], task_bytes: int = TASK_BYTES) -> list[range]:
+    """Indexes of ``sizes`` (model bytes per tensor) cut into runs of about ``task_bytes``."""
+    runs: list[range] = []
+    begin, size = 0, 0
+    for i, nbytes in enumerate(sizes):
+        size += nbytes
+        if size >= task_bytes:
+            runs.append(range(begin, i + 1))
+            begin, size = i + 1, 0
+    if begin < len(sizes):
+        runs.append(range(begin, len(sizes)))
+    return runs
+
+
+@dataclass
 class _ChainApplier:
     """Applies one run of deltas tensor by tensor, remembering how to put each write back."""
 
-    def __init__(
-        self,
-        store: VersionStore,
-        files: MappedFiles,
-        local_tensors: dict[str, CheckpointTensor],
-        applied_version: int,
-        last: str,
-        stats: ApplyStats | None,
-    ) -> None:
-        self.store = store
-        self.files = files
-        self.local_tensors = local_tensors
-        self.applied_version = applied_version
-        self.last = last
-        self.stats = stats
-        self.written: list[_Written] = []
-        self._lock = threading.Lock()
-
-    def nbytes(self, tensor: TensorHistory) -> int:
-        """Bytes of ``tensor`` in the local checkpoint."""
-        return self.local_tensors[tensor.name].entry.nbytes
+    store: VersionStore
+    files: MappedFiles
+    local_tensors: dict[str, CheckpointTensor]
+    applied_version: int
+    last: str
+    stats: ApplyStats
+    written: list[tuple[str, UndoRecord]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def read_span(self, span: Span) -> bytes:
-        """One ranged read of a window (several payloads at once)."""
         data = self.store.read_range(span.version, span.shard, span.start, span.end)
-        if self.stats is not None:
-            self.stats.add(bytes_read=len(data))
+        self.stats.add(bytes_read=len(data))
         return data
 
     def apply_run(
         self, tensors: Sequence[TensorHistory], frames: Sequence[list[memoryview]], run: range
     ) -> None:
-        """Apply the tensors ``run`` indexes (one pool task), each verified before the task ends.
-
-        Tensors with one payload of an encoding that may be applied in place go in batches
-        (:meth:`_apply_batch`, one codec call per encoding and file); the others one by one.
-        Every tensor written is recorded (for a put-back) even when a later one fails.
-        """
-        written: list[_Written] = []
+        """Apply and verify the tensors ``run`` indexes (one pool task), in batches where
+        :func:`batches_in_place` allows; every tensor written is recorded, even on a failure."""
+        written: list[tuple[str, UndoRecord]] = []
         # Every tensor of the run is written whole (unless one fails): its pages are made
         # writable in a few calls instead of two page faults per page.
         self.files.prepare_writes([self.local_tensors[tensors[i].name] for i in run])
@@ -108,36 +314,30 @@ class _ChainApplier:
             batches: dict[tuple[str, str], list[int]] = {}
             for i in run:
                 tensor = tensors[i]
+                target = self.local_tensors[tensor.name]
                 if batches_in_place(tensor.payloads):
-                    file = self.local_tensors[tensor.name].file
-                    batches.setdefault((tensor.payloads[0].encoding, file), []).append(i)
+                    batches.setdefault((tensor.payloads[0].encoding, target.file), []).append(i)
                 else:
-                    target = self.local_tensors[tensor.name]
                     self._apply_one(tensor, target, frames[i], written)
             for batch in batches.values():
                 self._apply_batch(tensors, frames, batch, written)
         finally:
             with self._lock:
                 self.written.extend(written)
-            if self.stats is not None:
-                payloads = sum(len(tensors[i].payloads) for i in run)
-                nbytes = sum(w.tensor.entry.nbytes for w in written)
-                self.stats.add(tensors=len(written), payloads=payloads, bytes_written=nbytes)
+            nbytes = sum(self.local_tensors[name].entry.nbytes for name, _ in written)
+            payloads = sum(len(tensors[i].payloads) for i in run)
+            self.stats.add(tensors=len(written), payloads=payloads, bytes_written=nbytes)
 
     def _apply_batch(
         self,
         tensors: Sequence[TensorHistory],
         frames: Sequence[list[memoryview]],
         batch: list[int],
-        written: list[_Written],
+        written: list[tuple[str, UndoRecord]],
     ) -> None:
-        """Apply the one payload of each tensor ``batch`` indexes (one encoding, one file)
-        straight into the map in one codec call, then verify each; a payload that does not fit
-        is refused before its tensor is written, a tensor that does not verify is put back.
-
-        Each tensor is recorded in ``written`` as soon as the codec has written it, so the
-        caller's put-back covers the ones after a failure too.
-        """
+        """Apply the one payload of each tensor ``batch`` indexes (one encoding, one file) in
+        one codec call, then verify each; each is recorded in ``written`` as soon as the codec
+        has written it, so the caller's put-back covers the ones after a failure too."""
         targets = [self.local_tensors[tensors[i].name] for i in batch]
         names = [tensors[i].name for i in batch]
         refs = [tensors[i].payloads[0] for i in batch]
@@ -154,8 +354,7 @@ class _ChainApplier:
         applied, error = encoding.apply_batch(array, starts, sizes, payloads, names)
         first = len(written)
         written.extend(
-            _Written(targets[j], names[j], UndoRecord((refs[j],), (frames[batch[j]][0],)))
-            for j in range(applied)
+            (names[j], UndoRecord((refs[j],), (frames[batch[j]][0],))) for j in range(applied)
         )
         if error is not None:
             raise FormatError(f"weight_v{refs[applied].version:06d}: {error}") from None
@@ -171,7 +370,7 @@ class _ChainApplier:
         tensor: TensorHistory,
         target: CheckpointTensor,
         frames: list[memoryview],
-        written: list[_Written],
+        written: list[tuple[str, UndoRecord]],
     ) -> None:
         """Fold, apply, verify one tensor and record it in ``written`` before its bytes change;
         a tensor that does not verify is left (or put back) as it was, and raises."""
@@ -183,16 +382,12 @@ class _ChainApplier:
             if not tensor.final.matches(view):
                 fold_apply(view, tensor.payloads[::-1], frames[::-1], tensor.name, in_place=True)
                 raise self._mismatch(tensor, "The tensor was put back as it was")
-            written.append(
-                _Written(target, tensor.name, UndoRecord(tuple(tensor.payloads), tuple(frames)))
-            )
+            written.append((tensor.name, UndoRecord(tuple(tensor.payloads), tuple(frames))))
             return
         result = fold_apply(view, tensor.payloads, frames, tensor.name)
         if not tensor.final.matches(result):
             raise self._mismatch(tensor, "Nothing of this tensor was written")
-        written.append(
-            _Written(target, tensor.name, UndoRecord.of(view, result, tensor.payloads, frames))
-        )
+        written.append((tensor.name, UndoRecord.of(view, result, tensor.payloads, frames)))
         view[:] = result
 
     def _mismatch(self, tensor: TensorHistory, what_was_done: str) -> IntegrityError:
@@ -207,8 +402,8 @@ class _ChainApplier:
     def put_back(self, cause: BaseException, local_dir: str) -> None:
         """Restore every tensor already written and flush; :class:`PutBackError` if that fails."""
         try:
-            for written in self.written:
-                written.undo.restore(self.files.view(written.tensor), written.name)
+            for name, undo in self.written:
+                undo.restore(self.files.view(self.local_tensors[name]), name)
             self.files.flush()
         except Exception as putback:
             raise PutBackError(
@@ -220,66 +415,32 @@ class _ChainApplier:
             log.warning("%s: put back %d tensors already written", self.last, len(self.written))
 
 
-_pools: dict[int, cf.ThreadPoolExecutor] = {}
-_pools_guard = threading.Lock()
-
-
-def _apply_pool(workers: int) -> cf.ThreadPoolExecutor:
-    """The process's apply threads for ``workers`` (kept between pulls: starting a thread
-    waits for it to be scheduled, which on a loaded host costs more than a small pull)."""
-    workers = max(1, workers)
-    with _pools_guard:
-        pool = _pools.get(workers)
-        if pool is None:
-            pool = _pools[workers] = cf.ThreadPoolExecutor(
-                workers, thread_name_prefix=f"deltastore-apply-{workers}"
-            )
-        return pool
-
-
-os.register_at_fork(after_in_child=_pools.clear)  # a child has none of its parent's threads
-
-
 def _run_windows(applier: _ChainApplier, windows: Sequence[Window], workers: int) -> None:
-    """Read each window (one request per span) and apply it in tasks on a thread pool.
-
-    The next window is read while the pool applies the current one; at most two windows are
-    in flight. After the first error no new task or read starts; it is re-raised once every
-    started task has finished (so the put-back sees every tensor written).
-    """
-    failed = threading.Event()
-    errors: list[BaseException] = []
-
-    def guarded(window: Window, frames: list[list[memoryview]], run: range) -> None:
-        if failed.is_set():
-            return
-        try:
-            applier.apply_run(window.tensors, frames, run)
-        except BaseException as exc:
-            failed.set()
-            errors.append(exc)
-
-    pool = _apply_pool(workers)
+    """Read each window and apply it in tasks on the pool, the next window read while the
+    pool applies the current one. After the first error no new task or read starts; it is
+    re-raised once every started task has finished (so the put-back sees every write)."""
+    first = FirstError()
+    workers = max(1, workers)
+    pool = kept_pool(f"deltastore-apply-{workers}", workers)
     in_flight: deque[list[cf.Future[None]]] = deque()
     try:
         for window in windows:
-            if failed.is_set():
+            if first.failed.is_set():
                 break
             try:
-                frames = window.frames(read_window(window, applier.read_span))
+                frames = window.frames([applier.read_span(span) for span in window.spans])
             except BaseException as exc:
-                failed.set()
-                errors.append(exc)
+                first.record(exc)
                 break
-            runs = tasks_of([applier.nbytes(t) for t in window.tensors])
-            in_flight.append([pool.submit(guarded, window, frames, run) for run in runs])
+            sizes = [applier.local_tensors[t.name].entry.nbytes for t in window.tensors]
+            run = functools.partial(first.run, applier.apply_run, window.tensors, frames)
+            in_flight.append([pool.submit(run, task) for task in tasks_of(sizes)])
             while len(in_flight) > 1:
                 cf.wait(in_flight.popleft())
     finally:
         for started in in_flight:
             cf.wait(started)
-    if errors:
-        raise errors[0]
+    first.raise_first()
 
 
 def apply_chain(
@@ -287,49 +448,39 @@ def apply_chain(
     deltas: Sequence[VersionIndex],
     local: LocalCheckpoint,
     applied_version: int,
-    *,
     workers: int = 4,
     tensors: dict[str, CheckpointTensor] | None = None,
     stats: ApplyStats | None = None,
     files: MappedFiles | None = None,
 ) -> None:
-    """Apply a run of deltas in place, one pass per changed tensor, verified before writing.
-
-    ``deltas`` must build link by link on ``applied_version`` (else :class:`OutOfOrderError`);
-    a tensor named by a delta must exist locally (else :class:`NameMismatchError`). Each
-    changed tensor's result is checked against the digest of the last delta that changes it;
-    on any failure the tensors already written are put back (and flushed), so the checkpoint
-    still holds ``applied_version`` when the error is raised (:class:`PutBackError` when the
-    put-back itself fails).
-
-    Without ``files`` the data is flushed (msync + fsync) before returning, and a flush that
-    fails raises :class:`PutBackError` too; the caller records the state. Given ``files``
-    (open maps the caller owns), the written files stay mapped there, verified but not
-    flushed: the caller flushes them before it records the state.
+    """Apply a run of deltas in place, building link by link on ``applied_version`` (else
+    :class:`OutOfOrderError`) onto tensors that exist locally (else :class:`NameMismatchError`).
+    On any failure what was written is put back and flushed (:class:`PutBackError` if that
+    fails). Without ``files`` the data is flushed before returning; given ``files`` (maps the
+    caller owns), the caller flushes them (:func:`flush_applied`) before it records the state.
     """
     if not deltas:
         return
+    stats = stats if stats is not None else ApplyStats()
     check_contiguous(deltas, applied_version)
     history = collect_history(store, deltas)
     local_tensors = tensors if tensors is not None else scan_checkpoint(local.dir)
     check_local_names(history, local_tensors, local.dir)
-    if stats is not None and stats.progress is not None:
+    if stats.progress is not None:
         stats.report("apply", sum(p.end - p.start for t in history.values() for p in t.payloads))
     last = version_dir_name(deltas[-1].version)
-    owned = files is None
     with contextlib.ExitStack() as stack:
-        if files is None:
-            files = stack.enter_context(mapped_files())
-        applier = _ChainApplier(store, files, local_tensors, applied_version, last, stats)
+        owned = files is None
+        maps = stack.enter_context(MappedFiles()) if files is None else files
+        applier = _ChainApplier(store, maps, local_tensors, applied_version, last, stats)
         try:
             _run_windows(applier, plan_windows(list(history.values())), workers)
         except BaseException as exc:
             applier.put_back(exc, local.dir)
             raise
         if owned:
-            flush_applied(files, last, local.dir)
-    if stats is not None:
-        stats.versions.extend(d.version for d in deltas)
+            flush_applied(maps, last, local.dir)
+    stats.versions.extend(d.version for d in deltas)
 
 
 def flush_applied(files: MappedFiles, last: str, local_dir: str) -> None:
@@ -342,22 +493,3 @@ def flush_applied(files: MappedFiles, last: str, local_dir: str) -> None:
             f"the tensors of {last} were applied in {local_dir} but could not be flushed "
             f"({exc}); its pending record stays and the next pull repairs it"
         ) from exc
-
-
-def apply_delta(
-    store: VersionStore,
-    index: VersionIndex,
-    local: LocalCheckpoint,
-    applied_version: int,
-    *,
-    workers: int = 4,
-    tensors: dict[str, CheckpointTensor] | None = None,
-    stats: ApplyStats | None = None,
-) -> None:
-    """Apply one delta version in place (see :func:`apply_chain`)."""
-    apply_chain(
-        store, [index], local, applied_version, workers=workers, tensors=tensors, stats=stats
-    )
-
-
-__all__ = ["ApplyStats", "apply_chain", "apply_delta", "flush_applied"]

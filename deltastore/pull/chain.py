@@ -1,36 +1,45 @@
-"""Resolving which published versions lead to a target, and planning how to get there.
+"""What a run of published versions is: which versions lead to a target, how to get there,
+and what the run does to each tensor.
 
 :func:`resolve_chain` follows ``base_version`` links back from the target to a full version or
 the base; :func:`plan_pull` decides, from what the local checkpoint holds, whether to do
 nothing, catch up along the chain, or reseed from the chain's start (and how many bytes each
-would move).
+would move); :func:`collect_history` reads each changed tensor's payloads and its digest after
+each version.
 """
 
 from __future__ import annotations
 
-import logging
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from deltastore.errors import VersionNotFoundError
-from deltastore.format.index import VersionIndex
+from deltastore.codecs import Checksum, Digest, check_compression, get_checksum, get_encoding
+from deltastore.errors import (
+    ConfigError,
+    FormatError,
+    NameMismatchError,
+    OutOfOrderError,
+    VersionNotFoundError,
+)
+from deltastore.format.checkpoint import CheckpointTensor
+from deltastore.format.index import VersionIndex, check_shard_names
+from deltastore.format.names import version_dir_name
+from deltastore.format.payload import PayloadRef
+from deltastore.format.safetensors_io import SafetensorsHeader, TensorEntry
+from deltastore.format.shard_stream import StreamedShardCheck
 from deltastore.format.state import AppliedState
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import IndexSource, iter_chain, walk_chain
 
-log = logging.getLogger("deltastore.pull")
-
 
 @dataclass(frozen=True)
 class Chain:
-    """How to build a target version: a starting point, then deltas in order.
-
-    ``start`` is 0 (the base checkpoint) or the version number of a full version.
-    """
+    """How to build a target version: a start (0, the base, or a full version), then deltas."""
 
     target: int
     start: int
     start_index: VersionIndex | None
-    """The full version's index, None when starting from the base."""
     deltas: list[VersionIndex]
     start_stream: str | None = None
     partial: bool = False
@@ -44,9 +53,6 @@ class Chain:
             return self.deltas[-1].stream_id
         return self.start_index.stream_id if self.start_index else None
 
-    def versions(self) -> list[int]:
-        return [d.version for d in self.deltas]
-
     def suffix_after(self, version: int) -> list[VersionIndex] | None:
         """The deltas still to apply on a checkpoint at ``version`` of this chain, or None."""
         if version == self.start:
@@ -57,9 +63,9 @@ class Chain:
         return None
 
     def stream_at(self, version: int) -> str | None:
-        if version == self.start and self.partial:
-            return self.start_stream
         if version == self.start:
+            if self.partial:
+                return self.start_stream
             return self.start_index.stream_id if self.start_index else None
         for delta in self.deltas:
             if delta.version == version:
@@ -68,12 +74,9 @@ class Chain:
 
 
 def resolve_chain(store: IndexSource, target: int) -> Chain:
-    """Walk ``base_version`` links back from ``target`` to a full version or the base.
-
-    Raises :class:`VersionNotFoundError` if the target or a link is not committed (pruned:
-    a partial chain must never be replayed onto the wrong start), :class:`FormatError` if the
-    chain mixes streams.
-    """
+    """Walk ``base_version`` links back from ``target`` to a full version or the base;
+    :class:`VersionNotFoundError` if the target or a link is not committed (a partial chain
+    must never be replayed onto the wrong start), :class:`FormatError` if streams mix."""
     start, deltas = walk_chain(store, target)
     return Chain(target, start.version if start else 0, start, deltas)
 
@@ -81,12 +84,9 @@ def resolve_chain(store: IndexSource, target: int) -> Chain:
 def resolve_onto(store: VersionStore, target: int, state: AppliedState | None) -> Chain:
     """The chain to ``target`` as seen from a host holding ``state``: O(versions applied).
 
-    A host that holds a verified version of the target's stream needs only the deltas after
-    it: the walk from ``target`` stops at the host's version, and each delta read must be of
-    the host's stream and link, base by base, onto the host's version. Anything else (no
-    state, the base, a full version or a gap on the way, another stream, a backward target)
-    resolves the whole chain with :func:`resolve_chain` (a reseed needs its start). Raises
-    what :func:`resolve_chain` raises.
+    The walk from ``target`` stops at the host's version, each delta of the host's stream and
+    linking onto it; anything else (no state, the base, a full version or a gap on the way,
+    another stream, a backward target) resolves the whole chain (a reseed needs its start).
     """
     if state is None or state.version <= 0 or state.version >= target:
         return resolve_chain(store, target)
@@ -177,15 +177,10 @@ def _reseed_bytes(store: VersionStore, chain: Chain) -> int:
 
 
 def plan_pull(store: VersionStore, chain: Chain, state: AppliedState | None) -> Plan:
-    """Decide how to reach ``chain.target`` from ``state`` (None: nothing verified locally).
-
-    A state on the chain (same stream) catches up with the deltas after it, unless reseeding
-    from the chain's start would move fewer bytes. Anything else (no state, a version of
-    another stream, a backward target) reseeds from the base or the newest full version on
-    the chain and replays: never a silent no-op.
-    """
+    """How to reach ``chain.target`` from ``state`` (None: nothing verified locally): a state
+    on the chain (same stream) catches up, unless reseeding from the chain's start moves fewer
+    bytes; anything else reseeds and replays, never a silent no-op."""
     target = chain.target
-    reseed = Plan("reseed", target, chain.start, list(chain.deltas))
     if state is None:
         reason = "no verified local state"
     else:
@@ -213,14 +208,151 @@ def plan_pull(store: VersionStore, chain: Chain, state: AppliedState | None) -> 
                 return Plan("catchup", target, state.version, todo, catchup)
             reseed_bytes = _reseed_bytes(store, chain)
             if chain.start_index is not None and reseed_bytes < catchup:
-                return Plan(
-                    "reseed",
-                    target,
-                    chain.start,
-                    list(chain.deltas),
-                    reseed_bytes,
-                    f"full version v{chain.start:06d} moves fewer bytes than the chain",
-                    catchup,
-                )
+                why = f"full version v{chain.start:06d} moves fewer bytes than the chain"
+                return Plan("reseed", target, chain.start, chain.deltas, reseed_bytes, why, catchup)
             return Plan("catchup", target, state.version, todo, catchup, "", reseed_bytes)
-    return Plan("reseed", target, chain.start, reseed.deltas, _reseed_bytes(store, chain), reason)
+    return Plan(
+        "reseed", target, chain.start, list(chain.deltas), _reseed_bytes(store, chain), reason
+    )
+
+
+_LOWER_HEX = re.compile("[0-9a-f]*")
+
+
+@dataclass
+class TensorHistory:
+    """The payloads of one tensor along a run of deltas, and its digest after each."""
+
+    name: str
+    payloads: list[PayloadRef] = field(default_factory=list)
+    digests: dict[int, Digest] = field(default_factory=dict)
+    """Version → digest of the tensor's bytes at that version (only versions that change it)."""
+
+    def after(self, version: int) -> list[PayloadRef]:
+        """Payloads still to apply on the tensor's bytes at ``version``."""
+        return [p for p in self.payloads if p.version > version]
+
+    def digest_at(self, version: int) -> Digest | None:
+        """Digest at ``version`` if a delta ≤ ``version`` in this history changed the tensor."""
+        known = [v for v in self.digests if v <= version]
+        return self.digests[max(known)] if known else None
+
+    @property
+    def final(self) -> Digest:
+        return self.digests[self.payloads[-1].version]
+
+
+def check_digest(checksum: Checksum, digest: object, *, name: str, where: str) -> Digest:
+    """``digest`` (from shard metadata) as a :class:`Digest`; :class:`FormatError` if invalid."""
+    if (
+        not isinstance(digest, str)
+        or len(digest) != checksum.hex_length
+        or _LOWER_HEX.fullmatch(digest) is None
+    ):
+        raise FormatError(
+            f"{where}: tensor {name!r} has no valid {checksum.name} digest in its shard metadata"
+        )
+    return Digest(checksum, digest)
+
+
+def recorded_digests(
+    header: SafetensorsHeader, checksum: Checksum, *, where: str, required: bool = False
+) -> dict[str, Digest]:
+    """The digests a shard's metadata records, by tensor; :class:`FormatError` for an invalid
+    one, or (``required``: a delta's) a missing one. A foreign full version may record none."""
+    digests = {}
+    for name in header.tensors:
+        value = header.metadata.get(name)
+        if value is not None or required:
+            digests[name] = check_digest(checksum, value, name=name, where=where)
+    return digests
+
+
+@dataclass(frozen=True)
+class FullTensor:
+    """One tensor of a full version: its shard, where it lies, its recorded digest (if any)."""
+
+    shard: str
+    entry: TensorEntry
+    digest: Digest | None
+
+
+def full_tensors(store: VersionStore, index: VersionIndex) -> dict[str, FullTensor]:
+    """Every tensor of a full version, from its shard headers (ranged reads)."""
+    checksum = get_checksum(index.checksum or "xxh3-128")
+    found = {}
+    for shard in index.shards():
+        header = store.read_shard_header(index.version, shard)
+        digests = recorded_digests(header, checksum, where=version_dir_name(index.version))
+        for name, entry in header.tensors.items():
+            found[name] = FullTensor(shard, entry, digests.get(name))
+    return found
+
+
+def full_shard_check(checksum: Checksum, where: str, source: str) -> StreamedShardCheck:
+    """A download sink for one shard of a full version hashing every tensor its metadata
+    gives a digest for as its bytes arrive, so a reseed verifies as it downloads."""
+
+    def expected(header: SafetensorsHeader) -> dict[str, str]:
+        return {n: d.hex for n, d in recorded_digests(header, checksum, where=where).items()}
+
+    return StreamedShardCheck(source, checksum.hasher, expected)
+
+
+def collect_history(
+    store: VersionStore, deltas: Sequence[VersionIndex]
+) -> dict[str, TensorHistory]:
+    """Read each delta's shard headers once, each checked to hold exactly the 1-D U8 payloads
+    its index maps to it: every changed tensor's payloads and digests."""
+    history: dict[str, TensorHistory] = {}
+    for index in deltas:
+        where = version_dir_name(index.version)
+        try:  # an unknown encoding, compression or checksum
+            get_encoding(index.encoding or "")
+            check_compression(index.compression)
+            checksum = get_checksum(index.checksum or "")
+        except ConfigError as exc:
+            raise FormatError(f"{where} cannot be applied: {exc}") from None
+        for shard in index.shards():
+            header = store.read_shard_header(index.version, shard)
+            source = f"{store.url}/{where}/{shard}"
+            check_shard_names(index, shard, set(header.tensors), source=source)
+            for name, entry in header.tensors.items():
+                if entry.dtype != "U8" or len(entry.shape) != 1:
+                    raise FormatError(
+                        f"{source}: payload of tensor {name!r} is not a 1-D U8 tensor"
+                    )
+                digest = check_digest(checksum, header.metadata.get(name), name=name, where=where)
+                tensor = history.setdefault(name, TensorHistory(name))
+                tensor.payloads.append(
+                    PayloadRef(index.version, shard, entry.start, entry.end, index.encoding or "")
+                )
+                tensor.digests[index.version] = digest
+    return history
+
+
+def check_contiguous(deltas: Sequence[VersionIndex], applied_version: int) -> None:
+    """Refuse a run of deltas that does not build, link by link, on ``applied_version``."""
+    current = applied_version
+    for index in deltas:
+        if index.base_version != current:
+            raise OutOfOrderError(
+                f"out-of-order delta: local checkpoint at v{current:06d}, "
+                f"weight_v{index.version:06d} builds on v{index.base_version or 0:06d}"
+            )
+        current = index.version
+
+
+def check_local_names(
+    history: dict[str, TensorHistory], tensors: dict[str, CheckpointTensor], local_dir: str
+) -> None:
+    """Every changed tensor must exist locally with a size its encodings can address."""
+    for name, tensor in history.items():
+        target = tensors.get(name)
+        if target is None:
+            raise NameMismatchError(
+                f"weight_v{tensor.payloads[0].version:06d} changes tensor {name!r}, which the "
+                f"local checkpoint {local_dir} does not have; it was published against another base"
+            )
+        for payload in tensor.payloads:
+            get_encoding(payload.encoding).check_size(target.entry.nbytes, tensor=name)

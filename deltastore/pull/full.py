@@ -21,43 +21,34 @@ from deltastore.format.checkpoint import CheckpointTensor, scan_checkpoint
 from deltastore.format.index import VersionIndex, check_shard_names
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.format.shard_stream import StreamedShardCheck
-from deltastore.pull.history import full_shard_check
-from deltastore.pull.local import LocalCheckpoint
-from deltastore.pull.stats import ApplyStats, run_pool
+from deltastore.pull.chain import full_shard_check
+from deltastore.pull.local import LocalCheckpoint, PullContext, synced_digest
+from deltastore.pull.result import run_pool
 from deltastore.storage import VersionStore
 from deltastore.storage.durable import atomic_replace, fsync_path
 
 STAGING_NAME = "staging"
-_COPY_CHUNK = 16 * 1024**2
 FLUSH_BEHIND_S = 0.2
-"""While a shard downloads, its bytes so far are flushed to disk this often, so the fsync
-that ends the download has only the last moments' bytes left to write."""
+"""How often a downloading shard's bytes so far are flushed (see :func:`flushed_behind`)."""
 _datasync = getattr(os, "fdatasync", os.fsync)
 
 
 @contextlib.contextmanager
 def flushed_behind(path: str, every_s: float = FLUSH_BEHIND_S) -> Iterator[None]:
-    """Flush ``path`` to disk every ``every_s`` seconds while the block writes it.
-
-    A download writes into the page cache at network speed and the fsync after it used to write
-    everything back at disk speed, one after the other (docs/benchmarks.md, *Pull*). Flushing
-    behind overlaps the two. A file that does not
-    exist yet (or was replaced by a retry) is simply flushed on the next round.
-    """
+    """Flush ``path`` to disk every ``every_s`` seconds while the block writes it, so the
+    download (at network speed) and the write-back (at disk speed) overlap instead of running
+    one after the other. A file that does not exist yet (or was replaced by a retry) is
+    flushed on the next round."""
     done = threading.Event()
 
     def flush() -> None:
         while not done.wait(every_s):
-            try:
+            with contextlib.suppress(OSError):  # the final fsync reports a real failure
                 fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                _datasync(fd)
-            except OSError:
-                pass  # the final fsync reports a real failure
-            finally:
-                os.close(fd)
+                try:
+                    _datasync(fd)
+                finally:
+                    os.close(fd)
 
     flusher = threading.Thread(target=flush, name="deltastore-flush-behind", daemon=True)
     flusher.start()
@@ -66,42 +57,6 @@ def flushed_behind(path: str, every_s: float = FLUSH_BEHIND_S) -> Iterator[None]
     finally:
         done.set()
         flusher.join()
-
-
-def check_full_complete(
-    store: VersionStore,
-    index: VersionIndex,
-    model: dict[str, CheckpointTensor] | None,
-    staged: dict[str, CheckpointTensor] | None = None,
-) -> None:
-    """Refuse a full version whose tensor names or sizes differ from the model's.
-
-    ``model`` is the base's (or, without a base, the local checkpoint's) tensors; None skips
-    the check. ``staged`` is the version's tensors as downloaded (their local headers);
-    without it the shard headers are read from the store (ranged reads, no data). Raises
-    :class:`NameMismatchError` naming what differs.
-    """
-    if model is None:
-        return
-    sizes: dict[str, int] = {}
-    if staged is not None:
-        sizes = {name: tensor.entry.nbytes for name, tensor in staged.items()}
-    else:
-
-        def read(shard: str) -> None:  # shard headers are read concurrently: a round trip each
-            header = store.read_shard_header(index.version, shard)
-            sizes.update({name: entry.nbytes for name, entry in header.tensors.items()})
-
-        run_pool(list(index.shards()), read, 8, name="deltastore-headers")
-    missing = sorted(set(model) - set(sizes))
-    extra = sorted(set(sizes) - set(model))
-    resized = sorted(n for n in set(model) & set(sizes) if model[n].entry.nbytes != sizes[n])
-    if missing or extra or resized:
-        raise NameMismatchError(
-            f"{store.url}/{version_dir_name(index.version)} is a full version that does not "
-            f"match the model: missing {missing[:5]}, extra {extra[:5]}, other sizes "
-            f"{resized[:5]}; it is incomplete or of another model. Nothing local was changed"
-        )
 
 
 class _WholeFile:
@@ -120,23 +75,16 @@ class _WholeFile:
 def _download(
     store: VersionStore, version: int, shard: str, dst: str, sink: StreamedShardCheck | None
 ) -> int:
-    """Copy one shard to ``dst`` (fsynced), its bytes fed to ``sink`` as they arrive.
-
-    Without a sink (a version whose tensors carry no digests to verify them by) the copy is
-    hashed as read and again as written.
-    """
+    """Copy one shard to ``dst`` (fsynced), its bytes fed to ``sink`` as they arrive; without
+    one (no digests to verify the tensors by), hashed as read and again as written."""
     whole = _WholeFile() if sink is None else None
     with flushed_behind(dst):
         size = store.download(version, shard, dst, sink or whole)
-    with open(dst, "rb+") as fh:
-        os.fsync(fh.fileno())
     if whole is None:
+        with open(dst, "rb+") as fh:
+            os.fsync(fh.fileno())
         return size
-    copy_hash = xxhash.xxh3_128()
-    with open(dst, "rb") as fh:
-        while chunk := fh.read(_COPY_CHUNK):
-            copy_hash.update(chunk)
-    if copy_hash.digest() != whole.hasher.digest():
+    if synced_digest(dst) != whole.hasher.digest():
         raise IntegrityError(
             f"{version_dir_name(version)}/{shard}: the local copy {dst} differs from what was "
             "read; check the local disk"
@@ -145,29 +93,13 @@ def _download(
 
 
 def stage_full(
-    store: VersionStore,
-    index: VersionIndex,
-    local: LocalCheckpoint,
-    *,
-    model: dict[str, CheckpointTensor] | None = None,
-    workers: int = 4,
-    stats: ApplyStats | None = None,
+    pull: PullContext, index: VersionIndex, model: dict[str, CheckpointTensor] | None
 ) -> str:
-    """Download a full version into the staging dir and verify every tensor; returns the dir.
-
-    With ``model``, the staged shards' headers are checked against it
-    (:func:`check_full_complete`) before their tensors are: no request is spent on remote
-    headers, and a mismatch still raises before anything local changes (only the staging dir
-    was written).
-
-    Tensors are checked against the digests in the shard metadata when the publisher recorded
-    them (deltastore always does), each hashed as its bytes arrive; a foreign full version
-    without digests is checked by hashing each file as it is downloaded and again after it is
-    written. Raises :class:`IntegrityError` / :class:`NameMismatchError`; the local weights
-    are untouched.
-    """
-    where = version_dir_name(index.version)
-    staging = os.path.join(local.state_dir, STAGING_NAME)
+    """Download a full version into the staging dir and verify it (names and sizes against
+    ``model``, each tensor against its recorded digest as it arrives, or, without digests,
+    each file as read and as written); returns the dir. The local weights are untouched."""
+    store, where = pull.store, version_dir_name(index.version)
+    staging = os.path.join(pull.local.state_dir, STAGING_NAME)
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     shards = index.shards()
@@ -181,14 +113,22 @@ def stage_full(
     def download(shard: str) -> None:  # shards download concurrently, one streamed GET each
         dst = os.path.join(staging, shard)
         size = _download(store, index.version, shard, dst, checks.get(shard))
-        if stats is not None:
-            stats.add(bytes_read=size, bytes_written=size)
+        pull.stats.add(bytes_read=size, bytes_written=size)
 
-    run_pool(list(shards), download, workers, name="deltastore-reseed")
+    run_pool(list(shards), download, pull.workers, name="deltastore-reseed")
     # An ordinary HF index so the engine's loader finds the shards.
     atomic_replace(os.path.join(staging, INDEX_NAME), index.to_json())
     staged = scan_checkpoint(staging)
-    check_full_complete(store, index, model, staged)
+    if model is not None:  # names and sizes: the base's (else the local checkpoint's)
+        sizes = {name: tensor.entry.nbytes for name, tensor in staged.items()}
+        missing, extra = sorted(set(model) - set(sizes)), sorted(set(sizes) - set(model))
+        resized = sorted(n for n in set(model) & set(sizes) if model[n].entry.nbytes != sizes[n])
+        if missing or extra or resized:
+            raise NameMismatchError(
+                f"{store.url}/{where} is a full version that does not match the model: missing "
+                f"{missing[:5]}, extra {extra[:5]}, other sizes {resized[:5]}; it is incomplete "
+                "or of another model. Nothing local was changed"
+            )
     for shard in shards:
         names = {n for n, t in staged.items() if os.path.basename(t.file) == shard}
         check_shard_names(index, shard, names, source=f"{store.url}/{where}/{shard}")
@@ -202,11 +142,9 @@ def stage_full(
 
 
 def swap_in(staging: str, local: LocalCheckpoint) -> int:
-    """Replace the local weights with the staged files (renames, then a dir fsync).
-
-    Returns the number of tensors swapped in. Call it inside a pending reseed record: a crash
-    midway leaves a dir the next pull reseeds.
-    """
+    """Replace the local weights with the staged files (renames, then a dir fsync), inside a
+    pending reseed record (a crash midway leaves a dir the next pull reseeds); returns the
+    number of tensors swapped in."""
     tensors = len(scan_checkpoint(staging))
     local.clear_weights()
     for name in sorted(os.listdir(staging)):

@@ -1,30 +1,60 @@
-"""The host-local checkpoint: per-host lock, applied state, pending record, seeding copies."""
+"""The host-local checkpoint: per-host lock, applied state, pending record, seeding copies,
+and a catch-up's durability completed after the pull replies.
+
+The tensors a catch-up writes in place are verified in the mapped files (the page cache the
+engine reloads from) before :func:`~deltastore.pull.pull_weights` returns. Making them durable
+(msync and fsync of each patched file), then writing the new state and clearing the pending
+record, runs after the reply on one kept thread that holds the host's lock until all three are
+done (:func:`complete_behind`). Until then the pending record stays and no state names either
+version, so a crash in between (process or power) is repaired by the next pull from that
+record, as for a crash mid-apply. In this process, the next pull of the dir,
+:func:`~deltastore.pull.verify_local` and :class:`LocalCheckpoint`'s state reads wait for the
+completion first (another process waits on the host lock); a process that exits waits for
+its queued completions first.
+
+In-place writes go through ``mmap`` (:class:`MappedFiles`); a file that is a symbolic link or
+shares its inode with another path (a dir cloned with ``cp -as`` or ``cp -al``, links into the
+base) is first replaced by a verified private copy, so a write never reaches another host's
+dir or the base. :func:`msync` is the one place mapped pages are flushed (tests wrap it to see
+the order of flushes and state writes).
+"""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import logging
+import mmap
 import os
 import shutil
+import stat
+import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
-from deltastore.errors import ConfigError, FormatError, IntegrityError, LockTimeoutError
+from deltastore.codecs import ByteArray
+from deltastore.errors import FormatError, IntegrityError, LockTimeoutError
+from deltastore.format.checkpoint import CheckpointTensor
 from deltastore.format.names import INDEX_NAME, LOCK_NAME, PENDING_NAME, STATE_DIR, STATE_NAME
 from deltastore.format.state import AppliedState, PendingTransition
 from deltastore.progress import ProgressCallback, ProgressMeter
-from deltastore.pull.completion import wait_recorded
+from deltastore.pull.result import ApplyStats, kept_pool
+from deltastore.storage import VersionStore
 from deltastore.storage.durable import atomic_replace, fsync_path
 
 log = logging.getLogger("deltastore.pull")
 
-_COPY_CHUNK = 16 * 1024**2
+COPY_CHUNK = 16 * 1024**2
 
 
 def _reflink(src: str, dst: str) -> bool:
@@ -40,39 +70,32 @@ def _reflink(src: str, dst: str) -> bool:
         return False
 
 
-def temp_sibling(path: str) -> str:
-    """A fresh temp name beside ``path``: ``<name>.<token>.tmp`` (as ``atomic_replace`` uses)."""
-    return f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+def synced_digest(path: str) -> bytes:
+    """fsync ``path``, then hash it as read back (xxh3-128): what a copy must match."""
+    hasher = xxhash.xxh3_128()
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+        while chunk := fh.read(COPY_CHUNK):
+            hasher.update(chunk)
+    return hasher.digest()
 
 
 def copy_verified(src: str, dst: str, on_read: Callable[[int], None] | None = None) -> None:
-    """Copy a file (never a hard link: the source must stay untouched) and verify the content.
-
-    The source is hashed while it is copied and the copy is hashed again after an fsync, so a
-    short or corrupt copy is caught; ``on_read(n)`` is told of each chunk of the source read.
-    Raises :class:`IntegrityError` on a mismatch.
-    """
-    tmp = temp_sibling(dst)
+    """Copy a file (never a hard link: the source must stay untouched), hashing the source as
+    it is read (``on_read(n)`` told of each chunk) and the copy again after an fsync;
+    :class:`IntegrityError` on a mismatch."""
+    tmp = f"{dst}.{uuid.uuid4().hex[:12]}.tmp"  # as atomic_replace names its temp files
     source_hash = xxhash.xxh3_128()
-    if _reflink(src, tmp):
-        with open(src, "rb") as fh:
-            while chunk := fh.read(_COPY_CHUNK):
-                source_hash.update(chunk)
-                if on_read is not None:
-                    on_read(len(chunk))
-    else:
-        with open(src, "rb") as fin, open(tmp, "wb") as fout:
-            while chunk := fin.read(_COPY_CHUNK):
-                source_hash.update(chunk)
+    cloned = _reflink(src, tmp)
+    with open(src, "rb") as fin, contextlib.ExitStack() as stack:
+        fout = None if cloned else stack.enter_context(open(tmp, "wb"))
+        while chunk := fin.read(COPY_CHUNK):
+            source_hash.update(chunk)
+            if fout is not None:
                 fout.write(chunk)
-                if on_read is not None:
-                    on_read(len(chunk))
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-        copy_hash = xxhash.xxh3_128()
-        while chunk := fh.read(_COPY_CHUNK):
-            copy_hash.update(chunk)
-    if copy_hash.digest() != source_hash.digest():
+            if on_read is not None:
+                on_read(len(chunk))
+    if synced_digest(tmp) != source_hash.digest():
         os.unlink(tmp)
         raise IntegrityError(f"copy of {src} to {dst} does not match its source; check the disk")
     os.replace(tmp, dst)
@@ -80,39 +103,125 @@ def copy_verified(src: str, dst: str, on_read: Callable[[int], None] | None = No
 
 def same_dir(a: str, b: str) -> bool:
     """True when two paths name one directory (through symlinks or bind mounts too)."""
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
+    with contextlib.suppress(OSError):  # (samefile of a path that does not exist)
+        return os.path.realpath(a) == os.path.realpath(b) or os.path.samefile(a, b)
+    return False
+
+
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform == "linux" else None
+"""madvise option that maps a range's pages writable in one call (Linux ≥ 5.14)."""
+_populate = {"works": _POPULATE_WRITE is not None}
+
+
+def prefault(mm: mmap.mmap, start: int, end: int) -> None:
+    """Map bytes ``[start, end)`` of ``mm`` writable in one call where the OS allows it (else
+    a write takes two page faults per page); only pages about to be written: each is dirty."""
+    if _POPULATE_WRITE is None or not _populate["works"] or end <= start:
+        return
+    begin = start - start % mmap.PAGESIZE
     try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
+        mm.madvise(_POPULATE_WRITE, begin, end - begin)
+    except (OSError, ValueError):
+        _populate["works"] = False  # an older kernel: plain faults from now on
 
 
-class HostLock:
-    """The per-host ``flock`` held through one open descriptor; closing it releases the lock."""
+def msync(mm: mmap.mmap, path: str) -> None:
+    """Flush a map's dirty pages to ``path`` (msync); an ``os.fsync`` of the file follows."""
+    del path  # named for the callers' logs and the durability-order test
+    mm.flush()
 
-    def __init__(self, fd: int) -> None:
-        self._fd: int | None = fd
 
-    def hand_over(self) -> HostLock:
-        """A new owner of the held lock; this one no longer releases it."""
-        fd, self._fd = self._fd, None
-        assert fd is not None, "the host lock was already released or handed over"
-        return HostLock(fd)
+def own_regular_file(path: str) -> None:
+    """Make ``path`` a regular file with one link (see the module docstring), replaced by a
+    verified copy that is durable (file and directory fsynced) before this returns."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        log.warning("%s is a symbolic link; copying its target before writing it in place", path)
+    elif info.st_nlink > 1:
+        log.warning("%s has other hard links; copying it before writing it in place", path)
+    else:
+        return
+    copy_verified(path, path)
+    fsync_path(os.path.dirname(path))
 
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing releases the flock
-            self._fd = None
+
+class MappedFiles(contextlib.AbstractContextManager["MappedFiles"]):
+    """Writable mmaps of the local safetensors files, opened lazily and flushed together; as
+    a context manager, closed on exit (flushing is the caller's explicit step)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[int, mmap.mmap]] = {}
+        self._lock = threading.Lock()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _map(self, path: str) -> mmap.mmap:
+        with self._lock:
+            if path not in self._maps:
+                own_regular_file(path)
+                # O_NOFOLLOW: never write through a link, even one that appeared since.
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+                self._maps[path] = (fd, mmap.mmap(fd, 0))
+            return self._maps[path][1]
+
+    def view(self, tensor: CheckpointTensor) -> ByteArray:
+        """A writable view of ``tensor``'s bytes in its file (made private first)."""
+        return np.frombuffer(
+            self._map(tensor.file),
+            dtype=np.uint8,
+            count=tensor.entry.nbytes,
+            offset=tensor.entry.start,
+        )
+
+    def array(self, path: str) -> ByteArray:
+        """A writable view of the whole file (codecs applying a batch take offsets into it)."""
+        return np.frombuffer(self._map(path), dtype=np.uint8)
+
+    def prepare_writes(self, tensors: Sequence[CheckpointTensor]) -> None:
+        """Map the pages of ``tensors`` (about to be written whole) writable, one call per run
+        of adjacent tensors in a file (see :func:`prefault`)."""
+        runs: list[tuple[str, int, int]] = []
+        for tensor in sorted(tensors, key=lambda t: (t.file, t.entry.start)):
+            start, end = tensor.entry.start, tensor.entry.end
+            if runs and runs[-1][0] == tensor.file and start - runs[-1][2] < mmap.PAGESIZE:
+                runs[-1] = (tensor.file, runs[-1][1], max(end, runs[-1][2]))
+            else:
+                runs.append((tensor.file, start, end))
+        for path, start, end in runs:
+            prefault(self._map(path), start, end)
+
+    def flush(self) -> None:
+        """msync, then fsync, every mapped file: the data is durable before any state names it."""
+        for path, (fd, mm) in self._maps.items():
+            msync(mm, path)
+            os.fsync(fd)
+
+    def close(self) -> None:
+        """Unmap and close every file (without flushing)."""
+        for fd, mm in self._maps.values():
+            with contextlib.suppress(BufferError):
+                mm.close()
+            os.close(fd)
+        self._maps.clear()
+
+
+@dataclass
+class PullContext:
+    """What each step of one pull on this host works with: the store it reads, the local
+    checkpoint, the base dir (None: not given), its threads and its counters."""
+
+    store: VersionStore
+    local: LocalCheckpoint
+    base: str | None
+    workers: int
+    stats: ApplyStats
 
 
 class LocalCheckpoint:
-    """A host-local HF checkpoint kept in step by :func:`pull_weights`.
-
-    Its ``read_state`` and ``read_pending`` first wait for this process's pull of the same
-    dir to be durable and recorded (see :mod:`deltastore.pull.completion`): a pull replies
-    before its state is written, and a reader in the same process sees the recorded outcome.
-    """
+    """A host-local HF checkpoint kept in step by :func:`pull_weights`; its ``read_state`` and
+    ``read_pending`` first wait for this process's pull of the dir to be durable and recorded
+    (see the module docstring)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.dir = os.path.abspath(os.fspath(directory))
@@ -121,15 +230,19 @@ class LocalCheckpoint:
         self.pending_path = os.path.join(self.state_dir, PENDING_NAME)
 
     @contextlib.contextmanager
-    def lock(self, timeout_s: float = 3600.0) -> Iterator[HostLock]:
-        """Hold the per-host ``flock``; co-located ranks serialise on it.
-
-        Released on exit unless it was handed over (:meth:`HostLock.hand_over`) to the
-        completion that finishes the pull after its reply.
-        """
+    def lock(self, timeout_s: float = 3600.0) -> Iterator[Callable[[], Callable[[], None]]]:
+        """Hold the per-host ``flock`` (co-located ranks serialise on it) through one open
+        descriptor, released on exit unless ``hand_over()`` (what this yields) gave its release
+        to the completion after the reply."""
         os.makedirs(self.state_dir, exist_ok=True)
         fd = os.open(os.path.join(self.state_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-        held = HostLock(fd)
+        held = [fd]
+
+        def hand_over() -> Callable[[], None]:
+            assert held, "the host lock was already handed over"
+            held.clear()
+            return functools.partial(os.close, fd)  # closing releases the flock
+
         deadline = time.monotonic() + timeout_s
         try:
             while True:
@@ -144,22 +257,25 @@ class LocalCheckpoint:
                             f"{self.dir} is locked by another pull for over {timeout_s:.0f} s"
                         ) from None
                     time.sleep(0.05)
-            yield held
+            yield hand_over
         finally:
-            held.release()
+            if held:
+                os.close(fd)
 
-    # ------------------------------------------------------------------ state
     def read_state(self) -> AppliedState | None:
         """The applied state, or None when there is none (or it is unreadable)."""
-        wait_recorded(self.dir)
         try:
-            with open(self.state_path, "rb") as fh:
-                return AppliedState.from_json(fh.read(), source=self.state_path)
+            return AppliedState.from_json(self._read(self.state_path), source=self.state_path)
         except FileNotFoundError:
             return None
         except FormatError as exc:
             log.warning("%s; treating %s as holding nothing", exc, self.dir)
             return None
+
+    def _read(self, path: str) -> bytes:
+        wait_recorded(self.dir)
+        with open(path, "rb") as fh:
+            return fh.read()
 
     def write_state(self, state: AppliedState, *, sync_dir: bool = True) -> None:
         """Record ``state`` with the weight files' fingerprints as they are now."""
@@ -169,18 +285,12 @@ class LocalCheckpoint:
 
     def fingerprints(self) -> dict[str, tuple[int, int]]:
         """Weight file name → (size, mtime_ns), following links (one ``stat`` per file)."""
-        out = {}
-        for name in self.weight_files():
-            info = os.stat(os.path.join(self.dir, name))
-            out[name] = (info.st_size, info.st_mtime_ns)
-        return out
+        infos = {name: os.stat(os.path.join(self.dir, name)) for name in self.weight_files()}
+        return {name: (info.st_size, info.st_mtime_ns) for name, info in infos.items()}
 
     def unchanged_since(self, state: AppliedState) -> bool:
-        """True when the state recorded fingerprints and every weight file still matches them.
-
-        A cheap check (a ``stat`` per file): a file rewritten behind the state's back with
-        the same size within the filesystem's mtime granularity is not noticed.
-        """
+        """True when the state recorded fingerprints and every weight file still matches them
+        (a ``stat`` per file: a rewrite of the same size within the mtime granularity passes)."""
         return state.files is not None and state.files == self.fingerprints()
 
     def invalidate_state(self) -> None:
@@ -191,10 +301,9 @@ class LocalCheckpoint:
 
     def read_pending(self) -> PendingTransition | None:
         """The record of a transition in progress or interrupted, or None."""
-        wait_recorded(self.dir)
         try:
-            with open(self.pending_path, "rb") as fh:
-                return PendingTransition.from_json(fh.read(), source=self.pending_path)
+            data = self._read(self.pending_path)
+            return PendingTransition.from_json(data, source=self.pending_path)
         except FileNotFoundError:
             return None
         except FormatError as exc:
@@ -202,12 +311,9 @@ class LocalCheckpoint:
             return PendingTransition(None, 0)
 
     def begin(self, pending: PendingTransition) -> None:
-        """Before the first in-place write: record the transition and drop the state.
-
-        The pending record is renamed in and the state removed under one directory fsync: a
-        crash before it leaves either the old state alone (nothing written yet) or both, and a
-        pending record beside a state that does not name its target is repaired from.
-        """
+        """Before the first in-place write: rename the pending record in and remove the state
+        under one directory fsync (a crash before it leaves the old state alone, or both: a
+        record beside a state that does not name its target is repaired from)."""
         os.makedirs(self.state_dir, exist_ok=True)
         atomic_replace(self.pending_path, pending.to_json(), sync_dir=False)
         with contextlib.suppress(FileNotFoundError):
@@ -223,7 +329,6 @@ class LocalCheckpoint:
             os.unlink(self.pending_path)
         fsync_path(self.state_dir)
 
-    # ---------------------------------------------------------------- seeding
     def weight_files(self) -> list[str]:
         """Names of the local safetensors files and index (what a reseed replaces)."""
         if not os.path.isdir(self.dir):
@@ -234,25 +339,14 @@ class LocalCheckpoint:
 
     def clear_weights(self) -> None:
         """Remove the weight files, and copies a crash left half-written (``*.tmp``)."""
-        partial = (
-            [n for n in os.listdir(self.dir) if n.endswith((".tmp", ".partial"))]
-            if os.path.isdir(self.dir)
-            else []
-        )
+        names = os.listdir(self.dir) if os.path.isdir(self.dir) else []
+        partial = [n for n in names if n.endswith((".tmp", ".partial"))]
         for name in self.weight_files() + partial:
             os.unlink(os.path.join(self.dir, name))
 
     def seed_from_base(self, base_dir: str, progress: ProgressCallback | None = None) -> None:
         """Replace the local weights with a verified copy of ``base_dir`` (never modified);
         ``progress`` gets phase ``seed``, the bytes of the base copied."""
-        base_dir = os.path.abspath(base_dir)
-        if not os.path.isdir(base_dir):
-            raise ConfigError(f"base directory {base_dir!r} does not exist")
-        if same_dir(base_dir, self.dir):
-            raise ConfigError(
-                f"local checkpoint {self.dir} is the base model path itself; deltas would "
-                "modify the user's model. Pass a separate host-local directory"
-            )
         names = [
             n
             for n in sorted(os.listdir(base_dir))
@@ -260,9 +354,9 @@ class LocalCheckpoint:
         ]
         total = sum(os.path.getsize(os.path.join(base_dir, n)) for n in names) if progress else 0
         meter = ProgressMeter.start(progress, "seed", total)
+        on_read = meter.advance if meter is not None else None
         self.clear_weights()
         for name in names:
-            on_read = meter.advance if meter is not None else None
             copy_verified(os.path.join(base_dir, name), os.path.join(self.dir, name), on_read)
         fsync_path(self.dir)
 
@@ -271,13 +365,67 @@ class LocalCheckpoint:
         if base_dir is None or not os.path.isdir(base_dir):
             return
         for name in sorted(os.listdir(base_dir)):
-            src = os.path.join(base_dir, name)
-            dst = os.path.join(self.dir, name)
-            if (
-                name != STATE_DIR
-                and os.path.isfile(src)
-                and not name.endswith(".safetensors")
-                and name != INDEX_NAME
-                and not os.path.exists(dst)
-            ):
+            src, dst = os.path.join(base_dir, name), os.path.join(self.dir, name)
+            weights = name.endswith(".safetensors") or name in (INDEX_NAME, STATE_DIR)
+            if not weights and os.path.isfile(src) and not os.path.exists(dst):
                 shutil.copyfile(src, dst)
+
+
+# This process's last completion of each local dir (a forked child waits for none of its
+# parent's, whose thread makes those durable).
+_completions: dict[str, cf.Future[None]] = {}
+_guard = threading.Lock()
+_DURABLE = "deltastore-durable"
+os.register_at_fork(after_in_child=_completions.clear)
+
+
+def complete_behind(local_dir: str, steps: Callable[[], None], release: Callable[[], None]) -> None:
+    """Run ``steps`` for ``local_dir`` on the completion thread, then ``release`` (the lock)."""
+    local_dir = os.path.abspath(local_dir)
+
+    def run() -> None:
+        try:
+            steps()
+        except BaseException as exc:
+            log.error(
+                "%s: making the pull durable failed (%s); the pending record stays and the "
+                "next pull repairs the checkpoint",
+                local_dir,
+                exc,
+            )
+            raise
+        finally:
+            release()
+
+    with _guard:
+        _completions[local_dir] = kept_pool(_DURABLE, 1).submit(run)
+
+
+def wait_recorded(local_dir: str, timeout_s: float | None = None) -> BaseException | None:
+    """Wait until this process's last pull of ``local_dir`` is durable and recorded (at once
+    from the completion thread itself); returns the error its completion stopped on, None
+    when none did; :class:`LockTimeoutError` when ``timeout_s`` passes first."""
+    local_dir = os.path.abspath(local_dir)
+    with _guard:
+        completion = _completions.get(local_dir)
+    if completion is None or threading.current_thread().name.startswith(_DURABLE):
+        return None
+    try:
+        return completion.exception(timeout_s)
+    except cf.TimeoutError:
+        raise LockTimeoutError(
+            f"{local_dir}: the last pull was still being made durable after "
+            f"{timeout_s:.0f} s; check the disk"
+        ) from None
+
+
+def wait_durable(
+    local_checkpoint_dir: str | os.PathLike[str], timeout_s: float | None = None
+) -> None:
+    """Block until this process's last pull of ``local_checkpoint_dir`` is durable and its
+    state recorded (a no-op when none is in flight). Raises the
+    :class:`~deltastore.errors.PutBackError` its completion stopped on (the pending record
+    then stays and the next pull repairs), or :class:`LockTimeoutError` after ``timeout_s``."""
+    error = wait_recorded(os.fspath(local_checkpoint_dir), timeout_s)
+    if error is not None:
+        raise error

@@ -1,10 +1,26 @@
-"""``pull_weights``: bring a host-local checkpoint to a published version, verified."""
+"""``pull_weights``: bring a host-local checkpoint to a published version, verified.
+
+Under the per-host lock: an interrupted transition (a pending record) is repaired tensor by
+tensor (:mod:`deltastore.pull.repair`), or the checkpoint reseeds when the repair cannot be
+proven; a checkpoint whose files changed since its state was written (or after a repair, or
+with a state written by another tool) is verified in full first; then the plan
+(:mod:`deltastore.pull.chain`) catches up, reseeds or does nothing.
+
+With a process group, every rank calls :func:`pull_weights` with its own host's local dir.
+Ranks on one host share that dir, so the per-host ``flock`` collapses them to one apply (the
+others find the state at the target: a no-op). Each rank's outcome is then gathered over the
+group (``all_gather_object``): the pull succeeds on every rank only if every host verified its
+checkpoint, and otherwise raises :class:`GroupPullError` on every rank, naming each failed
+rank, its host and its dir.
+"""
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -13,6 +29,10 @@ from typing import Any
 from deltastore.errors import (
     ConfigError,
     DeltastoreError,
+    FormatError,
+    GroupPullError,
+    IntegrityError,
+    NameMismatchError,
     PutBackError,
     VersionNotFoundError,
 )
@@ -23,26 +43,27 @@ from deltastore.gc_pause import gc_paused
 from deltastore.progress import ProgressCallback
 from deltastore.pull.apply import apply_chain, flush_applied
 from deltastore.pull.chain import Chain, Plan, plan_pull, resolve_chain, resolve_onto
-from deltastore.pull.completion import complete_behind, wait_recorded
-from deltastore.pull.fanout import pull_in_group, resolve_group
 from deltastore.pull.full import discard_staging, stage_full, swap_in
-from deltastore.pull.local import LocalCheckpoint, same_dir
-from deltastore.pull.mapped import MappedFiles
-from deltastore.pull.recover import recover, trusted_state
-from deltastore.pull.repair import RepairSummary
-from deltastore.pull.result import PullResult
+from deltastore.pull.local import (
+    LocalCheckpoint,
+    MappedFiles,
+    PullContext,
+    complete_behind,
+    same_dir,
+    wait_recorded,
+)
+from deltastore.pull.repair import repair_pending
+from deltastore.pull.result import ApplyStats, HostOutcome, PullResult, RepairSummary
 from deltastore.pull.source import (
     PreRead,
     PullSource,
     StoreSpec,
     each_store,
-    make_source,
+    open_store,
     require_committed,
     source_of,
 )
-from deltastore.pull.stats import ApplyStats
-from deltastore.pull.trusted import CheckedPlan, preflight
-from deltastore.storage import VersionStore
+from deltastore.pull.verify import CheckedPlan, preflight, verify_checkpoint
 from deltastore.trust import TrustedKey
 from deltastore.trust.keys import TrustedKeys, load_trusted
 
@@ -64,128 +85,133 @@ def pull_weights(
     progress: ProgressCallback | None = None,
     flush_after_reply: bool = False,
 ) -> PullResult:
-    """Bring ``local_checkpoint_dir`` to ``target_version`` of the store at ``source_dir``.
+    """Bring ``local_checkpoint_dir`` to ``target_version`` (a number or ``"latest"``) of the
+    store at ``source_dir`` (or a list of copies of one run, nearest first), verified.
 
-    ``target_version`` is a version number or ``"latest"`` (the newest committed version).
-    Under the per-host lock: an interrupted transition (a pending record) is repaired tensor
-    by tensor, or the checkpoint reseeds when the repair cannot be proven; a checkpoint whose
-    files changed since its state was written (or after a repair, or with a state written by
-    another tool) is verified in full first; then version 0 resets to ``base_dir`` (copied and
-    content-verified, never modified); a checkpoint holding a version on the target's chain
-    catches up with the remaining deltas in one pass per tensor; anything else (no state,
-    another stream, a backward target) reseeds from the base or the newest full version on the
-    chain (staged and verified before it replaces anything) and replays. Every written tensor
-    is verified against the published digest; the state file never names a version whose
-    bytes were not verified and flushed. A store passed in is not modified (``pre_read`` is
-    this call's own hook).
+    Version 0 resets to ``base_dir`` (copied and content-verified, never modified); a host on
+    the target's chain catches up in one pass per tensor; anything else reseeds from the base
+    or the newest full version on the chain (staged and verified first) and replays. The state
+    file never names a version whose bytes were not verified and flushed; a store passed in is
+    not modified. ``process_group`` makes this a collective (see the module docstring);
+    ``trusted_keys`` applies only versions signed by one of them (docs/signing.md);
+    ``progress`` gets phases ``seed``, ``download`` and ``apply``; ``flush_after_reply=True``
+    returns once a catch-up's tensors are verified in the mapped files, the flush and the state
+    following (:mod:`deltastore.pull.local`). See docs/api.md.
 
-    ``source_dir`` may be a list of stores holding copies of one run, nearest first (e.g. a
-    replica made by ``deltastore replicate``, then the trainer's store): each version is read
-    from the first that has it committed, and ``state.json`` records where each came from
-    (see :mod:`deltastore.pull.nearest`).
-
-    ``process_group`` (a ``ProcessGroup``, ``"world"``, or ``"auto"`` for the default group
-    when torch.distributed is initialised) makes this a collective: every rank pulls into its
-    host's dir and the call succeeds only if every rank did (see :mod:`deltastore.pull.fanout`).
-
-    ``trusted_keys`` (public key files or :class:`~deltastore.trust.TrustedKey`, several for
-    rotation) makes the pull apply only versions signed by one of them: every version to
-    apply is verified, and its delta shards staged and checked byte for byte, before the
-    first write (docs/signing.md states the exact guarantee). A seed from the base checks
-    the base against the stream's recorded base digests first.
-
-    ``progress`` (see :mod:`deltastore.progress`) gets phase ``seed`` (the base's bytes
-    copied), ``download`` (a full version's shard bytes staged) and ``apply`` (the delta
-    payload bytes read and applied). If it raises, the pull stops as on any error there: a
-    catch-up puts back what it wrote and the checkpoint stays at its verified version; a
-    reseed from the base is repaired by the next pull.
-
-    ``flush_after_reply=True`` returns once a catch-up's tensors are verified in the mapped
-    files; the flush and the state follow (:mod:`deltastore.pull.completion`, docs/engines.md).
-
-    Raises a :class:`DeltastoreError` subclass naming the version and tensor at fault
-    (:class:`SignatureError` for a version the trusted keys do not vouch for,
-    :class:`ConfigError` for a local dir overlapping a local store,
-    :class:`GroupPullError` listing every failed rank in a group pull).
+    Raises a :class:`DeltastoreError` subclass naming the version and tensor at fault.
     """
     group = resolve_group(process_group)
-    keys = load_trusted(trusted_keys)
-    source = make_source(source_dir, storage_options, pre_read)
+    options = _Options(workers, lock_timeout_s, load_trusted(trusted_keys), flush_after_reply)
+    source = PullSource(open_store(source_dir, storage_options), pre_read)
     target = source.resolve_target(target_version)
-    attempt = functools.partial(
-        _pull_here,
-        local_checkpoint_dir,
-        source,
-        target,
-        base_dir,
-        workers=workers,
-        lock_timeout_s=lock_timeout_s,
-        keys=keys,
-        progress=progress,
-        flush_after_reply=flush_after_reply,
-    )
-    pull_here = functools.partial(_re_resolving, source.store, target, attempt)
+
+    def pull_here() -> PullResult:
+        try:
+            return _pull_here(local_checkpoint_dir, source, target, base_dir, options, progress)
+        except VersionNotFoundError as lost:
+            # A version vanished mid-pull (pruned): what was applied is verified and recorded
+            # (or put back), so resolving once more is safe.
+            require_committed(source.store, target, lost=lost)
+            log.warning(
+                "a version vanished while pulling v%06d (%s); re-resolving its chain once",
+                target,
+                lost,
+            )
+            return _pull_here(local_checkpoint_dir, source, target, base_dir, options, progress)
+
     if group is None:
         return pull_here()
     local_dir = os.path.abspath(os.fspath(local_checkpoint_dir))
     return pull_in_group(group, pull_here, local_dir=local_dir, target_version=target)
 
 
-def _re_resolving(
-    store: VersionStore, target_version: int, attempt: Callable[[], PullResult]
+def resolve_group(process_group: Any) -> Any | None:
+    """The process group to gather over, or None: ``None``/``False`` none, ``"auto"`` the
+    default group when torch.distributed is initialised, ``True``/``"world"`` the default group
+    (must be initialised), anything else a ``ProcessGroup``. Opt-in, because a collective
+    called from only some ranks of an initialised group would wait forever."""
+    if process_group is None or process_group is False:
+        return None
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if isinstance(process_group, str) or process_group is True:
+        if process_group not in ("auto", "world", True):
+            raise ConfigError(
+                f"process_group={process_group!r}: pass a ProcessGroup, 'world', 'auto' or None"
+            )
+        if not initialised:
+            if process_group == "auto":
+                return None
+            raise ConfigError(
+                "process_group='world' but torch.distributed is not initialised; call "
+                "init_process_group first or pass process_group=None"
+            )
+        return dist.group.WORLD
+    if not initialised:
+        raise ConfigError("a process group was given but torch.distributed is not initialised")
+    return process_group
+
+
+def pull_in_group(
+    group: Any, pull: Callable[[], PullResult], *, local_dir: str, target_version: int
 ) -> PullResult:
-    """``attempt()``, resolved once more if a version vanished while it ran."""
+    """Run ``pull`` on this rank, gather every rank's outcome (one rank's exception never
+    skips the collective), and raise :class:`GroupPullError` on every rank when any failed
+    (chained to the local error on the failing rank)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    host = socket.gethostname()
+    result: PullResult | None = None
+    error: Exception | None = None
     try:
-        return attempt()
-    except VersionNotFoundError as exc:
-        return _re_resolve(store, target_version, exc, attempt)
+        result = pull()
+        mine = HostOutcome(
+            rank, host, local_dir, True, result.message, result.version, result.action
+        )
+    except Exception as exc:  # every rank must reach the gather below
+        error = exc
+        mine = HostOutcome(rank, host, local_dir, False, f"{type(exc).__name__}: {exc}")
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, dataclasses.asdict(mine), group=group)
+    outcomes = [HostOutcome(**o) for o in gathered]
+    failed = [o for o in outcomes if not o.success]
+    if failed:
+        message = (
+            f"pull of v{target_version:06d} failed on {len(failed)} of {len(outcomes)} rank(s): "
+            + "; ".join(o.describe() for o in failed)
+        )
+        raise GroupPullError(message, outcomes) from error
+    assert result is not None
+    ranks, hosts = len(outcomes), len({(o.host, o.local_dir) for o in outcomes})
+    log.info("v%06d verified on all %d rank(s) (%d host dir(s))", target_version, ranks, hosts)
+    return dataclasses.replace(result, group=tuple(outcomes))
 
 
-def _re_resolve(
-    store: VersionStore,
-    target_version: int,
-    lost: VersionNotFoundError,
-    attempt: Callable[[], PullResult],
-) -> PullResult:
-    """A version vanished mid-pull (pruned): resolve the target again, once, and say so.
-
-    Whatever was applied before the loss is verified and recorded (or put back), so starting
-    over is safe. When the target itself is gone, the error names the newest version instead.
-    """
-    require_committed(store, target_version, lost=lost)
-    log.warning(
-        "a version vanished while pulling v%06d (%s); re-resolving its chain once",
-        target_version,
-        lost,
-    )
-    return attempt()
+@dataclass(frozen=True)
+class _Options:
+    workers: int
+    lock_timeout_s: float
+    keys: tuple[TrustedKey, ...] | None
+    flush_after_reply: bool
 
 
 @dataclass
-class _PullRun:
-    """One pull on this host, under its lock: the store, the dir, what it has done so far."""
+class _PullRun(PullContext):
+    """One pull on this host, under its lock, and what it has done so far."""
 
     source: PullSource
-    local: LocalCheckpoint
-    base: str | None
-    workers: int
-    stats: ApplyStats
-    started: float
+    options: _Options
+    started: float = field(default_factory=time.perf_counter)
     checked: CheckedPlan = field(default_factory=CheckedPlan)
-    """What the preflight verified (signature records, the verified delta copies)."""
     phases: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase so far (see :attr:`PullResult.phase_seconds`)."""
     _mark: float = 0.0
 
     def phase_done(self, name: str) -> None:
-        """The time since the previous mark (or the start) went to phase ``name``."""
         now = time.perf_counter()
         self.phases[name] = self.phases.get(name, 0.0) + now - (self._mark or self.started)
         self._mark = now
-
-    @property
-    def store(self) -> VersionStore:
-        return self.source.store
 
     def result(
         self, plan: Plan, version: int, action: str, repair: RepairSummary | None
@@ -215,8 +241,7 @@ class _PullRun:
         )
 
     def applied(self, version: int, stream: str | None) -> AppliedState:
-        """The state recording ``version``: the store it came from, and, when reading from
-        several stores, where each version this pull read came from."""
+        """The state recording ``version`` and the store (or stores) it came from."""
         sources = None
         if len(each_store(self.store)) > 1:
             read = [*self.stats.versions, version]
@@ -243,14 +268,7 @@ class _PullRun:
             log.info("%s: seeding from full version %d", self.local.dir, chain.start)
             self.stats.report("download", chain.start_index.totals.get("wire_bytes"))
             try:
-                staging = stage_full(
-                    self.store,
-                    chain.start_index,
-                    self.local,
-                    model=self._model(),
-                    workers=self.workers,
-                    stats=self.stats,
-                )
+                staging = stage_full(self, chain.start_index, self._model())
                 self.checked.check_staged(staging, chain.start_index)
                 self.stats.end_report()
             except BaseException:
@@ -265,34 +283,25 @@ class _PullRun:
 
     def _model(self) -> dict[str, CheckpointTensor] | None:
         """The tensors a full version must match: the base's, else the local checkpoint's."""
-        for directory in (self.base, self.local.dir):
-            if directory is not None:
-                try:
-                    return scan_checkpoint(directory)
-                except DeltastoreError:
-                    continue
+        for directory in filter(None, (self.base, self.local.dir)):
+            with contextlib.suppress(DeltastoreError):
+                return scan_checkpoint(directory)
         return None
 
     def catch_up(self, chain: Chain, plan: Plan) -> Callable[[], None]:
         """Apply ``plan``'s deltas in place inside a pending record, verified in the mapped
         files; returns the steps left once the pull replies: flush the patched files, then
-        record the target (see :mod:`deltastore.pull.completion`)."""
+        record the target (see :mod:`deltastore.pull.local`)."""
         current, target = plan.start, chain.target
         from_stream = chain.stream_at(current)
         self.local.begin(
             PendingTransition(current, target, chain.stream_id, from_stream, plan.versions)
         )
         files = MappedFiles()
+        store, tensors = self.checked.delta_store or self.store, self.checked.local_tensors
         try:
             apply_chain(
-                self.checked.delta_store or self.store,
-                plan.deltas,
-                self.local,
-                current,
-                workers=self.workers,
-                tensors=self.checked.local_tensors,
-                stats=self.stats,
-                files=files,
+                store, plan.deltas, self.local, current, self.workers, tensors, self.stats, files
             )
         except BaseException as exc:
             files.close()
@@ -313,18 +322,112 @@ class _PullRun:
 
         return make_durable
 
+    def recover(
+        self, pending: PendingTransition, state: AppliedState | None, chain: Chain
+    ) -> tuple[AppliedState | None, RepairSummary | None]:
+        """Deal with an interrupted transition: the state to plan from (None: reseed)."""
+        local = self.local
+        if state is not None and state.version == pending.to_version:
+            # The crash fell between writing the new state and clearing the record: the data
+            # was flushed before the state was written, so the state stands.
+            local.finish(state)
+            return state, None
+        to, summary, why = pending.to_version, None, None
+        repaired = AppliedState(to, pending.stream_id, self.store.url)
+        if pending.from_version is None:
+            why = "an interrupted reseed was found"
+        elif plan_pull(self.store, chain, repaired).action == "reseed":
+            why = f"an interrupted transition to v{to:06d} does not lead to v{chain.target:06d}"
+        else:
+            try:
+                summary = repair_pending(self, pending)
+            except DeltastoreError as exc:
+                why = f"cannot repair the interrupted transition to v{to:06d} ({exc})"
+        if why is not None:
+            log.warning("%s: %s; reseeding", local.dir, why)
+            return None, None
+        local.finish(repaired)
+        return repaired, summary
+
+    def trusted(
+        self, state: AppliedState | None, chain: Chain, *, suspect: bool
+    ) -> AppliedState | None:
+        """``state`` if the checkpoint's bytes can be taken to hold it, else None (reseed):
+        cheap when the weight files' fingerprints match the state's, else (or ``suspect``: an
+        interrupted pull was found) every tensor is hashed against the state's version."""
+        local = self.local
+        if state is None or chain.suffix_after(state.version) is None:
+            return state
+        if not suspect and local.unchanged_since(state):
+            return state
+        why = (
+            "an interrupted pull was found"
+            if suspect
+            else "its state records no file fingerprints (written by another tool)"
+            if state.files is None
+            else "its weight files changed since its state was written"
+        )
+        log.warning("%s: %s; verifying every tensor against v%06d", local.dir, why, state.version)
+        try:
+            verify_checkpoint(self.store, local.dir, state.version, self.base, self.workers)
+        except (IntegrityError, NameMismatchError, FormatError, ConfigError) as exc:
+            log.warning("%s does not hold v%06d (%s); reseeding", local.dir, state.version, exc)
+            local.invalidate_state()
+            return None
+        local.write_state(state)  # fresh fingerprints: the next pull is cheap again
+        return state
+
+    def pull(self, target: int) -> tuple[PullResult, Callable[[], None] | None]:
+        """The pull itself, under the host's lock: recover, plan, apply or reseed, record;
+        with ``flush_after_reply``, the steps a catch-up leaves for after the reply."""
+        state = self.local.read_state()
+        pending = self.local.read_pending()
+        self.source.refresh(target if target > 0 else None)
+        # A host holding a version of the target's stream resolves only what is new; the
+        # whole chain is walked only for a repair or a reseed.
+        chain = (
+            resolve_onto(self.store, target, state)
+            if pending is None
+            else resolve_chain(self.store, target)
+        )
+        repair: RepairSummary | None = None
+        if pending is not None:
+            state, repair = self.recover(pending, state, chain)
+        state = self.trusted(state, chain, suspect=pending is not None)
+        plan = plan_pull(self.store, chain, state)
+        if plan.action == "reseed" and chain.partial:
+            chain = resolve_chain(self.store, target)
+            plan = plan_pull(self.store, chain, state)
+        log.info("%s: plan: %s", self.local.dir, plan.describe())
+        if plan.action == "noop":
+            assert state is not None
+            action = "noop" if repair is None else "repaired"
+            return self.result(plan, state.version, action, repair), None
+        make_durable = None
+        with preflight(self, chain, plan, self.options.keys) as checked:
+            self.checked = checked
+            self.phase_done("prepare")
+            if plan.action == "reseed":
+                self.reseed(chain, state, plan.reason or "the target builds on version 0")
+                self.phase_done("reseed")
+            if plan.deltas:
+                make_durable = self.catch_up(chain, plan)
+                if not self.options.flush_after_reply:
+                    make_durable()  # (the flush counts as part of the apply)
+                    make_durable = None
+                self.phase_done("apply")
+        self.checked = CheckedPlan()  # (the scanned checkpoint goes before the collector resumes)
+        action = "reseeded" if plan.action == "reseed" else "applied"
+        return self.result(plan, target, action, repair), make_durable
+
 
 def _pull_here(
     local_checkpoint_dir: str | os.PathLike[str],
     source: PullSource,
-    target_version: int,
+    target: int,
     base_dir: str | os.PathLike[str] | None,
-    *,
-    workers: int,
-    lock_timeout_s: float,
-    keys: tuple[TrustedKey, ...] | None = None,
-    progress: ProgressCallback | None = None,
-    flush_after_reply: bool = False,
+    options: _Options,
+    progress: ProgressCallback | None,
 ) -> PullResult:
     base = os.path.abspath(os.fspath(base_dir)) if base_dir is not None else None
     local = LocalCheckpoint(local_checkpoint_dir)
@@ -339,76 +442,19 @@ def _pull_here(
             f"base_dir {base} does not exist; pass the checkpoint dir of the base model the "
             "trainer was seeded from"
         )
-    if target_version > 0:
-        fresh = not os.path.exists(local.dir)
-        source.check_roots(list_remote=fresh)
-        if fresh:
-            source.check_published(target_version)
+    if target > 0:
+        source.check_target(target, fresh=not os.path.exists(local.dir))
     os.makedirs(local.dir, exist_ok=True)
     stats = ApplyStats(progress=progress)
-    run = _PullRun(source, local, base, workers, stats, time.perf_counter())
-    wait_recorded(local.dir, lock_timeout_s)  # this process's last pull of the dir, first
-    with local.lock(lock_timeout_s) as held, gc_paused():
+    run = _PullRun(source.store, local, base, options.workers, stats, source, options)
+    wait_recorded(local.dir, options.lock_timeout_s)  # this process's last pull of the dir
+    with local.lock(options.lock_timeout_s) as hand_over, gc_paused():
         # The collector resumes once the pull's objects (headers, histories, the scanned
-        # checkpoint) are gone with _pull_locked's frame, so its first collection is short.
-        done, make_durable = _pull_locked(run, target_version, keys, flush_after_reply)
+        # checkpoint) are gone with run.pull's frame, so its first collection is short.
+        done, make_durable = run.pull(target)
         if make_durable is not None:
             # Reply now: every written tensor is verified in the page cache the engine
             # reloads from; the flush and the state follow under the host lock.
-            complete_behind(local.dir, make_durable, held.hand_over().release)
+            complete_behind(local.dir, make_durable, hand_over())
     log.info("%s: %s", local.dir, done.message)
     return done
-
-
-def _pull_locked(
-    run: _PullRun,
-    target_version: int,
-    keys: tuple[TrustedKey, ...] | None,
-    flush_after_reply: bool = False,
-) -> tuple[PullResult, Callable[[], None] | None]:
-    """The pull itself, under the host's lock: recover, plan, apply or reseed, record; with
-    ``flush_after_reply``, the steps a catch-up leaves for after the reply (None: all done)."""
-    source, local, base, workers = run.source, run.local, run.base, run.workers
-    state = local.read_state()
-    pending = local.read_pending()
-    source.refresh(target_version if target_version > 0 else None)
-    # A host holding a version of the target's stream resolves only what is new; the
-    # whole chain is walked only for a repair or a reseed.
-    chain = (
-        resolve_onto(source.store, target_version, state)
-        if pending is None
-        else resolve_chain(source.store, target_version)
-    )
-    repair: RepairSummary | None = None
-    if pending is not None:
-        state, repair = recover(
-            source.store, local, pending, state, chain, base, workers, run.stats
-        )
-    state = trusted_state(
-        source.store, local, state, chain, base, workers, suspect=pending is not None
-    )
-    plan = plan_pull(source.store, chain, state)
-    if plan.action == "reseed" and chain.partial:
-        chain = resolve_chain(source.store, target_version)
-        plan = plan_pull(source.store, chain, state)
-    log.info("%s: plan: %s", local.dir, plan.describe())
-    if plan.action == "noop":
-        assert state is not None
-        action = "noop" if repair is None else "repaired"
-        return run.result(plan, state.version, action, repair), None
-    make_durable = None
-    with preflight(source.store, chain, plan, local, base, keys, workers=workers) as checked:
-        run.checked = checked
-        run.phase_done("prepare")
-        if plan.action == "reseed":
-            run.reseed(chain, state, plan.reason or "the target builds on version 0")
-            run.phase_done("reseed")
-        if plan.deltas:
-            make_durable = run.catch_up(chain, plan)
-            if not flush_after_reply:
-                make_durable()  # (the flush counts as part of the apply)
-                make_durable = None
-            run.phase_done("apply")
-    run.checked = CheckedPlan()  # (the scanned checkpoint goes before the collector resumes)
-    action = "reseeded" if plan.action == "reseed" else "applied"
-    return run.result(plan, target_version, action, repair), make_durable

@@ -1,21 +1,39 @@
 """The store a pull reads: opened once, its hook bound without touching the caller's store,
-the target resolved ("latest"), and kept apart from the local checkpoint."""
+the target resolved ("latest"), and kept apart from the local checkpoint.
+
+``pull_weights(..., source_dir=[near, far])`` reads each version from the first store that has
+it committed, falling back to the next (a replica that has not caught up yet, or is missing or
+unreachable). The stores must be copies of one run (e.g. made by ``deltastore replicate``):
+where a pull can see one version in two stores (a delta read from one store building on a
+version read from another, or a file of a version vanishing from one store mid-read), the two
+indexes must publish the same content (``VersionIndex.content_digest``; their bytes differ,
+since each replica's writer stamps its own commit token), else the pull fails naming both
+stores.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, BinaryIO, TypeVar
 
-from deltastore.errors import ConfigError, StoreError, VersionNotFoundError
-from deltastore.pull.nearest import NearestStores
-from deltastore.storage import VersionStore
+from deltastore.errors import ConfigError, FormatError, StoreError, VersionNotFoundError
+from deltastore.format.index import VersionIndex
+from deltastore.format.names import INDEX_NAME, version_dir_name
+from deltastore.format.safetensors_io import SafetensorsHeader
+from deltastore.storage import DownloadSink, VersionStore
 from deltastore.storage.listing import require_store
+
+log = logging.getLogger("deltastore.pull")
+
+T = TypeVar("T")
 
 PreRead = Callable[[str, int], None]
 StoreSpec = VersionStore | str | os.PathLike[str]
-"""One store: a :class:`VersionStore` or its URL."""
 
 
 def open_store(
@@ -23,7 +41,7 @@ def open_store(
 ) -> VersionStore:
     """``source`` itself when it is a store (never modified), else a new store at that URL;
     a list (or tuple) of them reads each version from the first that has it
-    (:class:`~deltastore.pull.nearest.NearestStores`; one item is that store alone)."""
+    (:class:`NearestStores`; one item is that store alone)."""
     if isinstance(source, VersionStore):
         return source
     if isinstance(source, (str, os.PathLike)):
@@ -39,11 +57,8 @@ def each_store(store: VersionStore) -> tuple[VersionStore, ...]:
 
 def require_stores(store: VersionStore) -> None:
     """Raise the no-store :class:`ConfigError` when none of the stores a pull reads holds
-    anything a publisher wrote (see :func:`~deltastore.storage.listing.require_store`).
-
-    A store that cannot be listed right now is not taken for absent: its own error shows
-    where it is read.
-    """
+    anything a publisher wrote (:func:`~deltastore.storage.listing.require_store`); one that
+    cannot be listed now is not taken for absent (its own error shows where it is read)."""
     errors: list[ConfigError] = []
     for one in each_store(store):
         try:
@@ -74,20 +89,12 @@ def require_committed(
     if target in committed:
         return
     latest = committed[-1] if committed else 0
+    name, then = f"weight_v{target:06d}", f"the latest version is v{latest:06d}"
     if target > latest:
-        raise VersionNotFoundError(
-            f"weight_v{target:06d} is not published in {store.url}; the latest "
-            f"version is v{latest:06d}"
-        ) from None
-    if lost is None:
-        raise VersionNotFoundError(
-            f"weight_v{target:06d} is no longer in {store.url} (pruned); the latest "
-            f"version is v{latest:06d}: pull that instead"
-        )
-    raise VersionNotFoundError(
-        f"weight_v{target:06d} is no longer in {store.url}: it was pruned while this "
-        f"pull read it; the latest version is v{latest:06d}: pull that instead"
-    ) from lost
+        raise VersionNotFoundError(f"{name} is not published in {store.url}; {then}") from None
+    how = " (pruned)" if lost is None else ": it was pruned while this pull read it"
+    message = f"{name} is no longer in {store.url}{how}; {then}: pull that instead"
+    raise VersionNotFoundError(message) from lost
 
 
 def source_of(store: VersionStore, version: int) -> str:
@@ -97,11 +104,8 @@ def source_of(store: VersionStore, version: int) -> str:
 
 @dataclass(frozen=True)
 class PullSource:
-    """A store and the pre-read hook this pull runs before reading a version.
-
-    The hook is this pull's own: it runs beside the store's own ``pre_read`` (if any), and the
-    store the caller passed in is not modified.
-    """
+    """A store and this pull's own pre-read hook (run beside the store's own ``pre_read``, so
+    the store the caller passed in is not modified)."""
 
     store: VersionStore
     pre_read: PreRead | None = None
@@ -114,12 +118,9 @@ class PullSource:
                 self.pre_read(store.url, version)
 
     def resolve_target(self, target: int | str) -> int:
-        """``target`` as a version number: ``"latest"`` is the newest committed version.
-
-        Raises :class:`ConfigError` for anything else that is not a non-negative int, and for
-        ``"latest"`` where no store is (:func:`require_stores`: a mistyped URL must not read as
-        an empty store and reset the host to the base).
-        """
+        """``target`` as a version number (``"latest"``: the newest committed); raises
+        :class:`ConfigError` for anything else that is not a non-negative int, and for
+        ``"latest"`` where no store is (a mistyped URL must not reset the host to the base)."""
         if target == "latest":
             self.store.refresh()
             latest = self.store.latest()
@@ -132,45 +133,30 @@ class PullSource:
             raise ConfigError(f"target version {target} is negative")
         return target
 
-    def check_roots(self, *, list_remote: bool) -> None:
-        """Raise the no-store :class:`ConfigError` before a pull touches the host: when every
-        store is a local path that does not exist (free), and with ``list_remote`` (a host dir
-        the pull would create) when no store holds anything a publisher wrote (one listing
-        each, so a mistyped bucket prefix leaves no host dir, lock or state behind). Other
-        absent stores are found when the pull reads them. Skipped where a pre-read hook runs:
-        the hook may be what fills the root (a mirror of a bucket, say)."""
-        if self._hooked():
-            return
+    def check_target(self, target: int, *, fresh: bool) -> None:
+        """Before a pull touches the host, unless a pre-read hook may fill the root or bring
+        the version: the no-store :class:`ConfigError` when every store is a local path that
+        does not exist, or when no store holds anything a publisher wrote and the pull would
+        create the host dir (``fresh``: a mistyped bucket leaves no host dir behind), and
+        then, for a fresh dir, :func:`require_committed`."""
         stores = each_store(self.store)
-        if list_remote or all(s.is_local and not os.path.isdir(s.root) for s in stores):
+        if self.pre_read is not None or any(s.pre_read is not None for s in stores):
+            return
+        if fresh or all(s.is_local and not os.path.isdir(s.root) for s in stores):
             require_stores(self.store)
-
-    def _hooked(self) -> bool:
-        """Whether a pre-read hook runs before reads (this pull's or a store's own)."""
-        return self.pre_read is not None or any(
-            s.pre_read is not None for s in each_store(self.store)
-        )
-
-    def check_published(self, target: int) -> None:
-        """Raise :class:`VersionNotFoundError` when no store has ``target`` committed
-        (:func:`require_committed`): asked before a pull creates a host dir, so a version not
-        (or no longer) published leaves no dir or lock behind. Skipped where a pre-read hook
-        runs (it may bring the version)."""
-        if not self._hooked():
+        if fresh:
             require_committed(self.store, target)
 
     def check_apart_from(self, local_dir: str) -> None:
-        """Refuse a local checkpoint dir that is, is inside, or contains a local store's root.
-
-        Pulling into such a dir would overwrite published versions (every host pulling them
-        afterwards would get other bytes). Real paths are compared, so links do not hide it.
-        """
+        """Refuse a local checkpoint dir that is, is inside, or contains a local store's root
+        (it would overwrite published versions); real paths are compared, so links do not
+        hide it."""
         for store in each_store(self.store):
             if not store.is_local:
                 continue
             root = os.path.realpath(store.root)
             local = os.path.realpath(local_dir)
-            if _within(local, root) or _within(root, local):
+            if overlaps(local, root):
                 raise ConfigError(
                     f"local checkpoint dir {local_dir} ({local}) overlaps the store {store.url} "
                     f"({root}); pulling there would overwrite published versions. Pass a "
@@ -178,14 +164,162 @@ class PullSource:
                 )
 
 
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+def overlaps(a: str, b: str) -> bool:
+    """True when real paths ``a`` and ``b`` are one dir or one lies inside the other."""
+    return os.path.commonpath([a, b]) in (a, b)
 
 
-def make_source(
-    source: StoreSpec | Sequence[StoreSpec],
-    storage_options: dict[str, Any] | None,
-    pre_read: PreRead | None,
-) -> PullSource:
-    """The :class:`PullSource` of one ``pull_weights`` call."""
-    return PullSource(open_store(source, storage_options), pre_read)
+@dataclass(frozen=True)
+class _Served:
+    """The index of one version as the store that serves it holds it."""
+
+    position: int  # in NearestStores.stores
+    data: bytes
+    index: VersionIndex
+    digest: str
+    """:meth:`VersionIndex.content_digest`: what two copies must share to be one version."""
+
+
+class NearestStores(VersionStore):
+    """Read-only view of several copies of one store, nearest first (see the module doc):
+    every read of a version goes to the store that served its index (:meth:`source_of`)."""
+
+    def __init__(self, stores: Sequence[VersionStore]) -> None:
+        if not stores:
+            raise ConfigError("no store given to pull from; pass at least one store URL")
+        first = stores[0]
+        super().__init__(first.url, first.storage_options)
+        self.stores = tuple(stores)
+        self.url = "[" + ", ".join(s.url for s in self.stores) + "]"
+        self._lock = threading.Lock()
+        self._served: dict[int, _Served] = {}
+        self._down: set[int] = set()
+        self._built_on_from: dict[int, int] = {}
+        """Base version → position of the store whose delta named it as its base."""
+
+    def _serve(self, version: int) -> _Served:
+        with self._lock:
+            if version in self._served:
+                return self._served[version]
+        found: _Served | None = None
+        for position, store in enumerate(self.stores):
+            if position in self._down:
+                continue
+            try:
+                found = self._read_index(position, version)
+                break
+            except VersionNotFoundError:
+                continue
+            except (StoreError, ConfigError) as exc:
+                log.warning("store %s is unreachable (%s); reading the next one", store.url, exc)
+                self._down.add(position)
+        if found is None:
+            raise VersionNotFoundError(
+                f"weight_v{version:06d} is not committed in any of {self.url} (or those that "
+                "have it are unreachable); list committed versions with `deltastore ls`"
+            )
+        linked = self._built_on_from.get(version)
+        if linked is not None and linked != found.position:
+            self._check_agree(found, linked)
+        with self._lock:
+            self._served[version] = found
+        return found
+
+    def _read_index(self, position: int, version: int) -> _Served:
+        """``version``'s index as store ``position`` holds it, parsed and digested once."""
+        store = self.stores[position]
+        data = store.index_bytes(version)
+        source = f"{store.url}/{version_dir_name(version)}/{INDEX_NAME}"
+        index = VersionIndex.from_json(data, version=version, source=source)
+        return _Served(position, data, index, index.content_digest())
+
+    def _check_agree(self, found: _Served, other: int) -> None:
+        """Store ``other``'s copy of ``found``'s version (if it has one) must hold the same
+        content; its bytes may differ (each replica's writer stamps its own commit token)."""
+        version = found.index.version
+        try:
+            theirs = self._read_index(other, version)
+        except (VersionNotFoundError, StoreError, ConfigError):
+            return
+        if theirs.digest != found.digest:
+            a, b = self.stores[found.position].url, self.stores[other].url
+            raise FormatError(
+                f"{version_dir_name(version)}/{INDEX_NAME} publishes other content in {a} "
+                f"than in {b} (stream {found.index.stream_id} vs {theirs.index.stream_id}); "
+                "the stores are not copies of one run. Pull from one of them, or re-replicate"
+            )
+
+    def _read(self, version: int, read: Callable[[VersionStore], T]) -> T:
+        """``read`` on the store serving ``version``; if the file vanished there (pruned),
+        on the next store holding the same content for that version."""
+        found = self._serve(version)
+        try:
+            return read(self.stores[found.position])
+        except VersionNotFoundError:
+            for other in range(len(self.stores)):
+                if other == found.position or other in self._down:
+                    continue
+                self._check_agree(found, other)
+                with contextlib.suppress(VersionNotFoundError):
+                    result = read(self.stores[other])
+                    with self._lock:
+                        self._served[version] = replace(found, position=other)
+                    return result
+            raise
+
+    def source_of(self, version: int) -> str:
+        """URL of the store ``version`` was read from (the first store if it was not read)."""
+        served = self._served.get(version)
+        return self.stores[served.position if served else 0].url
+
+    def refresh(self, version: int | None = None) -> None:
+        for store in self.stores:
+            store.refresh(version)
+        with self._lock:
+            self._served.clear()
+            self._down.clear()
+            self._built_on_from.clear()
+
+    def versions(self) -> list[int]:
+        """Versions committed in any reachable store, ascending."""
+        found: set[int] = set()
+        for store in self.stores:
+            try:
+                found.update(store.versions())
+            except (StoreError, ConfigError) as exc:
+                log.warning("store %s is unreachable (%s); listing the others", store.url, exc)
+        return sorted(found)
+
+    def index_bytes(self, version: int) -> bytes:
+        return self._serve(version).data
+
+    def index(self, version: int) -> VersionIndex:
+        found = self._serve(version)
+        index = found.index
+        if index.is_delta and index.base_version:
+            with self._lock:
+                self._built_on_from.setdefault(index.base_version, found.position)
+        return index
+
+    def file_size(self, version: int, name: str) -> int:
+        return self._read(version, lambda s: s.file_size(version, name))
+
+    def read_range(self, version: int, name: str, start: int, end: int) -> bytes:
+        return self._read(version, lambda s: s.read_range(version, name, start, end))
+
+    def read_shard_header(self, version: int, name: str) -> SafetensorsHeader:
+        return self._read(version, lambda s: s.read_shard_header(version, name))
+
+    def list_files(self, version: int) -> list[str]:
+        return self._read(version, lambda s: s.list_files(version))
+
+    def download(self, version: int, name: str, dst: str, sink: DownloadSink | None = None) -> int:
+        return self._read(version, lambda s: s.download(version, name, dst, sink))
+
+    @contextlib.contextmanager
+    def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
+        with self.stores[self._serve(version).position].open_read(version, name) as fh:
+            yield fh
+
+    def begin(self, version: int, *, token: str | None = None) -> None:  # type: ignore[override]
+        raise ConfigError(f"{self.url} is a read-only view of several stores; publish to one")

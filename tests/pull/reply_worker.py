@@ -15,7 +15,7 @@ import time
 
 from pull_worker import read_job  # beside this script (run as a file, its dir is on the path)
 
-import deltastore.pull.mapped as mapped
+import deltastore.pull.local as pull_local
 from deltastore import pull_weights
 from deltastore.pull import wait_durable
 
@@ -24,13 +24,13 @@ def main() -> int:
     args = read_job()
     if args is None:
         return 0
-    real_msync = mapped.msync
+    real_msync = pull_local.msync
 
     def slow_msync(mm, path):  # type: ignore[no-untyped-def]
         time.sleep(args["hold_s"])
         real_msync(mm, path)
 
-    mapped.msync = slow_msync
+    pull_local.msync = slow_msync
     print("GO", flush=True)
     result = pull_weights(
         args["local"],

@@ -22,7 +22,7 @@ import deltastore as ds
 from deltastore.codecs import compress, decompress, sparse
 from deltastore.codecs.auto import AutoEncoding
 from deltastore.errors import FormatError, IntegrityError
-from deltastore.pull.batches import Window
+from deltastore.pull.apply import Window
 from tests.conftest import HAVE_NUMBA, checkpoint_bytes, make_checkpoint, raw_bytes
 
 Model = dict[str, torch.Tensor]

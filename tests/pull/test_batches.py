@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from deltastore.codecs import Digest, get_checksum
 from deltastore.format.payload import PayloadRef
-from deltastore.pull.batches import Span, plan_windows, read_window, tasks_of
-from deltastore.pull.history import TensorHistory
+from deltastore.pull.apply import Span, plan_windows, tasks_of
+from deltastore.pull.chain import TensorHistory
 
 _DIGEST = Digest(get_checksum("xxh3-128"), "0" * 32)
 
@@ -32,7 +32,7 @@ def _check_frames(windows, files) -> int:
             reads += 1
             return files[span.version, span.shard][span.start : span.end]
 
-        frames = window.frames(read_window(window, read))
+        frames = window.frames([read(span) for span in window.spans])
         for tensor, tensor_frames in zip(window.tensors, frames, strict=True):
             for payload, frame in zip(tensor.payloads, tensor_frames, strict=True):
                 assert (

@@ -12,8 +12,8 @@ from deltastore import DeltaPublisher, DeltastoreError, VersionStore, pull_weigh
 from deltastore.errors import PutBackError
 from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.pull import LocalCheckpoint
-from deltastore.pull.history import collect_history
-from deltastore.pull.mapped import MappedFiles
+from deltastore.pull.chain import collect_history
+from deltastore.pull.local import MappedFiles
 from deltastore.storage import store_objects
 from tests.pull.helpers import (
     evolve,
@@ -121,11 +121,12 @@ def test_a_failure_in_one_task_puts_back_the_tensors_of_every_window_and_task(
     # Windows of a few payloads and tasks of a few tensors, on 4 threads: the tensors written
     # before the failure, by its own task, other tasks and other windows, are put back.
     import deltastore.pull.apply as apply_module
-    from deltastore.pull import batches
+
+    plan_windows = apply_module.plan_windows
 
     def three_windows(tensors: list) -> list:
         wire = sum(p.size for tensor in tensors for p in tensor.payloads)
-        return batches.plan_windows(tensors, window_bytes=wire // 3 + 1)
+        return plan_windows(tensors, window_bytes=wire // 3 + 1)
 
     monkeypatch.setattr(apply_module, "plan_windows", three_windows)
     monkeypatch.setattr(

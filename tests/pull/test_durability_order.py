@@ -4,7 +4,7 @@ failure put back.
 
 ``kill -9`` keeps the page cache, so crash trials cannot see a state file that names bytes not
 yet on disk (a power loss would). This test records every ``os.fsync`` (by the path of its
-descriptor), every msync of a mapped weight file (:func:`deltastore.pull.mapped.msync`) and
+descriptor), every msync of a mapped weight file (:func:`deltastore.pull.local.msync`) and
 every ``os.replace`` (a ``state.json`` replace is a state write), and checks, at each state
 write, that each weight file the pull wrote is durable: its content flushed (msync + fsync of
 the mapped file, or an fsync of the file it was renamed from) and, for a renamed file, its
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import deltastore as ds
-import deltastore.pull.mapped as mapped
+import deltastore.pull.local as pull_local
 from deltastore.format.checkpoint import scan_checkpoint
 from tests.conftest import perturb
 
@@ -36,7 +36,7 @@ class Recorder:
         self.events: list[Event] = []
         self.mapped_paths: set[str] = set()
         """Files the pull wrote through a map (set by the test once it knows them)."""
-        real_fsync, real_replace, real_msync = os.fsync, os.replace, mapped.msync
+        real_fsync, real_replace, real_msync = os.fsync, os.replace, pull_local.msync
 
         def fsync(fd: int) -> None:
             real_fsync(fd)
@@ -56,7 +56,7 @@ class Recorder:
 
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "replace", replace)
-        monkeypatch.setattr(mapped, "msync", msync)
+        monkeypatch.setattr(pull_local, "msync", msync)
 
     def state_write(self, version: int) -> int:
         """Index of the last state write naming ``version``."""

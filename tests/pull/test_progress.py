@@ -13,7 +13,6 @@ import torch
 
 import deltastore as ds
 import deltastore.pull.apply as apply_module
-from deltastore.pull import batches
 from deltastore.storage import store_objects
 from tests.conftest import checkpoint_bytes, make_checkpoint, perturb, raw_bytes, small_tensors
 from tests.progress_check import Recorder, report_every_step
@@ -125,7 +124,7 @@ def test_a_callback_raising_mid_apply_leaves_the_host_at_its_version(
     ds.pull_weights(host, store, 1, base_dir=base)
     # One payload per read window, so the apply reports after each tensor's read and the raise
     # lands while earlier windows are applied.
-    one_each = functools.partial(batches.plan_windows, window_bytes=1, max_gap=0)
+    one_each = functools.partial(apply_module.plan_windows, window_bytes=1, max_gap=0)
     monkeypatch.setattr(apply_module, "plan_windows", one_each)
     seen = []
 

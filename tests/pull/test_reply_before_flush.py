@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import deltastore as ds
-import deltastore.pull.mapped as mapped
+import deltastore.pull.local as pull_local
 from deltastore.errors import PutBackError
 from deltastore.format.names import LOCK_NAME
 from deltastore.pull import LocalCheckpoint, wait_durable
@@ -76,13 +76,13 @@ def test_the_reply_comes_verified_and_the_flush_then_the_state_follow(
     files_before = _file_bytes(host)
     recorder = Recorder(monkeypatch)
     gate = threading.Event()
-    recorded_msync = mapped.msync
+    recorded_msync = pull_local.msync
 
     def held_msync(mm, path):  # type: ignore[no-untyped-def]
         assert gate.wait(60), "the test never let the flush run"
         recorded_msync(mm, path)
 
-    monkeypatch.setattr(mapped, "msync", held_msync)
+    monkeypatch.setattr(pull_local, "msync", held_msync)
     result = ds.pull_weights(host, store, 3, base_dir=base_dir, flush_after_reply=True)
     try:
         # The reply: the new bytes are in place and verified, nothing is flushed or recorded.
@@ -114,7 +114,7 @@ def test_a_flush_failing_after_the_reply_keeps_the_pending_record_for_the_next_p
     def failing_msync(mm, path):  # type: ignore[no-untyped-def]
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(mapped, "msync", failing_msync)
+    monkeypatch.setattr(pull_local, "msync", failing_msync)
     assert ds.pull_weights(host, store, 3, base_dir=base_dir, flush_after_reply=True).version == 3
     with pytest.raises(PutBackError, match="could not be flushed"):
         wait_durable(host)

@@ -359,16 +359,15 @@ def test_serve_replies_once_verified_and_the_flush_and_state_follow(
     import asyncio
     import threading
 
-    import deltastore.pull.mapped as mapped
+    import deltastore.pull.local as pull_local
     from deltastore.pull import wait_durable
-    from deltastore.pull.access import ServerConfig
-    from deltastore.pull.server import serve_async
+    from deltastore.pull.server import ServerConfig, serve_async
 
     base = many_tensors(8, seed=120, elements=4096)
     write_checkpoint(tmp_path / "base", base)
     published = publish_versions(tmp_path / "store", tmp_path / "base", base, 2, seed=121)
     gate, held = threading.Event(), threading.Event()
-    real_msync = mapped.msync
+    real_msync = pull_local.msync
 
     def gated_msync(*args: object, **kwargs: object) -> object:
         held.set()
@@ -390,7 +389,7 @@ def test_serve_replies_once_verified_and_the_flush_and_state_follow(
         status, reply = http("POST", f"{urls[0]}/pull_weights", pull_body(local, published, 1))
         assert status == 200 and reply["success"] is True, reply
         wait_durable(local)  # v1's own flush, which may still run after its reply, ungated
-        monkeypatch.setattr(mapped, "msync", gated_msync)
+        monkeypatch.setattr(pull_local, "msync", gated_msync)
         status, reply = http("POST", f"{urls[0]}/pull_weights", pull_body(local, published, 2))
         assert status == 200 and reply["success"] is True, reply
         # The reply is in while the flush cannot finish (it may start just after the reply).

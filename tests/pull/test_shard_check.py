@@ -14,7 +14,7 @@ from deltastore.codecs import get_checksum
 from deltastore.errors import FormatError
 from deltastore.format.safetensors_io import parse_header
 from deltastore.format.shard_stream import StreamedShardCheck
-from deltastore.pull.history import full_shard_check
+from deltastore.pull.chain import full_shard_check
 from deltastore.testing.store_helpers import shard_bytes
 
 XXH3 = get_checksum("xxh3-128")
