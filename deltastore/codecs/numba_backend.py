@@ -1,21 +1,20 @@
 """The numba backend of ``sparse-v2`` (the ``fast`` extra; the format is
 :mod:`~deltastore.codecs.sparse_format`): every compiled kernel, in one module, so numba's
 on-disk cache (keyed on a kernel's own file) never runs a kernel compiled against an older
-version of one it calls.
+version of one it calls. Imported only by :func:`deltastore.codecs.sparse.compiled_backend`.
 
-Imported only by :func:`deltastore.codecs.sparse.backend`. Encoding finds the changed elements
-in one pass over both tensors (32 words of 8 bytes compared at a time into a mask of those that
-differ, each 32 KB chunk's changes recorded while it is still in cache), codes their steps,
-chooses ``k`` and ``w`` as the numpy backend does and writes the payload: one writer, called
-once per tensor, whether alone or in a batch. A batch is one call without the GIL (addresses of
-each tensor's bytes, so no per-tensor Python object crosses into numba) that writes every
-payload already in its zstd frame. The frame is written by hand: a payload is near its entropy,
-so zstd-1 stores it as raw blocks anyway, and the frame here is the one zstd writes then (single
+One writer, for a tensor alone or in a batch: it finds the changed elements in one pass over
+both tensors (32 words of 8 bytes compared at a time into a mask of those that differ, each
+32 KB chunk's changes recorded while it is still in cache), codes their steps, chooses ``k`` and
+``w`` as the numpy backend does and writes the payload. A batch is one call without the GIL
+(addresses of each tensor's bytes, so no per-tensor Python object crosses into numba) that
+writes every payload already in its zstd frame, by hand: a payload is near its entropy, so
+zstd-1 stores it as raw blocks anyway, and the frame here is the one zstd writes then (single
 segment, content size, raw blocks of at most 128 KiB, no checksum).
 
-Decoding reads every stream of a payload into two buffers and checks it before the target is
-touched (one decoder, for one tensor or a batch); a batch of payloads is applied in one call
-that stops at the first that does not fit. Elements are read and written byte by byte,
+One decoder, for a batch of payloads (a single tensor is a batch of one): each payload's
+streams are read into two buffers and checked before its tensor is touched, and the batch
+stops at the first that does not fit. Elements are read and written byte by byte,
 little-endian, so a tensor at any offset of a file works. Arithmetic is on uint64 throughout
 (numba turns mixed signed and unsigned integers into floats).
 """
@@ -36,11 +35,8 @@ from deltastore.codecs.compression import compress
 from deltastore.codecs.sparse_format import (
     ELEMENT_DTYPES,
     MARK,
-    PATCHES_BAD,
-    POSITIONS_BAD,
     TAG_COMPACT,
     TAG_XOR,
-    Positions,
     element_size,
 )
 
@@ -684,28 +680,27 @@ def _step(current, field, mask):  # type: ignore[no-untyped-def]
 def _decode_into(  # type: ignore[no-untyped-def]
     raw, at, count, k, width, itemsize, nelements, positions, fields
 ):
-    """Read the streams into ``positions[:count]`` and ``fields[:count]``; False when the
+    """Read the streams into ``positions[:count]`` and ``fields[:count]``; 1 (refused) when the
     patches are not ascending below ``count`` or the gaps do not give ascending positions
-    inside ``nelements`` with fewer than 8 padding bits, all ones: the status of
-    :meth:`SparseBackend.decode`."""
+    inside ``nelements`` with fewer than 8 padding bits, all ones, else 0."""
     field_bit = (at + (count * k + 7) // 8) * 8
     for j in range(count):
         fields[j], field_bit = _get(raw, field_bit, width)
     declared, patch_at, ok = _read_varint(raw, (field_bit + 7) // 8)
     bits = itemsize * 8
     if not ok or declared > U64(count) or (width == bits and declared):
-        return PATCHES_BAD
+        return 1
     patches = np.int64(declared)
     index_width = _bit_length(U64(count - 1))
     if patch_at + (patches * (index_width + bits - width) + 7) // 8 > raw.size:
-        return PATCHES_BAD
+        return 1
     bit = patch_at * 8
     previous = np.int64(-1)
     for _ in range(patches):
         index, bit = _get(raw, bit, index_width)
         high, bit = _get(raw, bit, bits - width)
         if np.int64(index) <= previous or index >= U64(count):
-            return PATCHES_BAD
+            return 1
         previous = np.int64(index)
         fields[previous] |= high << U64(width)
     end = raw.size * 8
@@ -716,12 +711,12 @@ def _decode_into(  # type: ignore[no-untyped-def]
         low, low_bit = _get(raw, low_bit, k)
         quotient, bit, ok = _quotient(raw, bit, end)
         if not ok:
-            return POSITIONS_BAD
+            return 1
         position, ok = _next_position(position, quotient, low, k, nelements)
         if not ok:
-            return POSITIONS_BAD
+            return 1
         positions[j] = position
-    return 0 if _ones_to_the_end(raw, bit, end) else POSITIONS_BAD
+    return 0 if _ones_to_the_end(raw, bit, end) else 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -776,8 +771,8 @@ def _apply_batch(target, starts, sizes, data, offsets, first, tagged):  # type: 
 
 # ------------------------------------------------------------------ the backend's interface
 def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[memoryview, XorChanges]:
-    """The payload turning ``old`` into ``new`` and the changes (see :class:`SparseBackend`):
-    a batch's writer on one tensor (``old`` and ``new`` are held for the call)."""
+    """The payload turning ``old`` into ``new`` (``itemsize`` one ``element_size`` gives) and
+    the changes: a batch's writer on one tensor (``old`` and ``new`` are held for the call)."""
     out, positions, xored = _one(
         np.int64(old.ctypes.data), np.int64(new.ctypes.data), np.int64(old.size), np.int64(itemsize)
     )
@@ -788,11 +783,12 @@ def encode_framed(
     olds: Sequence[ByteArray],
     news: Sequence[ByteArray],
     itemsizes: Sequence[int],
-    *,
     tag: int,
     dense_ratio: int,
 ) -> list[FramedDelta | None]:
-    """A batch's frames in one call without the GIL (see :class:`SparseBackend`)."""
+    """Each tensor's payload (after the byte ``tag`` where it is ≥ 0) in its zstd frame, in one
+    call without the GIL; None for one whose payload is over ``1/dense_ratio`` of its tensor
+    (0: never), to encode alone. Inputs are contiguous and of equal sizes."""
     old_at = np.array([old.ctypes.data for old in olds], dtype=np.int64)
     new_at = np.array([new.ctypes.data for new in news], dtype=np.int64)
     sizes = [element_size(old.size, s) for old, s in zip(olds, itemsizes, strict=True)]
@@ -818,21 +814,6 @@ def encode_framed(
         changes = XorChanges(positions[change_at[i] : change_at[i + 1]], values)
         framed.append(FramedDelta(frame, changed[i], changes))
     return framed
-
-
-def decode(
-    raw: ByteArray, at: int, count: int, k: int, width: int, itemsize: int, nelements: int
-) -> tuple[int, Positions, np.ndarray]:
-    """The streams' positions and step fields (see :class:`SparseBackend`)."""
-    positions = np.empty(count, np.int64)
-    fields = np.empty(count, np.uint64)
-    status = _decode_into(raw, at, count, k, width, itemsize, nelements, positions, fields)
-    return int(status), positions, fields
-
-
-def apply_steps(target: ByteArray, itemsize: int, positions: Positions, fields: np.ndarray) -> None:
-    """Move the ``itemsize``-byte elements ``positions`` of ``target`` by their steps."""
-    _apply_steps(target, 0, itemsize, positions, fields, positions.size)
 
 
 def xor_at(elements: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
