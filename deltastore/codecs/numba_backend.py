@@ -51,10 +51,6 @@ DENSE = 2
 """Kind of a tensor whose payload is over the dense ratio: nothing is written."""
 HEADER = 4 + 1 + 8
 """Most bytes of a frame before its first block: magic, descriptor, content size."""
-APPLIED = 0
-"""Every payload from ``first`` on was applied."""
-REFUSED = 1
-"""The payload at the returned index does not fit its tensor (nothing of that tensor written)."""
 
 
 # ------------------------------------------------------------------ finding changes
@@ -286,7 +282,7 @@ def _rice_k(positions):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True, nogil=True)
 def _width(fields, bits):  # type: ignore[no-untyped-def]
-    """As :func:`deltastore.codecs.numpy_backend.field_widths`."""
+    """As :func:`deltastore.codecs.numpy_backend.field_width`."""
     histogram = np.zeros(65, np.int64)
     for f in fields:
         histogram[_bit_length(f)] += 1
@@ -734,29 +730,29 @@ def _apply_steps(target, start, itemsize, positions, fields, count):  # type: ig
 
 
 @numba.njit(cache=True, nogil=True)
-def _apply_batch(target, starts, sizes, data, offsets, first, tagged):  # type: ignore[no-untyped-def]
-    """(index, status) after applying payloads ``first``.. in order (see the module's notes)."""
+def _apply_batch(target, starts, sizes, data, offsets, tagged):  # type: ignore[no-untyped-def]
+    """(index, 1) of the first payload that does not fit, (count, 0) when all were applied."""
     positions = np.empty(0, np.int64)
     fields = np.empty(0, np.uint64)
-    for i in range(first, starts.size):
+    for i in range(starts.size):
         raw = data[offsets[i] : offsets[i + 1]]
         if tagged:
             if raw.size == 0:
-                return i, REFUSED
+                return i, 1
             tag = raw[0]
             raw = raw[1:]
             if tag == TAG_XOR:
                 if raw.size != sizes[i]:
-                    return i, REFUSED
+                    return i, 1
                 start = starts[i]
                 for b in range(raw.size):
                     target[start + b] ^= raw[b]
                 continue
             if tag != TAG_COMPACT:
-                return i, REFUSED
+                return i, 1
         ok, itemsize, count, k, width, at = _header(raw, sizes[i])
         if not ok:
-            return i, REFUSED
+            return i, 1
         if count == 0:  # (the header check refused any bytes after it)
             continue
         if positions.size < count:  # buffers reused across the batch, grown as needed
@@ -764,9 +760,9 @@ def _apply_batch(target, starts, sizes, data, offsets, first, tagged):  # type: 
             fields = np.empty(positions.size, np.uint64)
         nelements = sizes[i] // itemsize
         if _decode_into(raw, at, count, k, width, itemsize, nelements, positions, fields):
-            return i, REFUSED
+            return i, 1
         _apply_steps(target, starts[i], itemsize, positions, fields, count)
-    return starts.size, APPLIED
+    return starts.size, 0
 
 
 # ------------------------------------------------------------------ the backend's interface
@@ -825,17 +821,15 @@ def xor_at(elements: np.ndarray, positions: np.ndarray, values: np.ndarray) -> N
 
 
 def apply_batch(
-    target: np.ndarray,
+    target: ByteArray,
     starts: np.ndarray,
     sizes: np.ndarray,
     data: np.ndarray,
     offsets: np.ndarray,
-    first: int,
     tagged: bool,
-) -> tuple[int, int]:
-    """(index, status): payloads ``data[offsets[i]:offsets[i+1]]`` from ``first`` on applied to
-    ``target[starts[i]:starts[i]+sizes[i]]`` in order until one is refused (:data:`REFUSED`);
-    (count, :data:`APPLIED`) when all were.
-    ``tagged``: the payloads are ``auto``'s (a tag byte first)."""
-    index, status = _apply_batch(target, starts, sizes, data, offsets, first, tagged)
-    return int(index), int(status)
+) -> tuple[int, bool]:
+    """(index, refused) after applying payloads ``data[offsets[i]:offsets[i+1]]`` to
+    ``target[starts[i]:starts[i]+sizes[i]]`` in order until one does not fit (nothing of it
+    written); ``tagged``: ``auto``'s payloads (a tag byte first)."""
+    index, status = _apply_batch(target, starts, sizes, data, offsets, tagged)
+    return int(index), bool(status)

@@ -1,36 +1,29 @@
 """deltastore's own encodings: ``sparse-v2`` (varint header, Rice gaps, ulp steps; the format is
 :mod:`~deltastore.codecs.sparse_format`) and ``auto``, per tensor the smaller of ``xor`` and
-``sparse-v2``, tagged.
+``sparse-v2``. A reference reader knows neither name and refuses the version. The store wraps
+every payload in one zstd-1 frame as for any encoding; inside, nothing is compressed again.
 
-The store wraps every payload in one zstd-1 frame as for any encoding; inside, nothing is
-compressed again (the streams are near their entropy already). A reference reader knows neither
-name and refuses the version.
+The kernels come from :mod:`~deltastore.codecs.numba_backend` where numba is installed (``pip
+install 'deltastore[fast]'``) and ``DELTASTORE_NO_JIT`` is unset, else from
+:mod:`~deltastore.codecs.numpy_backend` (the same bytes). The compiled kernels compile on their
+first use on a machine (or at :func:`warm_up`, never at ``import deltastore``), then load from
+numba's on-disk cache (next to the module or in ``NUMBA_CACHE_DIR``). With numba, a batch is
+one compiled call (thousands of small tensors would spend most of their time handing the GIL
+around), and a single tensor is a batch of one.
 
-The kernels come from one of two backends with the same bytes: the compiled
-:mod:`~deltastore.codecs.numba_backend` where numba is installed (``pip install
-'deltastore[fast]'``) and ``DELTASTORE_NO_JIT`` is unset, :mod:`~deltastore.codecs.numpy_backend`
-otherwise. The compiled kernels compile on their first use on a machine, then load from numba's
-on-disk cache (``cache=True``, next to the module or in ``NUMBA_CACHE_DIR``); both happen at the
-first encode or decode (or :func:`warm_up`), never at ``import deltastore``. With numba, a
-batch is one compiled call (a publish of thousands of small tensors would spend most of a
-tensor's time handing the GIL around), and a single tensor is a batch of one; the compiled
-decoder checks each payload whole before it writes it.
-
-``auto``'s payload starts with one tag byte saying which encoding follows; the rest is that
-encoding's payload, unchanged::
+An ``auto`` payload is one tag byte, then that encoding's payload unchanged::
 
     0x00 ‖ xor payload        (new XOR old, the tensor's full size)
     0x02 ‖ sparse-v2 payload
 
-Tag 1 was the removed ``sparse-v1``: a payload carrying it is refused with what to do. So the
-choice travels with the bytes it describes, and every choice is self-inverse (an ``auto``
-payload applied twice reverts, like ``xor``). A deltastore older than ``sparse-v2`` refuses tag
-2 with a message that says to upgrade. sparse-v2 is encoded first; a payload at most 1/16 of
-the tensor is kept without trying anything else (at that density its streams are smaller than
-a zstd-1 frame of a XOR of zero runs). Otherwise (a dense change, rare in a training step) the
-XOR is compressed with zstd-1 too and the smaller is kept. Building positions costs up to 24
-bytes per changed element while a tensor is encoded (position, step field, XOR value; the
-compiled encoder's growing buffers hold up to twice that for a moment).
+Tag 1 was the removed ``sparse-v1``, refused with what to do. So the choice travels with the
+bytes it describes, and every choice is self-inverse (applied twice, a payload reverts). A
+deltastore older than ``sparse-v2`` refuses tag 2 with a message that says to upgrade.
+sparse-v2 is encoded first; a payload at most 1/16 of the tensor is kept without trying anything
+else (its streams are then smaller than a zstd-1 frame of a XOR of zero runs). Otherwise (a
+dense change, rare in a training step) the XOR is compressed too and the smaller kept. Encoding
+holds up to 24 bytes per changed element (position, step field, XOR value; the compiled
+encoder's growing buffers twice that for a moment).
 """
 
 from __future__ import annotations
@@ -208,9 +201,8 @@ class _SparseFamily(Encoding):
         if len(starts) and (int(starts.min()) < 0 or int((starts + sizes).max()) > target.size):
             # The kernel does not check indexes: a tensor outside the target is the caller's bug.
             raise ValueError(f"a tensor of {list(names)[:3]}... lies outside the target's bytes")
-        tagged = self.tag >= 0
         index, refused = compiled.apply_batch(
-            target, starts, sizes, payloads.data, payloads.offsets, 0, tagged
+            target, starts, sizes, payloads.data, payloads.offsets, self.tag >= 0
         )
         if not refused:
             return index, None
