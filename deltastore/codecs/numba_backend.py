@@ -185,10 +185,8 @@ def _changes(old_words, new_words, old, new, bits):  # type: ignore[no-untyped-d
     per_word = 64 // bits
     blocks = old_words.size // WORDS_PER_BLOCK
     capacity = max(256, old.size // 64)
-    out = (
-        np.empty(capacity, np.int64),
-        np.empty(capacity, old.dtype),
-        np.empty(capacity, np.uint64),
+    out = _grown(
+        (np.empty(0, np.int64), np.empty(0, old.dtype), np.empty(0, np.uint64)), 0, capacity
     )
     masks = np.empty(BLOCKS_PER_CHUNK, np.uint32)
     j = 0

@@ -59,6 +59,7 @@ _compiled: list[Any] = []
 """The numba backend once imported (None without numba): empty before the first use."""
 COMPILED_XOR_CHANGES = 256
 """Fewer changes than this are XORed in by numpy (a compiled call's fixed cost is more)."""
+Ints = npt.NDArray[np.int64]
 SPARSE_WITHOUT_COMPARING = 16
 """``auto`` keeps a sparse-v2 payload at most 1/16 of the tensor without trying the others."""
 
@@ -102,12 +103,9 @@ def warm_up(use_jit: bool | None = None, *, changes_only: bool = False) -> bool:
     new = old.copy()
     new[::9] = 1
     for itemsize in ELEMENT_DTYPES:
-        payload = np.frombuffer(encoding.encode(old, new, itemsize=itemsize).payload, np.uint8)
-        encoding.apply(old.copy(), memoryview(payload), tensor="")
+        payload = bytes(encoding.encode(old, new, itemsize=itemsize).payload)
+        encoding.apply(old.copy(), payload, tensor="")  # a batch of one, as a pull's
         encoding.encode_framed([old, old], [new, new], [itemsize, itemsize])
-        batch = PayloadBatch(payload, np.array([0, payload.size], np.int64))
-        at, size = np.zeros(1, np.int64), np.array([old.size], np.int64)
-        encoding.apply_batch(old.copy(), at, size, batch, [""])
     return True
 
 
@@ -187,8 +185,8 @@ class _SparseFamily(Encoding):
     def apply_batch(
         self,
         target: ByteArray,
-        starts: npt.NDArray[np.int64],
-        sizes: npt.NDArray[np.int64],
+        starts: Ints,
+        sizes: Ints,
         payloads: PayloadBatch,
         names: Sequence[str],
     ) -> tuple[int, FormatError | None]:
