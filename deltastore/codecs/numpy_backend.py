@@ -35,10 +35,7 @@ def changed_elements(
     old: ByteArray, new: ByteArray, itemsize: int
 ) -> tuple[Positions, np.ndarray, np.ndarray]:
     """Indices (int64, ascending) of the ``itemsize``-byte elements that differ, the old value
-    and ``old XOR new`` of each (unsigned, little-endian). Both inputs are 1-D uint8 of equal
-    length, a multiple of ``itemsize`` (one of 1, 2, 4, 8).
-
-    The words are compared in chunks that stay in cache (one chunk up to 2 MiB: no loop)."""
+    and ``old XOR new`` of each (unsigned, little-endian), compared in chunks of words."""
     whole = old.size // 8 * 8
     old_words, new_words = old[:whole].view(np.uint64), new[:whole].view(np.uint64)
     found = []
