@@ -27,8 +27,7 @@ import torch
 
 from deltastore.cli.bench_models import moe_model, simulated_step
 from deltastore.codecs import Encoding, compress, decompress, get_encoding, sparse
-from deltastore.codecs.auto import AutoEncoding
-from deltastore.codecs.sparse import CompactSparseEncoding
+from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding
 
 Pair = tuple[np.ndarray, np.ndarray]
 

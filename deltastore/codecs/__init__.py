@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from deltastore.codecs.auto import AutoEncoding
 from deltastore.codecs.base import (
     ByteArray,
     Checksum,
@@ -16,7 +15,7 @@ from deltastore.codecs.base import (
 from deltastore.codecs.checksums import Adler32Checksum, Blake3Checksum, Xxh3Checksum
 from deltastore.codecs.compression import COMPRESSION_NAME, compress, decompress
 from deltastore.codecs.encodings import REMOVED_ENCODINGS, OverwriteEncoding, XorEncoding
-from deltastore.codecs.sparse import CompactSparseEncoding, apply_changes, warm_up
+from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding, apply_changes, warm_up
 from deltastore.codecs.sparse_format import itemsize_of_dtype
 from deltastore.errors import ConfigError
 

@@ -31,8 +31,7 @@ class EncodedDelta:
     """How many bytes of the tensor differ between old and new."""
     xor_changes: XorChanges | None = None
     """The change as element positions and XOR values, where the encoding found them anyway
-    (sparse encodings): the publisher applies these to its snapshot after the commit instead of
-    decoding the payload again. None where the encoding has none (then the payload is applied)."""
+    (sparse encodings): the publisher applies these to its snapshot instead of the payload."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,6 @@ class XorChanges:
 
     @property
     def nbytes(self) -> int:
-        """Memory held (bytes)."""
         return int(self.positions.nbytes + self.values.nbytes)
 
 
@@ -64,66 +62,45 @@ class FramedDelta:
 
 
 class Encoding(ABC):
-    """A byte-level, dtype-blind delta encoding.
-
-    Besides encoding and applying, an encoding declares its semantics as class attributes, so
-    callers (the pull side, repair) ask the encoding instead of comparing names:
-
-    * ``idempotent``: applying the same payload twice gives the bytes of applying it once.
-    * ``self_inverse``: applying a payload to its own result gives back the original bytes
-      (so a written tensor is put back by applying its payloads again, newest first).
-    * ``foldable``: :meth:`fold` combines the payloads of consecutive versions into one
-      payload of this encoding, applied once.
-    * ``exact_payload_size``: a decompressed payload always has exactly the tensor's byte
-      size (so a frame declaring any other size is refused before it is decompressed).
-    * ``reference_format``: reference readers know the encoding, so its delta shards keep
-      their layout (one entry per tensor); shards of any other encoding are packed.
-    * ``checks_before_writing``: :meth:`apply` checks a payload whole and refuses one that does
-      not fit before it writes a byte of the target (so a self-inverse one may be applied
-      straight into the target and put back by applying it again).
-    * ``applies_in_batches``: :meth:`apply_batch` applies many payloads in fewer calls than one
-      each.
-    """
+    """A byte-level, dtype-blind delta encoding. Besides encoding and applying, it declares its
+    semantics as class attributes, so callers (the pull side, repair) ask the encoding instead
+    of comparing names."""
 
     name: ClassVar[str]
     idempotent: ClassVar[bool]
-    """True when applying the same payload twice gives the same bytes as applying it once."""
+    """Applying the same payload twice gives the bytes of applying it once."""
     self_inverse: ClassVar[bool] = False
-    """True when applying a payload to its own result restores the bytes it was applied to."""
+    """Applying a payload to its own result gives back the original bytes (so a written tensor
+    is put back by applying its payloads again, newest first)."""
     foldable: ClassVar[bool] = False
-    """True when :meth:`fold` can combine consecutive payloads into one."""
+    """:meth:`fold` combines the payloads of consecutive versions into one, applied once."""
     exact_payload_size: ClassVar[bool] = False
-    """True when every decompressed payload is exactly the tensor's byte size."""
+    """A decompressed payload always has exactly the tensor's byte size (so a frame declaring
+    any other size is refused before it is decompressed)."""
     reference_format: ClassVar[bool] = False
-    """True for the reference's own encodings, whose shards reference readers must read."""
+    """Reference readers know the encoding, so its delta shards keep their layout (one entry
+    per tensor); shards of any other encoding are packed."""
     checks_before_writing: ClassVar[bool] = False
-    """True when :meth:`apply` raises for a payload that does not fit before touching the target."""
+    """:meth:`apply` refuses a payload that does not fit before it writes a byte of the target
+    (so a self-inverse one may be applied straight into the target and put back)."""
     applies_in_batches: ClassVar[bool] = False
-    """True when :meth:`apply_batch` takes fewer calls than one per payload (so a caller should
-    hand many small payloads over together); False when it is :meth:`apply` in a loop."""
+    """:meth:`apply_batch` takes fewer calls than one per payload (so a caller should hand many
+    small payloads over together); False when it is :meth:`apply` in a loop."""
 
     def check_size(self, nbytes: int, *, tensor: str) -> None:  # noqa: B027 - optional hook
         """Raise :class:`ConfigError` if this encoding cannot represent a tensor of this size."""
 
     @abstractmethod
     def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
-        """Payload that turns ``old`` into ``new`` (both 1-D uint8 of equal length).
-
-        ``itemsize`` is the tensor's element size in bytes (from the base checkpoint's header
-        dtype); byte-level encodings ignore it, element-aware ones fall back to bytes for a size
-        they do not handle.
-        """
+        """Payload that turns ``old`` into ``new`` (both 1-D uint8 of equal length); ``itemsize``
+        is the tensor's element size in bytes (byte-level encodings ignore it)."""
 
     def encode_framed(
         self, olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsizes: Sequence[int]
     ) -> list[FramedDelta]:
         """Each tensor's delta of a batch, its payload in a zstd frame (level 1, content size;
-        what the store writes); an unchanged tensor gets an empty frame.
-
-        The same frames as :meth:`encode` and :func:`~deltastore.codecs.compress` give one by
-        one, or frames that decompress to the same payloads: encodings with a compiled batch
-        kernel override this to encode a batch of small tensors in one call.
-        """
+        what the store writes), an empty frame for an unchanged tensor: frames that decompress
+        to the payloads :meth:`encode` gives (an override may encode the batch in one call)."""
         framed = []
         for old, new, itemsize in zip(olds, news, itemsizes, strict=True):
             delta = self.encode(old, new, itemsize=itemsize)
@@ -137,10 +114,8 @@ class Encoding(ABC):
 
     @abstractmethod
     def apply(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
-        """Apply ``payload`` to the writable 1-D uint8 ``target`` in place.
-
-        Raises :class:`FormatError` (naming ``tensor``) if the payload does not fit the target.
-        """
+        """Apply ``payload`` to the writable 1-D uint8 ``target`` in place; :class:`FormatError`
+        (naming ``tensor``) if the payload does not fit the target."""
 
     def apply_batch(
         self,
@@ -151,13 +126,9 @@ class Encoding(ABC):
         names: Sequence[str],
     ) -> tuple[int, FormatError | None]:
         """Apply ``payloads[i]`` to ``target[starts[i] : starts[i] + sizes[i]]`` in order, in
-        place, stopping at the first that does not fit.
-
-        Returns (how many were applied, the :class:`FormatError` naming ``names[i]`` of the one
-        refused, or None): the caller records the applied ones before it raises. An encoding
-        may override this with one call for the whole batch (fewer calls that each take and
-        release the GIL); this one applies them one by one.
-        """
+        place, stopping at the first that does not fit: (how many were applied, the
+        :class:`FormatError` naming ``names[i]`` of the one refused, or None), so the caller
+        records the applied ones before it raises. An override may apply them in one call."""
         for i, name in enumerate(names):
             view = target[int(starts[i]) : int(starts[i]) + int(sizes[i])]
             try:
@@ -167,11 +138,9 @@ class Encoding(ABC):
         return len(names), None
 
     def fold(self, folded: ByteArray, later: bytes | memoryview, *, tensor: str) -> ByteArray:
-        """One payload equal to applying ``folded`` and then ``later`` (only if ``foldable``).
-
-        ``folded`` is a writable array the caller owns (it may be updated in place and
-        returned). Raises :class:`FormatError` (naming ``tensor``) if the payloads disagree.
-        """
+        """One payload equal to applying ``folded`` (a writable array the caller owns, which may
+        be updated in place and returned) and then ``later``, only if ``foldable``; raises
+        :class:`FormatError` (naming ``tensor``) if the payloads disagree."""
         raise NotImplementedError(f"encoding {self.name!r} is not foldable")
 
 
@@ -221,10 +190,8 @@ class Digest:
     """Lower-case hex digest, ``checksum.hex_length`` characters."""
 
     def matches(self, data: ByteArray | bytes | memoryview) -> bool:
-        """True when ``data`` hashes to this digest."""
         return self.checksum.hexdigest(data) == self.hex
 
     @classmethod
     def of(cls, checksum: Checksum, data: ByteArray | bytes | memoryview) -> Digest:
-        """The digest of ``data`` under ``checksum``."""
         return cls(checksum, checksum.hexdigest(data))

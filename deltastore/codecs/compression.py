@@ -103,14 +103,10 @@ def decompress_many(
     exact: bool,
     what: Callable[[int], str],
 ) -> PayloadBatch:
-    """Decompress many frames into one buffer, each as :func:`decompress` would.
-
-    Frame ``i`` must declare at most ``max_sizes[i]`` bytes (exactly that many when ``exact``);
-    every declared size is checked before anything is allocated. The frames are decompressed
-    in one call that releases the GIL once (python-zstandard's ``multi_decompress_to_buffer``,
-    where the backend has it), not once per frame. A frame that does not pass raises
-    :class:`FormatError` worded by :func:`decompress` with ``what(i)``.
-    """
+    """Decompress many frames into one buffer, each as :func:`decompress` would (frame ``i``
+    at most ``max_sizes[i]`` bytes, exactly that many when ``exact``; every declared size
+    checked before anything is allocated, a refusal worded with ``what(i)``), in one call that
+    releases the GIL once (``multi_decompress_to_buffer``, where the backend has it)."""
     declared = []
     for i, frame in enumerate(frames):
         try:

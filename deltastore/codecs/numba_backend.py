@@ -1,21 +1,20 @@
 """The numba backend of ``sparse-v2`` (the ``fast`` extra; the format is
 :mod:`~deltastore.codecs.sparse_format`): every compiled kernel, in one module, so numba's
 on-disk cache (keyed on a kernel's own file) never runs a kernel compiled against an older
-version of one it calls.
+version of one it calls. Imported only by :func:`deltastore.codecs.sparse.compiled_backend`.
 
-Imported only by :func:`deltastore.codecs.sparse.backend`. Encoding finds the changed elements
-in one pass over both tensors (32 words of 8 bytes compared at a time into a mask of those that
-differ, each 32 KB chunk's changes recorded while it is still in cache), codes their steps,
-chooses ``k`` and ``w`` as the numpy backend does and writes the payload: one writer, called
-once per tensor, whether alone or in a batch. A batch is one call without the GIL (addresses of
-each tensor's bytes, so no per-tensor Python object crosses into numba) that writes every
-payload already in its zstd frame. The frame is written by hand: a payload is near its entropy,
-so zstd-1 stores it as raw blocks anyway, and the frame here is the one zstd writes then (single
+One writer, for a tensor alone or in a batch: it finds the changed elements in one pass over
+both tensors (32 words of 8 bytes compared at a time into a mask of those that differ, each
+32 KB chunk's changes recorded while it is still in cache), codes their steps, chooses ``k`` and
+``w`` as the numpy backend does and writes the payload. A batch is one call without the GIL
+(addresses of each tensor's bytes, so no per-tensor Python object crosses into numba) that
+writes every payload already in its zstd frame, by hand: a payload is near its entropy, so
+zstd-1 stores it as raw blocks anyway, and the frame here is the one zstd writes then (single
 segment, content size, raw blocks of at most 128 KiB, no checksum).
 
-Decoding reads every stream of a payload into two buffers and checks it before the target is
-touched (one decoder, for one tensor or a batch); a batch of payloads is applied in one call
-that stops at the first that does not fit. Elements are read and written byte by byte,
+One decoder, for a batch of payloads (a single tensor is a batch of one): each payload's
+streams are read into two buffers and checked before its tensor is touched, and the batch
+stops at the first that does not fit. Elements are read and written byte by byte,
 little-endian, so a tensor at any offset of a file works. Arithmetic is on uint64 throughout
 (numba turns mixed signed and unsigned integers into floats).
 """
@@ -36,11 +35,8 @@ from deltastore.codecs.compression import compress
 from deltastore.codecs.sparse_format import (
     ELEMENT_DTYPES,
     MARK,
-    PATCHES_BAD,
-    POSITIONS_BAD,
     TAG_COMPACT,
     TAG_XOR,
-    Positions,
     element_size,
 )
 
@@ -55,10 +51,6 @@ DENSE = 2
 """Kind of a tensor whose payload is over the dense ratio: nothing is written."""
 HEADER = 4 + 1 + 8
 """Most bytes of a frame before its first block: magic, descriptor, content size."""
-APPLIED = 0
-"""Every payload from ``first`` on was applied."""
-REFUSED = 1
-"""The payload at the returned index does not fit its tensor (nothing of that tensor written)."""
 
 
 # ------------------------------------------------------------------ finding changes
@@ -193,10 +185,8 @@ def _changes(old_words, new_words, old, new, bits):  # type: ignore[no-untyped-d
     per_word = 64 // bits
     blocks = old_words.size // WORDS_PER_BLOCK
     capacity = max(256, old.size // 64)
-    out = (
-        np.empty(capacity, np.int64),
-        np.empty(capacity, old.dtype),
-        np.empty(capacity, np.uint64),
+    out = _grown(
+        (np.empty(0, np.int64), np.empty(0, old.dtype), np.empty(0, np.uint64)), 0, capacity
     )
     masks = np.empty(BLOCKS_PER_CHUNK, np.uint32)
     j = 0
@@ -290,7 +280,7 @@ def _rice_k(positions):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True, nogil=True)
 def _width(fields, bits):  # type: ignore[no-untyped-def]
-    """As :func:`deltastore.codecs.numpy_backend.field_widths`."""
+    """As :func:`deltastore.codecs.numpy_backend.field_width`."""
     histogram = np.zeros(65, np.int64)
     for f in fields:
         histogram[_bit_length(f)] += 1
@@ -684,28 +674,27 @@ def _step(current, field, mask):  # type: ignore[no-untyped-def]
 def _decode_into(  # type: ignore[no-untyped-def]
     raw, at, count, k, width, itemsize, nelements, positions, fields
 ):
-    """Read the streams into ``positions[:count]`` and ``fields[:count]``; False when the
+    """Read the streams into ``positions[:count]`` and ``fields[:count]``; 1 (refused) when the
     patches are not ascending below ``count`` or the gaps do not give ascending positions
-    inside ``nelements`` with fewer than 8 padding bits, all ones: the status of
-    :meth:`SparseBackend.decode`."""
+    inside ``nelements`` with fewer than 8 padding bits, all ones, else 0."""
     field_bit = (at + (count * k + 7) // 8) * 8
     for j in range(count):
         fields[j], field_bit = _get(raw, field_bit, width)
     declared, patch_at, ok = _read_varint(raw, (field_bit + 7) // 8)
     bits = itemsize * 8
     if not ok or declared > U64(count) or (width == bits and declared):
-        return PATCHES_BAD
+        return 1
     patches = np.int64(declared)
     index_width = _bit_length(U64(count - 1))
     if patch_at + (patches * (index_width + bits - width) + 7) // 8 > raw.size:
-        return PATCHES_BAD
+        return 1
     bit = patch_at * 8
     previous = np.int64(-1)
     for _ in range(patches):
         index, bit = _get(raw, bit, index_width)
         high, bit = _get(raw, bit, bits - width)
         if np.int64(index) <= previous or index >= U64(count):
-            return PATCHES_BAD
+            return 1
         previous = np.int64(index)
         fields[previous] |= high << U64(width)
     end = raw.size * 8
@@ -716,12 +705,12 @@ def _decode_into(  # type: ignore[no-untyped-def]
         low, low_bit = _get(raw, low_bit, k)
         quotient, bit, ok = _quotient(raw, bit, end)
         if not ok:
-            return POSITIONS_BAD
+            return 1
         position, ok = _next_position(position, quotient, low, k, nelements)
         if not ok:
-            return POSITIONS_BAD
+            return 1
         positions[j] = position
-    return 0 if _ones_to_the_end(raw, bit, end) else POSITIONS_BAD
+    return 0 if _ones_to_the_end(raw, bit, end) else 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -739,29 +728,29 @@ def _apply_steps(target, start, itemsize, positions, fields, count):  # type: ig
 
 
 @numba.njit(cache=True, nogil=True)
-def _apply_batch(target, starts, sizes, data, offsets, first, tagged):  # type: ignore[no-untyped-def]
-    """(index, status) after applying payloads ``first``.. in order (see the module's notes)."""
+def _apply_batch(target, starts, sizes, data, offsets, tagged):  # type: ignore[no-untyped-def]
+    """(index, 1) of the first payload that does not fit, (count, 0) when all were applied."""
     positions = np.empty(0, np.int64)
     fields = np.empty(0, np.uint64)
-    for i in range(first, starts.size):
+    for i in range(starts.size):
         raw = data[offsets[i] : offsets[i + 1]]
         if tagged:
             if raw.size == 0:
-                return i, REFUSED
+                return i, 1
             tag = raw[0]
             raw = raw[1:]
             if tag == TAG_XOR:
                 if raw.size != sizes[i]:
-                    return i, REFUSED
+                    return i, 1
                 start = starts[i]
                 for b in range(raw.size):
                     target[start + b] ^= raw[b]
                 continue
             if tag != TAG_COMPACT:
-                return i, REFUSED
+                return i, 1
         ok, itemsize, count, k, width, at = _header(raw, sizes[i])
         if not ok:
-            return i, REFUSED
+            return i, 1
         if count == 0:  # (the header check refused any bytes after it)
             continue
         if positions.size < count:  # buffers reused across the batch, grown as needed
@@ -769,15 +758,15 @@ def _apply_batch(target, starts, sizes, data, offsets, first, tagged):  # type: 
             fields = np.empty(positions.size, np.uint64)
         nelements = sizes[i] // itemsize
         if _decode_into(raw, at, count, k, width, itemsize, nelements, positions, fields):
-            return i, REFUSED
+            return i, 1
         _apply_steps(target, starts[i], itemsize, positions, fields, count)
-    return starts.size, APPLIED
+    return starts.size, 0
 
 
 # ------------------------------------------------------------------ the backend's interface
 def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[memoryview, XorChanges]:
-    """The payload turning ``old`` into ``new`` and the changes (see :class:`SparseBackend`):
-    a batch's writer on one tensor (``old`` and ``new`` are held for the call)."""
+    """The payload turning ``old`` into ``new`` (``itemsize`` one ``element_size`` gives) and
+    the changes: a batch's writer on one tensor (``old`` and ``new`` are held for the call)."""
     out, positions, xored = _one(
         np.int64(old.ctypes.data), np.int64(new.ctypes.data), np.int64(old.size), np.int64(itemsize)
     )
@@ -788,11 +777,12 @@ def encode_framed(
     olds: Sequence[ByteArray],
     news: Sequence[ByteArray],
     itemsizes: Sequence[int],
-    *,
     tag: int,
     dense_ratio: int,
 ) -> list[FramedDelta | None]:
-    """A batch's frames in one call without the GIL (see :class:`SparseBackend`)."""
+    """Each tensor's payload (after the byte ``tag`` where it is ≥ 0) in its zstd frame, in one
+    call without the GIL; None for one whose payload is over ``1/dense_ratio`` of its tensor
+    (0: never), to encode alone. Inputs are contiguous and of equal sizes."""
     old_at = np.array([old.ctypes.data for old in olds], dtype=np.int64)
     new_at = np.array([new.ctypes.data for new in news], dtype=np.int64)
     sizes = [element_size(old.size, s) for old, s in zip(olds, itemsizes, strict=True)]
@@ -820,21 +810,6 @@ def encode_framed(
     return framed
 
 
-def decode(
-    raw: ByteArray, at: int, count: int, k: int, width: int, itemsize: int, nelements: int
-) -> tuple[int, Positions, np.ndarray]:
-    """The streams' positions and step fields (see :class:`SparseBackend`)."""
-    positions = np.empty(count, np.int64)
-    fields = np.empty(count, np.uint64)
-    status = _decode_into(raw, at, count, k, width, itemsize, nelements, positions, fields)
-    return int(status), positions, fields
-
-
-def apply_steps(target: ByteArray, itemsize: int, positions: Positions, fields: np.ndarray) -> None:
-    """Move the ``itemsize``-byte elements ``positions`` of ``target`` by their steps."""
-    _apply_steps(target, 0, itemsize, positions, fields, positions.size)
-
-
 def xor_at(elements: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
     """``elements[positions] ^= values`` in one pass without the GIL: numpy's fancy-index
     update gathers, then scatters, with a cache miss each time on a large cold tensor. Raises
@@ -844,17 +819,15 @@ def xor_at(elements: np.ndarray, positions: np.ndarray, values: np.ndarray) -> N
 
 
 def apply_batch(
-    target: np.ndarray,
+    target: ByteArray,
     starts: np.ndarray,
     sizes: np.ndarray,
     data: np.ndarray,
     offsets: np.ndarray,
-    first: int,
     tagged: bool,
-) -> tuple[int, int]:
-    """(index, status): payloads ``data[offsets[i]:offsets[i+1]]`` from ``first`` on applied to
-    ``target[starts[i]:starts[i]+sizes[i]]`` in order until one is refused (:data:`REFUSED`);
-    (count, :data:`APPLIED`) when all were.
-    ``tagged``: the payloads are ``auto``'s (a tag byte first)."""
-    index, status = _apply_batch(target, starts, sizes, data, offsets, first, tagged)
-    return int(index), int(status)
+) -> tuple[int, bool]:
+    """(index, refused) after applying payloads ``data[offsets[i]:offsets[i+1]]`` to
+    ``target[starts[i]:starts[i]+sizes[i]]`` in order until one does not fit (nothing of it
+    written); ``tagged``: ``auto``'s payloads (a tag byte first)."""
+    index, status = _apply_batch(target, starts, sizes, data, offsets, tagged)
+    return int(index), bool(status)

@@ -1,22 +1,29 @@
-"""``sparse-v2``: deltastore's compact sparse encoding (varint header, Rice gaps, ulp steps).
+"""deltastore's own encodings: ``sparse-v2`` (varint header, Rice gaps, ulp steps; the format is
+:mod:`~deltastore.codecs.sparse_format`) and ``auto``, per tensor the smaller of ``xor`` and
+``sparse-v2``. A reference reader knows neither name and refuses the version. The store wraps
+every payload in one zstd-1 frame as for any encoding; inside, nothing is compressed again.
 
-The format is :mod:`~deltastore.codecs.sparse_format`. The store wraps every payload in one
-zstd-1 frame as for any encoding; inside, nothing is compressed again (the streams are near
-their entropy already, so the outer frame stores them as they are). A reference reader does not
-know the name and refuses the version.
+The kernels come from :mod:`~deltastore.codecs.numba_backend` where numba is installed (``pip
+install 'deltastore[fast]'``) and ``DELTASTORE_NO_JIT`` is unset, else from
+:mod:`~deltastore.codecs.numpy_backend` (the same bytes). The compiled kernels compile on their
+first use on a machine (or at :func:`warm_up`, never at ``import deltastore``), then load from
+numba's on-disk cache (next to the module or in ``NUMBA_CACHE_DIR``). With numba, a batch is
+one compiled call (thousands of small tensors would spend most of their time handing the GIL
+around), and a single tensor is a batch of one.
 
-The kernels come from one of two backends with the same interface and the same bytes:
-:mod:`~deltastore.codecs.numba_backend` where numba is installed (``pip install
-'deltastore[fast]'``) and ``DELTASTORE_NO_JIT`` is unset, :mod:`~deltastore.codecs.numpy_backend`
-otherwise. The compiled kernels compile on their first use on a machine, then load from numba's
-on-disk cache (``cache=True``, next to the module or in ``NUMBA_CACHE_DIR``); both happen at the
-first encode or decode (or :func:`warm_up`), never at ``import deltastore``.
+An ``auto`` payload is one tag byte, then that encoding's payload unchanged::
 
-A publish of thousands of small tensors spends most of a tensor's time in the encode pool on
-handing the GIL around, so :meth:`CompactSparseEncoding.encode_framed` hands a whole batch to
-the backend (one compiled call, or one pass of numpy calls per element size), and a pull's
-:meth:`~CompactSparseEncoding.apply_batch` applies a batch in one compiled call that checks each
-payload whole before writing it.
+    0x00 ‖ xor payload        (new XOR old, the tensor's full size)
+    0x02 ‖ sparse-v2 payload
+
+Tag 1 was the removed ``sparse-v1``, refused with what to do. So the choice travels with the
+bytes it describes, and every choice is self-inverse (applied twice, a payload reverts). A
+deltastore older than ``sparse-v2`` refuses tag 2 with a message that says to upgrade.
+sparse-v2 is encoded first; a payload at most 1/16 of the tensor is kept without trying anything
+else (its streams are then smaller than a zstd-1 frame of a XOR of zero runs). Otherwise (a
+dense change, rare in a training step) the XOR is compressed too and the smaller kept. Encoding
+holds up to 24 bytes per changed element (position, step field, XOR value; the compiled
+encoder's growing buffers twice that for a moment).
 """
 
 from __future__ import annotations
@@ -25,19 +32,21 @@ import importlib
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
 from deltastore.codecs import numpy_backend
 from deltastore.codecs.base import ByteArray, EncodedDelta, Encoding, FramedDelta, XorChanges
-from deltastore.codecs.compression import PayloadBatch
+from deltastore.codecs.compression import PayloadBatch, compress
+from deltastore.codecs.encodings import REMOVED_ENCODINGS, XorEncoding
 from deltastore.codecs.sparse_format import (
     ELEMENT_DTYPES,
     NAME,
-    PATCHES_BAD,
-    SparseBackend,
+    TAG_COMPACT,
+    TAG_SPARSE_V1,
+    TAG_XOR,
     element_size,
     max_payload_size,
     read_header,
@@ -50,38 +59,30 @@ _compiled: list[Any] = []
 """The numba backend once imported (None without numba): empty before the first use."""
 COMPILED_XOR_CHANGES = 256
 """Fewer changes than this are XORed in by numpy (a compiled call's fixed cost is more)."""
+Ints = npt.NDArray[np.int64]
+SPARSE_WITHOUT_COMPARING = 16
+"""``auto`` keeps a sparse-v2 payload at most 1/16 of the tensor without trying the others."""
 
 
-def _numba() -> Any:
-    """:mod:`~deltastore.codecs.numba_backend`, imported once per process; None without numba."""
+def compiled_backend(use_jit: bool | None) -> Any:
+    """:mod:`~deltastore.codecs.numba_backend` (imported once per process), or None for numpy:
+    ``use_jit`` False is numpy, True needs numba (:class:`ConfigError` without it), None takes
+    numba when it is importable and ``DELTASTORE_NO_JIT`` is unset or ``0``."""
+    if use_jit is False:
+        return None
+    if use_jit is None and os.environ.get(NO_JIT_VARIABLE, "0") not in ("", "0"):
+        return None
     with _lock:
         if not _compiled:
             try:
                 _compiled.append(importlib.import_module("deltastore.codecs.numba_backend"))
             except ImportError:
                 _compiled.append(None)
-        return _compiled[0]
-
-
-def compiled_backend(use_jit: bool | None) -> SparseBackend | None:
-    """The numba backend to use, or None for numpy: ``use_jit`` False is numpy, True needs
-    numba (:class:`ConfigError` without it), None takes numba when it is importable and
-    ``DELTASTORE_NO_JIT`` is unset or ``0``."""
-    if use_jit is False:
-        return None
-    if use_jit is None and os.environ.get(NO_JIT_VARIABLE, "0") not in ("", "0"):
-        return None
-    module = _numba()
-    if module is None and use_jit:
+    if _compiled[0] is None and use_jit:
         raise ConfigError(
             "the compiled sparse-v2 codec needs numba: pip install 'deltastore[fast]'"
         )
-    return cast("SparseBackend | None", module)
-
-
-def backend(use_jit: bool | None) -> SparseBackend:
-    """The backend :func:`compiled_backend` chooses, numpy where it gives None."""
-    return compiled_backend(use_jit) or cast("SparseBackend", numpy_backend)
+    return _compiled[0]
 
 
 def warm_up(use_jit: bool | None = None, *, changes_only: bool = False) -> bool:
@@ -89,8 +90,7 @@ def warm_up(use_jit: bool | None = None, *, changes_only: bool = False) -> bool:
     element size, instead of at the first encode or decode; True when the compiled backend is
     in use. ``changes_only``: just the one :func:`apply_changes` uses (a publisher of the
     reference encodings needs no other). Cheap once done in a process."""
-    chosen = compiled_backend(use_jit)
-    if chosen is None:
+    if compiled_backend(use_jit) is None:
         return False
     for dtype in ELEMENT_DTYPES.values():
         count = COMPILED_XOR_CHANGES
@@ -103,12 +103,9 @@ def warm_up(use_jit: bool | None = None, *, changes_only: bool = False) -> bool:
     new = old.copy()
     new[::9] = 1
     for itemsize in ELEMENT_DTYPES:
-        payload = np.frombuffer(encoding.encode(old, new, itemsize=itemsize).payload, np.uint8)
-        encoding.apply(old.copy(), memoryview(payload), tensor="")
+        payload = bytes(encoding.encode(old, new, itemsize=itemsize).payload)
+        encoding.apply(old.copy(), payload, tensor="")  # a batch of one, as a pull's
         encoding.encode_framed([old, old], [new, new], [itemsize, itemsize])
-        batch = PayloadBatch(payload, np.array([0, payload.size], np.int64))
-        at, size = np.zeros(1, np.int64), np.array([old.size], np.int64)
-        encoding.apply_batch(old.copy(), at, size, batch, [""])
     return True
 
 
@@ -118,30 +115,110 @@ def apply_changes(target: ByteArray, changes: XorChanges) -> None:
     if not changes.positions.size:
         return
     elements = target.view(changes.values.dtype)
-    chosen = compiled_backend(None) if changes.positions.size >= COMPILED_XOR_CHANGES else None
-    (chosen or cast("SparseBackend", numpy_backend)).xor_at(
-        elements, changes.positions, changes.values
-    )
+    many = changes.positions.size >= COMPILED_XOR_CHANGES
+    chosen = (compiled_backend(None) if many else None) or numpy_backend
+    chosen.xor_at(elements, changes.positions, changes.values)
 
 
-class CompactSparseEncoding(Encoding):
-    """Rice-coded gaps and symmetric ulp steps, bit-packed, with a header of a few bytes."""
+class _SparseFamily(Encoding):
+    """What ``sparse-v2`` and ``auto`` share: their semantics, the backend, and a batch (of
+    one, for a single tensor) in one compiled call."""
 
-    name = NAME
     idempotent = False
     checks_before_writing = True
     """Every bound of a payload is checked before the target is written."""
     applies_in_batches = True
     """With numba, one compiled call per batch."""
     self_inverse = True
-    """Either side of a step gives the other: applying a payload to its result reverts it."""
-    foldable = False
-    exact_payload_size = False
+    """Either side of a step gives the other, values are XORed in: applying a payload to its
+    own result restores the bytes."""
+    tag: ClassVar[int] = -1
+    """The byte before each sparse-v2 payload (``auto``'s), -1 for none."""
+    dense_ratio: ClassVar[int] = 0
+    """A compiled batch's sparse-v2 payload over 1/dense_ratio of its tensor is encoded again
+    alone (``auto`` compares the others there); 0: never."""
 
     def __init__(self, *, use_jit: bool | None = None) -> None:
         """``use_jit``: True needs numba, False is numpy only, None (default) uses numba when it
         is importable and ``DELTASTORE_NO_JIT`` is not set."""
         self.use_jit = use_jit
+
+    def apply_numpy(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
+        """:meth:`apply` by the numpy backend, worded for a payload that does not fit."""
+        raise NotImplementedError
+
+    def encode_framed(
+        self, olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsizes: Sequence[int]
+    ) -> list[FramedDelta]:
+        """As :meth:`Encoding.encode_framed`: with numba, a batch in one call without the GIL;
+        a tensor the batch pass does not take (or over ``dense_ratio``) encoded again alone."""
+        compiled = compiled_backend(self.use_jit)
+        if compiled is None or len(olds) < 2:
+            return super().encode_framed(olds, news, itemsizes)
+        if not all(a.dtype == np.uint8 and a.flags.c_contiguous for a in (*olds, *news)):
+            return super().encode_framed(olds, news, itemsizes)
+        for index, (old, new) in enumerate(zip(olds, news, strict=True)):
+            if old.size != new.size:  # the kernel reads both sizes from the old bytes
+                raise ConfigError(
+                    f"tensor {index} of the batch has {old.size} old bytes and {new.size} new "
+                    "ones; pass both states of the same tensor"
+                )
+        framed = compiled.encode_framed(olds, news, itemsizes, self.tag, self.dense_ratio)
+        for i, delta in enumerate(framed):
+            if delta is None:
+                (framed[i],) = super().encode_framed(
+                    olds[i : i + 1], news[i : i + 1], [itemsizes[i]]
+                )
+        return framed  # type: ignore[no-any-return]
+
+    def apply(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
+        if compiled_backend(self.use_jit) is None:
+            self.apply_numpy(target, payload, tensor=tensor)
+            return
+        raw = np.frombuffer(payload, np.uint8)
+        batch = PayloadBatch(raw, np.array([0, raw.size], np.int64))
+        sizes = np.array([target.size], np.int64)
+        _, error = self.apply_batch(target, np.zeros(1, np.int64), sizes, batch, [tensor])
+        if error is not None:
+            raise error
+
+    def apply_batch(
+        self,
+        target: ByteArray,
+        starts: Ints,
+        sizes: Ints,
+        payloads: PayloadBatch,
+        names: Sequence[str],
+    ) -> tuple[int, FormatError | None]:
+        """One compiled call for the whole batch where numba is installed; the base class's
+        loop otherwise. A payload the kernel refuses is run through the numpy backend on a
+        copy of its tensor, so the error is worded exactly as there (and nothing is written)."""
+        compiled = compiled_backend(self.use_jit)
+        if compiled is None:
+            return super().apply_batch(target, starts, sizes, payloads, names)
+        if len(starts) and (int(starts.min()) < 0 or int((starts + sizes).max()) > target.size):
+            # The kernel does not check indexes: a tensor outside the target is the caller's bug.
+            raise ValueError(f"a tensor of {list(names)[:3]}... lies outside the target's bytes")
+        index, refused = compiled.apply_batch(
+            target, starts, sizes, payloads.data, payloads.offsets, self.tag >= 0
+        )
+        if not refused:
+            return index, None
+        view = target[int(starts[index]) : int(starts[index]) + int(sizes[index])]
+        try:
+            self.apply_numpy(view.copy(), payloads[index], tensor=names[index])
+        except FormatError as exc:
+            return index, exc
+        return index, FormatError(  # the two decoders disagree: refuse rather than apply
+            f"{self.name} payload of tensor {names[index]!r} is refused by the compiled "
+            "decoder; it is corrupt"
+        )
+
+
+class CompactSparseEncoding(_SparseFamily):
+    """Rice-coded gaps and symmetric ulp steps, bit-packed, with a header of a few bytes."""
+
+    name = NAME
 
     def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
         """Payload turning ``old`` into ``new``; ``itemsize`` is the element size in bytes (one
@@ -154,17 +231,10 @@ class CompactSparseEncoding(Encoding):
         # The compiled writer reads both through their addresses: one contiguous run each.
         old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)
         size = element_size(old.size, itemsize)
-        payload, changes = backend(self.use_jit).encode(old, new, size)
+        chosen = compiled_backend(self.use_jit) or numpy_backend
+        payload, changes = chosen.encode(old, new, size)
         changed = int(np.count_nonzero(changes.values.view(np.uint8))) if len(changes.values) else 0
         return EncodedDelta(payload, changed, changes)
-
-    def encode_framed(
-        self, olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsizes: Sequence[int]
-    ) -> list[FramedDelta]:
-        """As :meth:`Encoding.encode_framed`, a batch in one backend call."""
-        return encode_framed_batch(
-            self, olds, news, itemsizes, use_jit=self.use_jit, tag=-1, dense_ratio=0
-        )
 
     def max_payload_size(self, nbytes: int) -> int:
         return max_payload_size(nbytes)
@@ -176,114 +246,68 @@ class CompactSparseEncoding(Encoding):
         checked; raises :class:`FormatError` naming ``tensor`` for a corrupt one."""
         raw = np.frombuffer(payload, dtype=np.uint8)
         what = f"{NAME} payload of tensor {tensor!r}"
-        itemsize, count, k, width, offset = read_header(raw, nbytes, what)
-        if not count:
-            return np.zeros(0, np.int64), np.zeros(0, np.uint64), itemsize
-        nelements = nbytes // itemsize
-        status, positions, fields = backend(self.use_jit).decode(
-            raw, offset, count, k, width, itemsize, nelements
-        )
-        if status == PATCHES_BAD:
-            raise FormatError(f"{what} has patched steps that are truncated or out of order")
-        if status:
-            raise FormatError(
-                f"{what} has positions that are not ascending inside its {nelements} elements; "
-                "it is corrupt"
-            )
-        return positions, fields, itemsize
+        header = read_header(raw, nbytes, what)
+        if not header[1]:
+            return np.zeros(0, np.int64), np.zeros(0, np.uint64), header[0]
+        return (*numpy_backend.decode(raw, header, nbytes, what), header[0])
 
-    def apply(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
+    def apply_numpy(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
         positions, fields, itemsize = self.decode(payload, target.size, tensor=tensor)
         if positions.size:
-            backend(self.use_jit).apply_steps(target, itemsize, positions, fields)
-
-    def apply_batch(
-        self,
-        target: ByteArray,
-        starts: npt.NDArray[np.int64],
-        sizes: npt.NDArray[np.int64],
-        payloads: PayloadBatch,
-        names: Sequence[str],
-    ) -> tuple[int, FormatError | None]:
-        """One compiled call for the whole batch where numba is installed; the base class's
-        loop otherwise."""
-        return apply_batch(self, self.use_jit, target, starts, sizes, payloads, names, tagged=False)
+            numpy_backend.apply_steps(target, itemsize, positions, fields)
 
 
-def encode_framed_batch(
-    encoding: Encoding,
-    olds: Sequence[ByteArray],
-    news: Sequence[ByteArray],
-    itemsizes: Sequence[int],
-    *,
-    use_jit: bool | None,
-    tag: int,
-    dense_ratio: int,
-) -> list[FramedDelta]:
-    """:meth:`Encoding.encode_framed` of ``encoding`` (sparse-v2 payloads, after the byte
-    ``tag`` where it is ≥ 0), a batch in one call of the backend ``use_jit`` chooses.
+class AutoEncoding(_SparseFamily):
+    """Per tensor, whichever of ``xor`` and ``sparse-v2`` is smaller on the wire."""
 
-    A payload over ``1/dense_ratio`` of its tensor (0: never), and a tensor the backend's batch
-    pass does not take, is encoded again by ``encoding.encode`` alone (``auto`` compares the
-    other encodings there). Frames decompress to the payloads ``encoding.encode`` gives.
-    """
-    if len(olds) < 2 or not all(
-        a.dtype == np.uint8 and a.flags.c_contiguous for a in (*olds, *news)
-    ):
-        return Encoding.encode_framed(encoding, olds, news, itemsizes)
-    for index, (old, new) in enumerate(zip(olds, news, strict=True)):
-        if old.size != new.size:  # both batch paths read both sizes from the old bytes
-            raise ConfigError(
-                f"tensor {index} of the batch has {old.size} old bytes and {new.size} new "
-                "ones; pass both states of the same tensor"
+    name = "auto"
+    tag = TAG_COMPACT
+    dense_ratio = SPARSE_WITHOUT_COMPARING
+
+    def __init__(self, *, use_jit: bool | None = None) -> None:
+        super().__init__(use_jit=use_jit)
+        self.xor = XorEncoding()
+        self.compact = CompactSparseEncoding(use_jit=use_jit)
+
+    def choose(
+        self, old: ByteArray, new: ByteArray, *, itemsize: int = 1
+    ) -> tuple[int, EncodedDelta]:
+        """(tag, inner delta) of the smallest encoding for this tensor (see the module's notes)."""
+        compact = self.compact.encode(old, new, itemsize=itemsize)
+        if len(compact.payload) * SPARSE_WITHOUT_COMPARING <= old.size:
+            return TAG_COMPACT, compact
+        dense = self.xor.encode(old, new)
+        if len(compact.payload) <= len(compress(dense.payload)):  # sparse-v2 on a tie
+            return TAG_COMPACT, compact
+        return TAG_XOR, dense
+
+    def encode(self, old: ByteArray, new: ByteArray, *, itemsize: int = 1) -> EncodedDelta:
+        """Tagged payload of the smaller encoding; ``itemsize`` as for ``sparse-v2``."""
+        tag, inner = self.choose(old, new, itemsize=itemsize)
+        out = np.empty(1 + len(inner.payload), dtype=np.uint8)
+        out[0] = tag
+        out[1:] = np.frombuffer(inner.payload, dtype=np.uint8)
+        return EncodedDelta(memoryview(out), inner.changed_bytes, inner.xor_changes)
+
+    def max_payload_size(self, nbytes: int) -> int:
+        return 1 + max(self.xor.max_payload_size(nbytes), self.compact.max_payload_size(nbytes))
+
+    def apply_numpy(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
+        raw = memoryview(payload).cast("B")
+        if not len(raw):
+            raise FormatError(f"auto payload of tensor {tensor!r} is empty; it is corrupt")
+        tag, inner = raw[0], raw[1:]
+        if tag == TAG_COMPACT:
+            self.compact.apply_numpy(target, inner, tensor=tensor)
+        elif tag == TAG_XOR:
+            self.xor.apply(target, inner, tensor=tensor)
+        elif tag == TAG_SPARSE_V1:
+            raise FormatError(
+                f"auto payload of tensor {tensor!r} is coded with sparse-v1 (tag 1), which "
+                f"deltastore no longer reads; {REMOVED_ENCODINGS['sparse-v1']}"
             )
-    framed = backend(use_jit).encode_framed(olds, news, itemsizes, tag=tag, dense_ratio=dense_ratio)
-    for i, delta in enumerate(framed):
-        if delta is None:  # dense, or not one the batch pass takes: alone
-            (framed[i],) = Encoding.encode_framed(
-                encoding, olds[i : i + 1], news[i : i + 1], itemsizes[i : i + 1]
+        else:
+            raise FormatError(
+                f"auto payload of tensor {tensor!r} names encoding tag {tag}, which this "
+                "deltastore does not know (0 = xor, 2 = sparse-v2); upgrade deltastore"
             )
-    return cast("list[FramedDelta]", framed)
-
-
-def apply_batch(
-    encoding: Encoding,
-    use_jit: bool | None,
-    target: ByteArray,
-    starts: npt.NDArray[np.int64],
-    sizes: npt.NDArray[np.int64],
-    payloads: PayloadBatch,
-    names: Sequence[str],
-    *,
-    tagged: bool,
-) -> tuple[int, FormatError | None]:
-    """As :meth:`Encoding.apply_batch` of ``encoding`` (``tagged``: ``auto``'s payloads), in
-    one compiled call where numba is installed. A payload the kernel refuses is run through
-    ``encoding.apply`` on a copy of its tensor, so the error is worded exactly as on the
-    per-tensor path (and nothing is written)."""
-    compiled = compiled_backend(use_jit)
-    if compiled is None:
-        return Encoding.apply_batch(encoding, target, starts, sizes, payloads, names)
-    if len(starts) and (int(starts.min()) < 0 or int((starts + sizes).max()) > target.size):
-        # The kernel does not check indexes: a tensor outside the target is the caller's bug.
-        raise ValueError(f"a tensor of {list(names)[:3]}... lies outside the target's bytes")
-    kernels = _numba()
-    index, status = kernels.apply_batch(
-        target, starts, sizes, payloads.data, payloads.offsets, 0, tagged
-    )
-    if status == kernels.APPLIED:
-        return index, None
-    view = target[int(starts[index]) : int(starts[index]) + int(sizes[index])]
-    return index, refusal(encoding, view, payloads[index], names[index])
-
-
-def refusal(encoding: Encoding, view: ByteArray, payload: memoryview, name: str) -> FormatError:
-    """The error ``encoding.apply`` gives ``payload`` for the tensor ``view`` (run on a copy)."""
-    try:
-        encoding.apply(view.copy(), payload, tensor=name)
-    except FormatError as exc:
-        return exc
-    return FormatError(  # the two decoders disagree: refuse rather than apply either way
-        f"{encoding.name} payload of tensor {name!r} is refused by the compiled batch decoder; "
-        "it is corrupt"
-    )

@@ -1,6 +1,6 @@
-"""The ``sparse-v2`` format, written once: its constants, its header and the kernel interface
-its two backends (:mod:`~deltastore.codecs.numpy_backend`, :mod:`~deltastore.codecs.numba_backend`)
-implement. Layout (bit streams MSB first)::
+"""The ``sparse-v2`` format, written once: its constants and its header, for the two backends
+(:mod:`~deltastore.codecs.numpy_backend`, :mod:`~deltastore.codecs.numba_backend`) that write
+the same bytes and accept and refuse the same payloads. Layout (bit streams MSB first)::
 
     byte 0      0x20 | log2(itemsize)      itemsize: element size, 1, 2, 4 or 8 bytes
     varint      nbytes                     the tensor's size in bytes
@@ -38,13 +38,10 @@ not 1, 2, 4 or 8 bytes an element is coded byte by byte. Positions are u64.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
-
 import numpy as np
 import numpy.typing as npt
 
-from deltastore.codecs.base import ByteArray, FramedDelta, XorChanges
+from deltastore.codecs.base import ByteArray
 from deltastore.errors import FormatError
 
 NAME = "sparse-v2"
@@ -118,7 +115,8 @@ def read_varint(raw: ByteArray, offset: int) -> tuple[int, int] | None:
 def read_header(raw: ByteArray, nbytes: int, what: str) -> tuple[int, int, int, int, int]:
     """(itemsize, count, k, w, offset of the remainders) of a payload, checked against the
     local ``nbytes``: :class:`FormatError` naming ``what`` for one that does not fit. The
-    compiled batch decoder makes the same checks (:func:`numba_backend._header`)."""
+    compiled decoder makes the same checks in its own module (numba keys its cache on a
+    kernel's own file, so it cannot call this one)."""
     if not raw.size or raw[0] & 0xFC != MARK:
         raise FormatError(f"{what} does not start with a {NAME} header; it is corrupt")
     itemsize = 1 << int(raw[0] & 3)
@@ -151,56 +149,3 @@ def read_header(raw: ByteArray, nbytes: int, what: str) -> tuple[int, int, int, 
     if patches_at > raw.size:
         raise FormatError(f"{what} is truncated: {raw.size} bytes, {patches_at} needed")
     return itemsize, count, k, width, offset
-
-
-PATCHES_BAD = 1
-"""A backend's ``decode`` status: the patches are truncated or out of order."""
-POSITIONS_BAD = 2
-"""A backend's ``decode`` status: the positions are not ascending inside the tensor."""
-
-
-class SparseBackend(Protocol):
-    """The kernels behind ``sparse-v2``: find changes, write payloads, decode, apply. Each
-    backend is a module (:mod:`~deltastore.codecs.numpy_backend`,
-    :mod:`~deltastore.codecs.numba_backend`); both write the same bytes and accept and refuse
-    the same payloads."""
-
-    def encode(
-        self, old: ByteArray, new: ByteArray, itemsize: int
-    ) -> tuple[bytes | memoryview, XorChanges]:
-        """The payload turning ``old`` into ``new`` (``itemsize`` one :func:`element_size`
-        gives), and the changes as positions and XOR values."""
-        ...
-
-    def encode_framed(
-        self,
-        olds: Sequence[ByteArray],
-        news: Sequence[ByteArray],
-        itemsizes: Sequence[int],
-        *,
-        tag: int,
-        dense_ratio: int,
-    ) -> list[FramedDelta | None]:
-        """Each tensor's payload (after the byte ``tag`` where it is ≥ 0) in its zstd frame;
-        None for one to encode alone (a payload over ``1/dense_ratio`` of its tensor, 0:
-        never, or one the batch pass does not take). Inputs are contiguous and of equal
-        sizes."""
-        ...
-
-    def decode(
-        self, raw: ByteArray, at: int, count: int, k: int, width: int, itemsize: int, nelements: int
-    ) -> tuple[int, Positions, np.ndarray]:
-        """(status: 0 valid, :data:`PATCHES_BAD`, :data:`POSITIONS_BAD`; positions; step
-        fields) of the streams from byte ``at`` on (after :func:`read_header`)."""
-        ...
-
-    def apply_steps(
-        self, target: ByteArray, itemsize: int, positions: Positions, fields: np.ndarray
-    ) -> None:
-        """Move the ``itemsize``-byte elements ``positions`` of the 1-D uint8 ``target``
-        (either side of each pair) to the other side, in place."""
-        ...
-
-    def xor_at(self, elements: np.ndarray, positions: Positions, values: np.ndarray) -> None:
-        """``elements[positions] ^= values``; IndexError for a position outside."""
-        ...

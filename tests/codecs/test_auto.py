@@ -18,9 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore.codecs import ENCODINGS, compress, decompress, get_encoding
-from deltastore.codecs.auto import AutoEncoding
 from deltastore.codecs.numpy_backend import CHUNK_WORDS, decode_gaps, encode_gaps
-from deltastore.codecs.sparse import CompactSparseEncoding
+from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding
 from deltastore.codecs.sparse_format import TAG_COMPACT, TAG_SPARSE_V1, TAG_XOR, itemsize_of_dtype
 from deltastore.errors import ConfigError, DeltastoreError, FormatError
 from deltastore.publish.snapshot import tensor_bytes

@@ -15,9 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore.codecs import apply_changes, compress, decompress
-from deltastore.codecs.auto import AutoEncoding
 from deltastore.codecs.base import Encoding
-from deltastore.codecs.sparse import CompactSparseEncoding
+from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding
 from tests.codecs.test_sparse import stepped
 from tests.conftest import HAVE_NUMBA
 

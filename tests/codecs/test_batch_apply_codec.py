@@ -15,10 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore.codecs import compress, compression, decompress, sparse
-from deltastore.codecs.auto import AutoEncoding
 from deltastore.codecs.compression import PayloadBatch, decompress_many
 from deltastore.codecs.encodings import XorEncoding
-from deltastore.codecs.sparse import CompactSparseEncoding
+from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding
 from deltastore.codecs.sparse_format import varint
 from deltastore.errors import FormatError
 from tests.codecs.test_sparse import stepped

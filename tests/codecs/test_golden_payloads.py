@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from deltastore.codecs import decompress, get_encoding
-from deltastore.codecs.auto import AutoEncoding
-from deltastore.codecs.sparse import CompactSparseEncoding
+from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "payloads.npz"
 needs_numba = pytest.mark.skipif(

@@ -18,9 +18,8 @@ import torch
 
 import deltastore as ds
 from deltastore.codecs import sparse
-from deltastore.codecs.auto import AutoEncoding
 from deltastore.codecs.base import Encoding
-from deltastore.codecs.sparse import CompactSparseEncoding
+from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding
 from deltastore.publish.device import plain_host_view
 from tests.conftest import checkpoint_bytes, make_checkpoint, raw_bytes
 

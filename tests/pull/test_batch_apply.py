@@ -20,7 +20,7 @@ import torch
 
 import deltastore as ds
 from deltastore.codecs import compress, decompress, sparse
-from deltastore.codecs.auto import AutoEncoding
+from deltastore.codecs.sparse import AutoEncoding
 from deltastore.errors import FormatError, IntegrityError
 from deltastore.pull.apply import Window
 from tests.conftest import HAVE_NUMBA, checkpoint_bytes, make_checkpoint, raw_bytes
