@@ -13,29 +13,24 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Iterator
 
-from deltastore.cli.common import (
-    add_storage_option_flag,
-    parse_storage_options,
-    phase,
-    step_progress,
-)
-from deltastore.codecs import CHECKSUMS, ENCODINGS
+from deltastore.cli.common import Subparsers, add_codec_flags, add_command, phase, step_progress
+from deltastore.cli.emulate import backend_store
 from deltastore.errors import ConfigError
 from deltastore.publish import DeltaPublisher
 from deltastore.pull import pull_weights, verify_local
 from deltastore.storage import VersionStore
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+def register(sub: Subparsers) -> None:
+    p = add_command(
+        sub,
         "demo",
-        help="publish and pull a synthetic model end to end and print the figures",
-        description=(
-            "Build a synthetic bf16 model, seed, simulate training steps with realistic sparse "
-            "changes, publish each, pull into two host dirs, verify, and print a table."
-        ),
+        run,
+        "publish and pull a synthetic model end to end and print the figures",
+        "Build a synthetic bf16 model, seed, simulate training steps with realistic sparse "
+        "changes, publish each, pull into two host dirs, verify, and print a table.",
+        json=None,
     )
     p.add_argument("--size", type=float, default=256, help="model size in MB (default 256)")
     p.add_argument("--steps", type=int, default=4, help="training steps to publish (default 4)")
@@ -53,12 +48,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="where the default store lives; s3 / gcs start an embedded emulator (moto / "
         "fake-gcs-server, as `deltastore emulate` does)",
     )
-    p.add_argument("--encoding", default="xor", choices=sorted(ENCODINGS))
-    p.add_argument("--checksum", default="xxh3-128", choices=sorted(CHECKSUMS))
+    add_codec_flags(p)
     p.add_argument("--workdir", default=None, help="keep the files here instead of a temp dir")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    add_storage_option_flag(p)
-    p.set_defaults(func=run)
 
 
 def _layout_bytes(hidden: int) -> tuple[int, int, int, int]:
@@ -124,22 +116,6 @@ class SyntheticTraining:
             self.model[name] = weight.to(torch.bfloat16)
 
 
-@contextlib.contextmanager
-def _store_url(args: argparse.Namespace, workdir: str) -> Iterator[tuple[str, dict[str, object]]]:
-    options = parse_storage_options(args.storage_option)
-    if args.store:
-        yield args.store, options
-    elif args.backend == "memory":
-        yield f"memory://deltastore-demo-{os.getpid()}", options
-    elif args.backend in ("s3", "gcs"):
-        from deltastore.cli.emulate import running_emulator
-
-        with running_emulator(args.backend, "deltastore-demo") as emulator:
-            yield f"{emulator.url}/run", {**emulator.storage_options, **options}
-    else:
-        yield os.path.join(workdir, "store"), options
-
-
 def _one_step(
     args: argparse.Namespace,
     training: SyntheticTraining,
@@ -184,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
         workdir = args.workdir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="deltastore-demo-")
         )
-        url, options = stack.enter_context(_store_url(args, workdir))
+        url, options = stack.enter_context(
+            backend_store(args, os.path.join(workdir, "store"), "demo")
+        )
         base = os.path.join(workdir, "base")
         hosts = [os.path.join(workdir, f"host{i}") for i in (0, 1)]
         os.makedirs(base, exist_ok=True)
