@@ -80,10 +80,6 @@ def suggest_command(argv: Sequence[str], commands: Sequence[str]) -> str | None:
     return None
 
 
-def _log_level(verbose: int) -> int:
-    return logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-
-
 def _drop_stdout() -> None:
     """Point stdout at /dev/null, so the interpreter's flush at exit finds no broken pipe."""
     try:
@@ -148,9 +144,8 @@ def _main(argv: list[str]) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
-    logging.basicConfig(
-        level=_log_level(args.verbose), format="%(levelname)s %(name)s: %(message)s"
-    )
+    level = max(logging.DEBUG, logging.WARNING - 10 * args.verbose)  # -v: INFO, -vv: DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or EXIT_OK)
     except BrokenPipeError:
@@ -167,7 +162,3 @@ def _main(argv: list[str]) -> int:
         if args.debug or hint is None:
             raise
         return report_error(args, hint)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

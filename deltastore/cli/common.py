@@ -43,18 +43,12 @@ def common_flags(*, top_level: bool) -> argparse.ArgumentParser:
     so that a flag given before the subcommand is not reset."""
     parent = argparse.ArgumentParser(add_help=False)
 
-    def default(value: object) -> object:
-        return value if top_level else argparse.SUPPRESS
+    def flag(*names: str, default: object, **kwargs: Any) -> None:
+        parent.add_argument(*names, default=default if top_level else argparse.SUPPRESS, **kwargs)
 
-    parent.add_argument(
-        "--debug", action="store_true", default=default(False), help="show tracebacks on errors"
-    )
-    parent.add_argument(
-        "-v", "--verbose", action="count", default=default(0), help="more logging (-vv: debug)"
-    )
-    parent.add_argument(
-        "-q", "--quiet", action="store_true", default=default(False), help="no progress display"
-    )
+    flag("--debug", action="store_true", default=False, help="show tracebacks on errors")
+    flag("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    flag("-q", "--quiet", action="store_true", default=False, help="no progress display")
     return parent
 
 
@@ -111,12 +105,21 @@ def add_codec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checksum", default="xxh3-128", choices=sorted(CHECKSUMS))
 
 
-def parse_target(value: str) -> int | str:
-    if value == "latest":
-        return value
-    if value.isdigit():
-        return int(value)
-    raise argparse.ArgumentTypeError(f"version must be a number or 'latest', not {value!r}")
+def version_or(word: str, means: object = None) -> Callable[[str], Any]:
+    """An argparse type: a version number, or ``word`` (parsed as ``means``)."""
+
+    def parse(value: str) -> Any:
+        if value == word:
+            return means
+        if value.isdigit():
+            return int(value)
+        raise argparse.ArgumentTypeError(f"version must be a number or {word!r}, not {value!r}")
+
+    return parse
+
+
+parse_target = version_or("latest", "latest")
+"""``--version N|latest``."""
 
 
 def resolve_target(store: VersionStore, target: int | str) -> int:

@@ -16,25 +16,13 @@ from deltastore.cli.common import (
     parse_storage_options,
     parse_target,
     read_token,
+    version_or,
 )
 from deltastore.hooks import load as load_hook
 from deltastore.hooks.loader import PRE_READ
 
 
-def _engine_version(value: str) -> int | None:
-    if value == "unknown":
-        return None
-    if value.isdigit():
-        return int(value)
-    raise argparse.ArgumentTypeError(f"a version number or 'unknown', not {value!r}")
-
-
 def register(sub: Subparsers) -> None:
-    _add_serve(sub)
-    _add_sync(sub)
-
-
-def _add_serve(sub: Subparsers) -> None:
     p = add_command(
         sub,
         "serve",
@@ -72,6 +60,7 @@ def _add_serve(sub: Subparsers) -> None:
         help="hook(source_dir, target_version) run before a version is read, by import path",
     )
     add_trust_flag(p)
+    _add_sync(sub)
 
 
 def _add_sync(sub: Subparsers) -> None:
@@ -96,7 +85,7 @@ def _add_sync(sub: Subparsers) -> None:
     p.add_argument(
         "--from",
         dest="engine_version",
-        type=_engine_version,
+        type=version_or("unknown"),
         default=None,
         metavar="N",
         help="the version the engine holds now (default 'unknown': always reloads)",

@@ -87,19 +87,22 @@ class _JsonLines(Observer):
         print(json.dumps(record.as_dict()), flush=True)
 
 
+def _line(record: VersionCopy) -> str:
+    return (
+        f"weight_v{record.version:06d} {record.kind} {record.outcome}: "
+        f"{record.bytes / 1e6:.1f} MB in {record.seconds:.2f} s "
+        f"({record.mb_per_s:.1f} MB/s, {record.retries} retries)"
+    )
+
+
 class _Plain(Observer):
     """No TTY, no ``--json``: a line per version."""
 
     def version_done(self, record: VersionCopy) -> None:
-        print(
-            f"weight_v{record.version:06d} {record.kind} {record.outcome}: "
-            f"{record.bytes / 1e6:.1f} MB in {record.seconds:.2f} s "
-            f"({record.mb_per_s:.1f} MB/s, {record.retries} retries)",
-            flush=True,
-        )
+        print(_line(record), flush=True)
 
 
-class _Bar(_Plain):
+class _Bar(Observer):
     """A TTY: a rich progress bar per version."""
 
     def __init__(self, progress: Any) -> None:
@@ -126,10 +129,7 @@ class _Bar(_Plain):
             task = self.tasks.pop(record.version, None)
             if task is not None:
                 self.progress.remove_task(task)
-        self.progress.console.print(
-            f"weight_v{record.version:06d} {record.kind} {record.outcome}: "
-            f"{record.bytes / 1e6:.1f} MB, {record.mb_per_s:.1f} MB/s, {record.retries} retries"
-        )
+        self.progress.console.print(_line(record), markup=False)
 
 
 def _summary(report: ReplicationReport) -> str:

@@ -21,6 +21,7 @@ from deltastore.cli.common import (
     Subparsers,
     add_command,
     byte_progress,
+    fields,
     open_store,
     parse_target,
     phase,
@@ -37,11 +38,6 @@ from deltastore.storage.prune import check_prune_args
 
 
 def register(sub: Subparsers) -> None:
-    _add_ls_inspect(sub)
-    _add_prune(sub)
-
-
-def _add_ls_inspect(sub: Subparsers) -> None:
     p = add_command(
         sub,
         "ls",
@@ -66,6 +62,7 @@ def _add_ls_inspect(sub: Subparsers) -> None:
     p.add_argument("--history", action="store_true", help="every version, not one")
     p.add_argument("--base", metavar="DIR", help="base or local checkpoint (real dtype/shape)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the result into a PNG")
+    _add_prune(sub)
 
 
 def _add_prune(sub: Subparsers) -> None:
@@ -104,14 +101,8 @@ def version_row(store: VersionStore, version: int) -> dict[str, object]:
     except DeltastoreError as exc:
         unknown = dict.fromkeys(("base_version", "encoding", "tensors", "wire_bytes"))
         return {"version": version, "kind": "corrupt", **unknown, "error": str(exc)}
-    return {
-        "version": version,
-        "kind": index.kind,
-        "base_version": index.base_version,
-        "encoding": index.encoding,
-        "tensors": len(index.weight_map),
-        "wire_bytes": wire,
-    }
+    known = {"version": version, **fields(index, "kind base_version encoding")}
+    return {**known, "tensors": len(index.weight_map), "wire_bytes": wire}
 
 
 def list_versions(store: VersionStore) -> list[dict[str, object]]:
@@ -215,17 +206,8 @@ def describe(store: VersionStore, version: int, base_dir: str | None = None) -> 
                 "model_shape": list(model.entry.shape) if model else None,
             }
         shards[shard] = tensors
-    return {
-        "version": version,
-        "kind": index.kind,
-        "base_version": index.base_version,
-        "encoding": index.encoding,
-        "compression": index.compression,
-        "checksum": index.checksum,
-        "stream_id": index.stream_id,
-        "totals": index.totals,
-        "shards": shards,
-    }
+    names = "kind base_version encoding compression checksum stream_id totals"
+    return {"version": version, **fields(index, names), "shards": shards}
 
 
 def history(store: VersionStore) -> list[dict[str, object]]:
