@@ -57,13 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"deltastore.cli.{name}").register(sub)
-    for subparser in sub.choices.values():
-        # The common flags after the subcommand too (`deltastore pull --debug ...`).
-        for action in common_flags(top_level=False)._actions:
-            if action.option_strings and not set(action.option_strings) & set(
-                subparser._option_string_actions
-            ):
-                subparser._add_action(action)
     return parser
 
 

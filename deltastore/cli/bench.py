@@ -69,12 +69,8 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--size", type=float, default=256, help="synthetic model MB (default 256)")
     p.add_argument("--tensors", type=int, default=8000, help="moe experts (default 8000)")
     p.add_argument("--layers", type=int, default=24, help="small model layers (default 24)")
-    p.add_argument("--checkpoint", default=None, help="real weights: a safetensors directory")
-    p.add_argument(
-        "--next",
-        default=None,
-        help="with --checkpoint: the next checkpoint (default: a simulated step)",
-    )
+    p.add_argument("--checkpoint", help="real weights: a safetensors directory")
+    p.add_argument("--next", help="with --checkpoint: the next one (default: a simulated step)")
     p.add_argument(
         "--density",
         type=float,
@@ -88,14 +84,13 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--encoding",
-        default=None,
         choices=sorted(ENCODINGS),
         help="the encoding of the delta-vs-full table (default: the first measured)",
     )
-    p.add_argument("--workers", type=int, default=None, help="threads, both sides (default: cores)")
+    p.add_argument("--workers", type=int, help="threads, both sides (default: cores)")
     p.add_argument("--repeat", type=int, default=3, help="best of N (default 3)")
-    p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # old --repeat
-    p.add_argument("--store", default=None, help="store URL prefix (default: a temp dir)")
+    p.add_argument("--steps", type=int, help=argparse.SUPPRESS)  # old --repeat
+    p.add_argument("--store", help="store URL prefix (default: a temp dir)")
     p.add_argument(
         "--backend",
         choices=("local", "s3"),

@@ -63,8 +63,10 @@ def add_command(
     storage: bool = True,
 ) -> argparse.ArgumentParser:
     """The parser of subcommand ``name`` (``summary`` in ``deltastore --help``), run by
-    ``run``, with ``--json`` (``json`` is its help; None: none) and ``--storage-option``."""
-    p = sub.add_parser(name, help=summary, description=description)
+    ``run``, with ``--json`` (``json`` is its help; None: none), ``--storage-option`` and
+    the common flags (after the subcommand too: ``deltastore pull --debug ...``)."""
+    parents = [common_flags(top_level=False)]
+    p = sub.add_parser(name, help=summary, description=description, parents=parents)
     p.set_defaults(func=run)
     if json:
         p.add_argument("--json", action="store_true", help=json)
@@ -87,7 +89,6 @@ def add_trust_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trust",
         action="append",
-        default=None,
         metavar="FILE",
         help="PREFIX.pub of a key versions must be signed by (repeatable, for key rotation); "
         "unsigned or otherwise signed versions are refused before anything is written",
@@ -120,19 +121,6 @@ def version_or(word: str, means: object = None) -> Callable[[str], Any]:
 
 parse_target = version_or("latest", "latest")
 """``--version N|latest``."""
-
-
-def resolve_target(store: VersionStore, target: int | str) -> int:
-    """A version number, or the newest committed version for ``"latest"``.
-
-    Raises :class:`ConfigError` for ``"latest"`` of a URL where nothing was ever published:
-    a mistyped path must not read as an empty store (and reset a host to the base).
-    """
-    from deltastore.pull.source import PullSource
-
-    if target != "latest" and not isinstance(target, int):
-        raise ConfigError(f"bad version {target!r}: a number or 'latest'")
-    return PullSource(store).resolve_target(target)
 
 
 def open_store(args: argparse.Namespace, url: str | list[str]) -> VersionStore:

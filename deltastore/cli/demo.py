@@ -40,7 +40,7 @@ def register(sub: Subparsers) -> None:
         default=2e-7,
         help="effective per-element optimizer step (default 2e-7: ~0.4%% of bytes change per step)",
     )
-    p.add_argument("--store", default=None, help="store URL (default: a local dir in a temp dir)")
+    p.add_argument("--store", help="store URL (default: a local dir in a temp dir)")
     p.add_argument(
         "--backend",
         choices=("local", "memory", "s3", "gcs"),
@@ -49,7 +49,7 @@ def register(sub: Subparsers) -> None:
         "fake-gcs-server, as `deltastore emulate` does)",
     )
     add_codec_flags(p)
-    p.add_argument("--workdir", default=None, help="keep the files here instead of a temp dir")
+    p.add_argument("--workdir", help="keep the files here instead of a temp dir")
     p.add_argument("--seed", type=int, default=0, help="random seed")
 
 

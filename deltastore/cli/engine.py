@@ -78,7 +78,7 @@ def _add_sync(sub: Subparsers) -> None:
     p.add_argument("--engine", required=True, choices=("vllm", "sglang"))
     p.add_argument("--url", required=True, help="the engine's HTTP server, http://HOST:PORT")
     p.add_argument(
-        "--store", required=True, action="append", help="store URL as the engine hosts read it"
+        "--store", required=True, action="append", help="store URL, as the hosts read it"
     )
     p.add_argument("--local", required=True, help="host-local checkpoint dir on every host")
     p.add_argument("--version", required=True, type=parse_target, help="N or 'latest'")
@@ -86,7 +86,6 @@ def _add_sync(sub: Subparsers) -> None:
         "--from",
         dest="engine_version",
         type=version_or("unknown"),
-        default=None,
         metavar="N",
         help="the version the engine holds now (default 'unknown': always reloads)",
     )

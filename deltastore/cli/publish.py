@@ -34,15 +34,13 @@ def register(sub: Subparsers) -> None:
         "refuses a PREV that contradicts any digest the chain records.",
     )
     p.add_argument("--store", required=True, help="store URL: a directory, memory://, s3://, gs://")
-    p.add_argument(
-        "--prev", required=True, help="checkpoint dir holding the latest version's state"
-    )
+    p.add_argument("--prev", required=True, help="checkpoint dir of the latest version's state")
     p.add_argument("--new", required=True, help="checkpoint dir holding the state to publish")
     add_codec_flags(p)
     p.add_argument(
         "--full", action="store_true", help="publish a full checkpoint (resets the chain)"
     )
-    p.add_argument("--workers", type=int, default=None, help="encode threads (default: cores, ≤8)")
+    p.add_argument("--workers", type=int, help="encode threads (default: cores, ≤8)")
     p.add_argument(
         "--sign-key",
         metavar="FILE",

@@ -15,9 +15,9 @@ from deltastore.cli.common import (
     fields,
     open_store,
     parse_target,
-    resolve_target,
 )
 from deltastore.pull import pull_weights, verify_local
+from deltastore.pull.source import PullSource
 
 
 def register(sub: Subparsers) -> None:
@@ -58,7 +58,7 @@ def register(sub: Subparsers) -> None:
 
 def run_pull(args: argparse.Namespace) -> int:
     store = open_store(args, args.store)
-    target = resolve_target(store, args.version)
+    target = PullSource(store).resolve_target(args.version)
     with byte_progress(args, f"pulling weight_v{target:06d} into {args.local}") as progress:
         result = pull_weights(
             args.local,

@@ -26,12 +26,12 @@ from deltastore.cli.common import (
     parse_target,
     phase,
     print_json,
-    resolve_target,
 )
 from deltastore.codecs import get_encoding
 from deltastore.codecs.compression import decompress
 from deltastore.errors import ConfigError, DeltastoreError, VersionNotFoundError
 from deltastore.format.checkpoint import scan_checkpoint
+from deltastore.pull.source import PullSource
 from deltastore.storage import VersionStore
 from deltastore.storage.listing import require_store
 from deltastore.storage.prune import check_prune_args
@@ -265,7 +265,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         info: dict[str, object] = {"url": store.url, "versions": rows}
         title = store.url
     else:
-        version = resolve_target(store, args.version)
+        version = PullSource(store).resolve_target(args.version)
         store.refresh(version)
         with phase(args, f"reading weight_v{version:06d}"):
             try:
