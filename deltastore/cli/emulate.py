@@ -36,12 +36,11 @@ class Emulator:
 @contextlib.contextmanager
 def running_emulator(kind: str, bucket: str) -> Iterator[Emulator]:
     """Start the ``kind`` ("s3" or "gcs") emulator with ``bucket`` created; stop it on exit.
+    :class:`ConfigError` names the extra to install when the emulator is missing.
 
-    For GCS this also sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` in this process
-    (before gcsfs is imported): otherwise gcsfs probes each bucket for a hierarchical
-    namespace, which the emulator cannot answer, and warns on every call.
-
-    Raises :class:`ConfigError` naming the extra to install when the emulator is missing.
+    For GCS this sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` in this process (before
+    gcsfs is imported): else gcsfs asks each bucket for a hierarchical namespace, which the
+    emulator cannot answer, and warns on every call.
     """
     from deltastore.testing import servers
 
