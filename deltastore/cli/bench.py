@@ -110,11 +110,6 @@ def _random_bf16(shapes: list[tuple[str, tuple[int, ...]]], seed: int) -> Model:
     }
 
 
-def synthetic_model(size_mb: float, seed: int) -> Model:
-    """``deltastore demo``'s transformer layout in bf16 (few, large tensors), ~``size_mb`` MB."""
-    return _random_bf16(list(layer_shapes(size_mb)), seed)
-
-
 def small_model(layers: int, seed: int) -> Model:
     """A 256-wide transformer: 16 tensors per layer, most of them 0.5 KB to 512 KB."""
     shapes: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (4096, 256))]
@@ -180,17 +175,13 @@ def _models(args: argparse.Namespace) -> tuple[str, Model, Model]:
         after = checkpoint_model(args.next) if args.next else None
     else:
         kind, after = args.model, None
-        if kind == "synthetic":
-            before = synthetic_model(args.size, args.seed)
+        if kind == "synthetic":  # the demo's layout: few, large tensors
+            before = _random_bf16(list(layer_shapes(args.size)), args.seed)
         elif kind == "small":
             before = small_model(args.layers, args.seed)
         else:
             before = moe_model(args.tensors, args.seed)
     return kind, before, after or simulated_step(before, args.density, args.seed + 1)
-
-
-def model_bytes(model: Model) -> int:
-    return sum(t.numel() * t.element_size() for t in model.values())
 
 
 def settle() -> None:
@@ -336,9 +327,12 @@ class Bench:
             advance()
 
 
-def _runs_progress(progress: ProgressCallback | None, size: int, runs: int) -> Callable[[], None]:
+def _runs_progress(
+    progress: ProgressCallback | None, model: Model, runs: int
+) -> Callable[[], None]:
     """``advance()`` for each finished run of one path: the bar counts the model bytes synced,
     one model per run (the runs are measured without a callback, so it costs them nothing)."""
+    size = sum(t.numel() * t.element_size() for t in model.values())
     done = [0]
     if progress is not None:
         progress("runs", 0, runs * size)
@@ -407,7 +401,7 @@ def report(
     """The bench's one JSON object (see docs/benchmarks.md for each key)."""
     import torch
 
-    size = model_bytes(before)
+    size = sum(t.numel() * t.element_size() for t in before.values())
     changed = sum(
         int(np.count_nonzero(host_bytes(n, before[n]) != host_bytes(n, after[n]))) for n in before
     )
@@ -514,8 +508,8 @@ def run(args: argparse.Namespace) -> int:
         bench = Bench(base, after, workdir, workers, root, options)
         what = f"bench {kind}: reference, {', '.join(encodings)}, full copy"
         with byte_progress(args, what) as progress:
-            runs = repeat * (len(encodings) + 2)
-            bench.run_all(encodings, repeat, _runs_progress(progress, model_bytes(before), runs))
+            advance = _runs_progress(progress, before, repeat * (len(encodings) + 2))
+            bench.run_all(encodings, repeat, advance)
     result = report(args, kind, before, after, bench, repeat)
     if args.json:
         print_json(result)
