@@ -123,9 +123,9 @@ def _one_step(
     store: VersionStore,
     hosts: list[str],
     base: str,
-) -> tuple[list[str], int]:
-    """Train one step, publish it, pull and verify it on every host: the table row and the
-    version's wire bytes."""
+) -> tuple[dict[str, str], int]:
+    """Train one step, publish it, pull and verify it on every host: the table row (by
+    column) and the version's wire bytes."""
     training.step(args.lr)
     result = publisher.publish(training.model.items())
     metrics = publisher.pop_metrics()
@@ -136,15 +136,15 @@ def _one_step(
         pulls.append(time.perf_counter() - t0)
         verify_local(host, store, result.version, base_dir=base)
     total = training.total_bytes
-    row = [
-        f"{result.version:06d}",
-        f"{result.density:.3%}",
-        f"{result.wire_bytes / 1e6:.2f}",
-        f"{result.wire_bytes / total:.2%}",
-        f"{metrics['publish_s']:.2f}",
-        f"{pulls[0]:.2f}",
-        f"{pulls[1]:.2f}",
-    ]
+    row = {
+        "version": f"{result.version:06d}",
+        "density": f"{result.density:.3%}",
+        "wire MB": f"{result.wire_bytes / 1e6:.2f}",
+        "wire % of full": f"{result.wire_bytes / total:.2%}",
+        "publish s": f"{metrics['publish_s']:.2f}",
+        "pull s host0": f"{pulls[0]:.2f}",
+        "pull s host1": f"{pulls[1]:.2f}",
+    }
     return row, result.wire_bytes
 
 
@@ -187,23 +187,16 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"seeded snapshot in {seed_s:.2f} s; hosts hold the base (v0)")
 
         table = Table(title=f"deltastore demo: {args.encoding} + {args.checksum}, zstd-1")
-        for column in (
-            "version",
-            "density",
-            "wire MB",
-            "wire % of full",
-            "publish s",
-            "pull s host0",
-            "pull s host1",
-        ):
-            table.add_column(column, justify="right")
         advance = stack.enter_context(
             step_progress(args, "train, publish, pull x2, verify", args.steps)
         )
         wire_bytes = 0
         for _ in range(args.steps):
             row, wire_bytes = _one_step(args, training, publisher, store, hosts, base)
-            table.add_row(*row)
+            if not table.columns:  # the first row names them
+                for column in row:
+                    table.add_column(column, justify="right")
+            table.add_row(*row.values())
             advance()
         console.print(table)
         console.print(
