@@ -71,18 +71,14 @@ def add_command(
     if json:
         p.add_argument("--json", action="store_true", help=json)
     if storage:
-        add_storage_option_flag(p)
+        p.add_argument(
+            "--storage-option",
+            "-o",
+            action="append",
+            metavar="KEY=VALUE",
+            help="fsspec storage option for the store (repeatable; dotted keys nest, JSON values)",
+        )
     return p
-
-
-def add_storage_option_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--storage-option",
-        "-o",
-        action="append",
-        metavar="KEY=VALUE",
-        help="fsspec storage option for the store (repeatable; dotted keys nest, JSON values)",
-    )
 
 
 def add_trust_flag(p: argparse.ArgumentParser) -> None:
@@ -207,12 +203,6 @@ def fields(result: object, names: str) -> dict[str, object]:
     return {name: getattr(result, name) for name in names.split()}
 
 
-def progress_enabled(args: argparse.Namespace) -> bool:
-    """Progress goes to stderr, and only to a terminal, without --quiet or --json."""
-    quiet = getattr(args, "quiet", False) or getattr(args, "json", False)
-    return not quiet and sys.stderr.isatty()
-
-
 def _description(r: Any) -> Any:
     return r.TextColumn("{task.description}", markup=False)
 
@@ -232,8 +222,8 @@ def _display(
 ) -> Iterator[tuple[Any, Any] | None]:
     """A transient rich display on stderr of ``columns(rich.progress)`` with one task;
     yields (display, task), or None when progress is off. ``timed``: one dim line with the
-    time taken after it."""
-    if not progress_enabled(args):
+    time taken after it. Progress goes only to a terminal, without --quiet or --json."""
+    if getattr(args, "quiet", False) or getattr(args, "json", False) or not sys.stderr.isatty():
         yield None
         return
     import rich.progress
