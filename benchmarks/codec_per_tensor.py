@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from deltastore.cli.bench_models import moe_model, simulated_step
+from deltastore.cli.bench import moe_model, simulated_step
 from deltastore.codecs import Encoding, compress, decompress, get_encoding, sparse
 from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding
 

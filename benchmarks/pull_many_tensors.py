@@ -23,8 +23,8 @@ import time
 
 from safetensors.torch import save_file
 
-from deltastore.cli import bench_models as models
-from deltastore.cli.bench_measure import settle
+from deltastore.cli import bench as models
+from deltastore.cli.bench import settle
 from deltastore.cli.reference import reference_publish, reference_pull
 from deltastore.publish import DeltaPublisher
 from deltastore.publish.device import host_bytes

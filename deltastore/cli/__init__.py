@@ -1,10 +1,10 @@
 """The ``deltastore`` command.
 
-Each subcommand lives in its own module of this package and exposes ``register(subparsers)``,
-which adds its parser and sets ``func`` (taking the parsed namespace, returning an exit code).
-Errors print one line and exit non-zero; ``--debug`` shows the traceback. The common flags
-(``--debug``, ``-v``, ``--quiet``) work before or after the subcommand; see
-:mod:`deltastore.cli.common` for them, the exit codes and the progress display.
+Each module in :data:`COMMAND_MODULES` has ``register(subparsers)``, which adds the parsers of
+its subcommands through :func:`deltastore.cli.common.add_command` (its flags, exit codes, JSON
+output and progress display). Errors print one line and exit non-zero; ``--debug`` shows the
+traceback. The common flags (``--debug``, ``-v``, ``--quiet``) work before or after the
+subcommand.
 """
 
 from __future__ import annotations
@@ -23,41 +23,26 @@ from deltastore.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
-    add_storage_option_flag,
     common_flags,
     missing_extra_hint,
-    parse_storage_options,
     report_error,
 )
 from deltastore.errors import DeltastoreError
 
-__all__ = [
-    "EXIT_ERROR",
-    "EXIT_INTERRUPTED",
-    "EXIT_OK",
-    "EXIT_USAGE",
-    "add_storage_option_flag",
-    "build_parser",
-    "main",
-    "parse_storage_options",
-]
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
-# Subcommand modules, in the order `deltastore --help` lists them.
 COMMAND_MODULES = (
     "demo",
     "emulate",
     "publish",
     "pull",
-    "ls",
-    "verify",
-    "prune",
-    "inspect",
+    "store",
     "bench",
-    "serve",
-    "sync",
+    "engine",
     "replicate",
     "keygen",
 )
+"""Subcommand modules, in the order `deltastore --help` lists their commands."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,13 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"deltastore.cli.{name}").register(sub)
-    for subparser in sub.choices.values():
-        # The common flags after the subcommand too (`deltastore pull --debug ...`).
-        for action in common_flags(top_level=False)._actions:
-            if action.option_strings and not set(action.option_strings) & set(
-                subparser._option_string_actions
-            ):
-                subparser._add_action(action)
     return parser
 
 
@@ -93,10 +71,6 @@ def suggest_command(argv: Sequence[str], commands: Sequence[str]) -> str | None:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return f"deltastore: error: unknown command {token!r}{hint} (see deltastore --help)"
     return None
-
-
-def _log_level(verbose: int) -> int:
-    return logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
 
 
 def _drop_stdout() -> None:
@@ -154,8 +128,8 @@ def _main(argv: list[str]) -> int:
     # Building the parser imports every subcommand (numpy, torch among them): seconds in
     # which a Ctrl-C must end the command as it does later, not with a traceback.
     parser = build_parser()
-    commands = list(COMMAND_MODULES)
-    suggestion = suggest_command(argv, commands)
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    suggestion = suggest_command(argv, list(commands.choices))
     if suggestion:
         print(suggestion, file=sys.stderr)
         return EXIT_USAGE
@@ -163,9 +137,8 @@ def _main(argv: list[str]) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
-    logging.basicConfig(
-        level=_log_level(args.verbose), format="%(levelname)s %(name)s: %(message)s"
-    )
+    level = max(logging.DEBUG, logging.WARNING - 10 * args.verbose)  # -v: INFO, -vv: DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or EXIT_OK)
     except BrokenPipeError:
@@ -182,7 +155,3 @@ def _main(argv: list[str]) -> int:
         if args.debug or hint is None:
             raise
         return report_error(args, hint)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -13,29 +13,24 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Iterator
 
-from deltastore.cli.common import (
-    add_storage_option_flag,
-    parse_storage_options,
-    phase,
-    step_progress,
-)
-from deltastore.codecs import CHECKSUMS, ENCODINGS
+from deltastore.cli.common import Subparsers, add_codec_flags, add_command, phase, step_progress
+from deltastore.cli.emulate import backend_store
 from deltastore.errors import ConfigError
 from deltastore.publish import DeltaPublisher
 from deltastore.pull import pull_weights, verify_local
 from deltastore.storage import VersionStore
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+def register(sub: Subparsers) -> None:
+    p = add_command(
+        sub,
         "demo",
-        help="publish and pull a synthetic model end to end and print the figures",
-        description=(
-            "Build a synthetic bf16 model, seed, simulate training steps with realistic sparse "
-            "changes, publish each, pull into two host dirs, verify, and print a table."
-        ),
+        run,
+        "publish and pull a synthetic model end to end and print the figures",
+        "Build a synthetic bf16 model, seed, simulate training steps with realistic sparse "
+        "changes, publish each, pull into two host dirs, verify, and print a table.",
+        json=None,
     )
     p.add_argument("--size", type=float, default=256, help="model size in MB (default 256)")
     p.add_argument("--steps", type=int, default=4, help="training steps to publish (default 4)")
@@ -45,7 +40,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=2e-7,
         help="effective per-element optimizer step (default 2e-7: ~0.4%% of bytes change per step)",
     )
-    p.add_argument("--store", default=None, help="store URL (default: a local dir in a temp dir)")
+    p.add_argument("--store", help="store URL (default: a local dir in a temp dir)")
     p.add_argument(
         "--backend",
         choices=("local", "memory", "s3", "gcs"),
@@ -53,12 +48,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="where the default store lives; s3 / gcs start an embedded emulator (moto / "
         "fake-gcs-server, as `deltastore emulate` does)",
     )
-    p.add_argument("--encoding", default="xor", choices=sorted(ENCODINGS))
-    p.add_argument("--checksum", default="xxh3-128", choices=sorted(CHECKSUMS))
-    p.add_argument("--workdir", default=None, help="keep the files here instead of a temp dir")
+    add_codec_flags(p)
+    p.add_argument("--workdir", help="keep the files here instead of a temp dir")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    add_storage_option_flag(p)
-    p.set_defaults(func=run)
 
 
 def _layout_bytes(hidden: int) -> tuple[int, int, int, int]:
@@ -124,22 +116,6 @@ class SyntheticTraining:
             self.model[name] = weight.to(torch.bfloat16)
 
 
-@contextlib.contextmanager
-def _store_url(args: argparse.Namespace, workdir: str) -> Iterator[tuple[str, dict[str, object]]]:
-    options = parse_storage_options(args.storage_option)
-    if args.store:
-        yield args.store, options
-    elif args.backend == "memory":
-        yield f"memory://deltastore-demo-{os.getpid()}", options
-    elif args.backend in ("s3", "gcs"):
-        from deltastore.cli.emulate import running_emulator
-
-        with running_emulator(args.backend, "deltastore-demo") as emulator:
-            yield f"{emulator.url}/run", {**emulator.storage_options, **options}
-    else:
-        yield os.path.join(workdir, "store"), options
-
-
 def _one_step(
     args: argparse.Namespace,
     training: SyntheticTraining,
@@ -147,9 +123,9 @@ def _one_step(
     store: VersionStore,
     hosts: list[str],
     base: str,
-) -> tuple[list[str], int]:
-    """Train one step, publish it, pull and verify it on every host: the table row and the
-    version's wire bytes."""
+) -> tuple[dict[str, str], int]:
+    """Train one step, publish it, pull and verify it on every host: the table row (by
+    column) and the version's wire bytes."""
     training.step(args.lr)
     result = publisher.publish(training.model.items())
     metrics = publisher.pop_metrics()
@@ -160,15 +136,15 @@ def _one_step(
         pulls.append(time.perf_counter() - t0)
         verify_local(host, store, result.version, base_dir=base)
     total = training.total_bytes
-    row = [
-        f"{result.version:06d}",
-        f"{result.density:.3%}",
-        f"{result.wire_bytes / 1e6:.2f}",
-        f"{result.wire_bytes / total:.2%}",
-        f"{metrics['publish_s']:.2f}",
-        f"{pulls[0]:.2f}",
-        f"{pulls[1]:.2f}",
-    ]
+    row = {
+        "version": f"{result.version:06d}",
+        "density": f"{result.density:.3%}",
+        "wire MB": f"{result.wire_bytes / 1e6:.2f}",
+        "wire % of full": f"{result.wire_bytes / total:.2%}",
+        "publish s": f"{metrics['publish_s']:.2f}",
+        "pull s host0": f"{pulls[0]:.2f}",
+        "pull s host1": f"{pulls[1]:.2f}",
+    }
     return row, result.wire_bytes
 
 
@@ -184,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
         workdir = args.workdir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="deltastore-demo-")
         )
-        url, options = stack.enter_context(_store_url(args, workdir))
+        url, options = stack.enter_context(
+            backend_store(args, os.path.join(workdir, "store"), "demo")
+        )
         base = os.path.join(workdir, "base")
         hosts = [os.path.join(workdir, f"host{i}") for i in (0, 1)]
         os.makedirs(base, exist_ok=True)
@@ -209,23 +187,16 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"seeded snapshot in {seed_s:.2f} s; hosts hold the base (v0)")
 
         table = Table(title=f"deltastore demo: {args.encoding} + {args.checksum}, zstd-1")
-        for column in (
-            "version",
-            "density",
-            "wire MB",
-            "wire % of full",
-            "publish s",
-            "pull s host0",
-            "pull s host1",
-        ):
-            table.add_column(column, justify="right")
         advance = stack.enter_context(
             step_progress(args, "train, publish, pull x2, verify", args.steps)
         )
         wire_bytes = 0
         for _ in range(args.steps):
             row, wire_bytes = _one_step(args, training, publisher, store, hosts, base)
-            table.add_row(*row)
+            if not table.columns:  # the first row names them
+                for column in row:
+                    table.add_column(column, justify="right")
+            table.add_row(*row.values())
             advance()
         console.print(table)
         console.print(

@@ -1,7 +1,7 @@
 """``deltastore emulate s3|gcs``: a local S3 (moto) or GCS (fake-gcs-server) emulator.
 
 Prints the environment lines that point other shells at it and runs until Ctrl-C.
-``deltastore demo --backend s3|gcs`` starts its emulator through :func:`running_emulator`.
+``deltastore demo`` and ``bench`` start theirs through :func:`backend_store`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from deltastore.cli.common import Subparsers, add_command, parse_storage_options
 from deltastore.errors import ConfigError
 
 INSTALL_HINT = "pip install 'deltastore[emulators]'"
@@ -34,56 +36,66 @@ class Emulator:
 @contextlib.contextmanager
 def running_emulator(kind: str, bucket: str) -> Iterator[Emulator]:
     """Start the ``kind`` ("s3" or "gcs") emulator with ``bucket`` created; stop it on exit.
+    :class:`ConfigError` names the extra to install when the emulator is missing.
 
-    For GCS this also sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` in this process
-    (before gcsfs is imported): otherwise gcsfs probes each bucket for a hierarchical
-    namespace, which the emulator cannot answer, and warns on every call.
-
-    Raises :class:`ConfigError` naming the extra to install when the emulator is missing.
+    For GCS this sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` in this process (before
+    gcsfs is imported): else gcsfs asks each bucket for a hierarchical namespace, which the
+    emulator cannot answer, and warns on every call.
     """
-    try:
-        from deltastore.testing import servers
-    except ImportError as exc:  # pragma: no cover - servers needs only the standard library
-        raise ConfigError(f"the {kind} emulator is not installed: {INSTALL_HINT} ({exc})") from None
-    if kind == "s3":
-        try:
-            server: servers.S3Server | servers.GCSServer = servers.start_moto_s3()
-        except ImportError as exc:
-            raise ConfigError(
-                f"the S3 emulator (moto) is not installed: {INSTALL_HINT} ({exc})"
-            ) from None
-        env = servers.s3_env(server)  # type: ignore[arg-type]
-        url = f"s3://{bucket}"
-    elif kind == "gcs":
-        os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-        try:
-            server = servers.start_fake_gcs()
-        except FileNotFoundError as exc:
-            raise ConfigError(
-                f"the GCS emulator (fake-gcs-server) is not installed: {INSTALL_HINT} ({exc})"
-            ) from None
-        env = servers.gcs_env(server)  # type: ignore[arg-type]
-        url = f"gs://{bucket}"
-    else:
+    from deltastore.testing import servers
+
+    if kind not in ("s3", "gcs"):
         raise ConfigError(f"no emulator for {kind!r}: s3 or gcs")
+    s3 = kind == "s3"
+    if not s3:
+        os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+    missing = ImportError if s3 else FileNotFoundError  # a package, or a binary
+    try:
+        server: Any = servers.start_moto_s3() if s3 else servers.start_fake_gcs()
+    except missing as exc:
+        what = "S3 emulator (moto)" if s3 else "GCS emulator (fake-gcs-server)"
+        raise ConfigError(f"the {what} is not installed: {INSTALL_HINT} ({exc})") from None
+    env = servers.s3_env(server) if s3 else servers.gcs_env(server)
     with server:
         server.make_bucket(bucket)
+        url = f"{'s3' if s3 else 'gs'}://{bucket}"
         yield Emulator(kind, url, server.endpoint_url, server.storage_options, env)
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+@contextlib.contextmanager
+def backend_store(
+    args: argparse.Namespace, local: str, name: str
+) -> Iterator[tuple[str, dict[str, object]]]:
+    """(URL, storage options) of the store ``--store`` names, else one of ``--backend``:
+    ``local`` (a dir), a memory store, or the bucket ``deltastore-NAME`` of an embedded
+    emulator, under the prefix ``run`` (demo) or ``bench``."""
+    options = parse_storage_options(args.storage_option)
+    if args.store:
+        yield args.store, options
+    elif args.backend == "memory":
+        yield f"memory://deltastore-{name}-{os.getpid()}", options
+    elif args.backend in ("s3", "gcs"):
+        with running_emulator(args.backend, f"deltastore-{name}") as emulator:
+            prefix = "run" if name == "demo" else name
+            yield f"{emulator.url}/{prefix}", {**emulator.storage_options, **options}
+    else:
+        yield local, options
+
+
+def register(sub: Subparsers) -> None:
+    p = add_command(
+        sub,
         "emulate",
-        help="run a local S3 or GCS emulator and print the environment to use it",
-        description=(
-            "Start an embedded S3 server (moto) or GCS server (fake-gcs-server) on 127.0.0.1 "
-            "with one bucket, print the `export` lines that point deltastore (and s3fs / "
-            f"gcsfs) at it, and run until Ctrl-C. Needs {INSTALL_HINT}."
-        ),
+        run,
+        "run a local S3 or GCS emulator and print the environment to use it",
+        "Start an embedded S3 server (moto) or GCS server (fake-gcs-server) on 127.0.0.1 "
+        "with one bucket, print the `export` lines that point deltastore (and s3fs / "
+        f"gcsfs) at it, and run until Ctrl-C. Needs {INSTALL_HINT}.",
+        json=None,
+        storage=False,
     )
     p.add_argument("kind", choices=("s3", "gcs"), help="which object store to emulate")
     p.add_argument("--bucket", default="deltastore", help="bucket to create (default deltastore)")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,14 +6,16 @@ import argparse
 import os
 
 from deltastore.cli.common import (
-    add_json_flag,
-    add_storage_option_flag,
+    Subparsers,
+    add_codec_flags,
+    add_command,
     byte_progress,
-    parse_storage_options,
+    emit,
+    fields,
+    open_store,
     phase,
-    print_json,
 )
-from deltastore.codecs import CHECKSUMS, ENCODINGS, get_checksum
+from deltastore.codecs import get_checksum
 from deltastore.errors import ConfigError, IntegrityError, PublishError, VersionConflictError
 from deltastore.format.checkpoint import read_tensor, scan_checkpoint
 from deltastore.publish import DeltaPublisher, Snapshot
@@ -21,27 +23,24 @@ from deltastore.storage import VersionStore
 from deltastore.storage.chain import walk_chain
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+def register(sub: Subparsers) -> None:
+    p = add_command(
+        sub,
         "publish",
-        help="publish the change from checkpoint PREV to checkpoint NEW as version latest+1",
-        description=(
-            "Publish version latest+1 (1 on an empty store) holding the change from PREV (the "
-            "state of the latest version) to NEW. Continues the latest version's stream and "
-            "refuses a PREV that contradicts any digest the chain records."
-        ),
+        run,
+        "publish the change from checkpoint PREV to checkpoint NEW as version latest+1",
+        "Publish version latest+1 (1 on an empty store) holding the change from PREV (the "
+        "state of the latest version) to NEW. Continues the latest version's stream and "
+        "refuses a PREV that contradicts any digest the chain records.",
     )
     p.add_argument("--store", required=True, help="store URL: a directory, memory://, s3://, gs://")
-    p.add_argument(
-        "--prev", required=True, help="checkpoint dir holding the latest version's state"
-    )
+    p.add_argument("--prev", required=True, help="checkpoint dir of the latest version's state")
     p.add_argument("--new", required=True, help="checkpoint dir holding the state to publish")
-    p.add_argument("--encoding", default="xor", choices=sorted(ENCODINGS))
-    p.add_argument("--checksum", default="xxh3-128", choices=sorted(CHECKSUMS))
+    add_codec_flags(p)
     p.add_argument(
         "--full", action="store_true", help="publish a full checkpoint (resets the chain)"
     )
-    p.add_argument("--workers", type=int, default=None, help="encode threads (default: cores, ≤8)")
+    p.add_argument("--workers", type=int, help="encode threads (default: cores, ≤8)")
     p.add_argument(
         "--sign-key",
         metavar="FILE",
@@ -53,9 +52,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="refuse to publish without --sign-key into a store whose latest version is signed "
         "(without it: a warning)",
     )
-    add_json_flag(p)
-    add_storage_option_flag(p)
-    p.set_defaults(func=run)
 
 
 def check_prev_against_chain(store: VersionStore, prev_dir: str, latest: int) -> int:
@@ -124,7 +120,7 @@ def _read_new(publisher: DeltaPublisher, new: str) -> Snapshot:
 
 
 def run(args: argparse.Namespace) -> int:
-    store = VersionStore(args.store, parse_storage_options(args.storage_option))
+    store = open_store(args, args.store)
     prev, new = os.path.abspath(args.prev), os.path.abspath(args.new)
     latest = store.latest()
     with phase(args, f"checking --prev against weight_v{latest:06d}'s chain"):
@@ -155,24 +151,11 @@ def run(args: argparse.Namespace) -> int:
             full=args.full,
             progress=progress,
         )
-    if args.json:
-        print_json(
-            {
-                "url": store.url,
-                "version": result.version,
-                "kind": result.kind,
-                "tensors_changed": result.tensors_changed,
-                "density": result.density,
-                "changed_bytes": result.changed_bytes,
-                "total_bytes": result.total_bytes,
-                "wire_bytes": result.wire_bytes,
-                "prev_digests_checked": checked,
-            }
-        )
-        return 0
-    print(
+    names = "version kind tensors_changed density changed_bytes total_bytes wire_bytes"
+    return emit(
+        args,
+        {"url": store.url, **fields(result, names), "prev_digests_checked": checked},
         f"published weight_v{result.version:06d} ({result.kind}) to {store.url}: "
         f"{result.tensors_changed} tensors changed, density {result.density:.4%}, "
-        f"{result.wire_bytes} wire bytes; --prev checked against {checked} recorded digests"
+        f"{result.wire_bytes} wire bytes; --prev checked against {checked} recorded digests",
     )
-    return 0

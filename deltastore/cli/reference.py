@@ -1,17 +1,10 @@
-"""A reference-style delta writer and reader, built from docs/format.md, for ``deltastore bench``.
-
-This is the baseline every publish / pull ratio of the bench is taken against, run in the same
-process on the same bytes with the same thread count:
-
-* write: per tensor (one pool task each, at most ``2 * workers`` in flight, the producer
-  blocking on the oldest): XOR with the snapshot, skip it if unchanged, zstd-1 frame, xxh3-128
-  of the new bytes, the new bytes copied into the snapshot; then one safetensors shard of U8
-  payloads written and fsynced;
-* read: the shard read back, each frame decompressed, XORed into a writable map of the host's
-  file in place, the result's digest checked, the map flushed (msync) once (or, as the
-  upstream engine readers do, not flushed at all).
-
-It keeps no index, no commit protocol and no lineage: it is the work a delta costs, nothing more.
+"""A reference-style delta writer and reader, built from docs/format.md: the baseline of every
+``deltastore bench`` ratio. Write: per tensor (a pool task each, at most ``2 * workers`` in
+flight), XOR with the snapshot, skip it if unchanged, zstd-1, xxh3-128 of the new bytes, the
+snapshot updated; one fsynced safetensors shard of U8 payloads. Read: each frame decompressed
+and XORed in place into a writable map of the host's file, its digest checked, the map flushed
+once (or, as the upstream engine readers do, not at all). No index, commit protocol or
+lineage: the work a delta costs, nothing more.
 """
 
 from __future__ import annotations

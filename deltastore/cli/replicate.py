@@ -8,7 +8,7 @@ import sys
 import threading
 from typing import Any
 
-from deltastore.cli import parse_storage_options
+from deltastore.cli.common import Subparsers, add_command, parse_storage_options
 from deltastore.replicate import (
     Observer,
     ReplicationPolicy,
@@ -18,17 +18,19 @@ from deltastore.replicate import (
 )
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+def register(sub: Subparsers) -> None:
+    p = add_command(
+        sub,
         "replicate",
-        help="copy committed versions from one store into a replica, in order",
-        description=(
-            "Copy every committed version of SRC that DST lacks, oldest first, each through "
-            "DST's version-writing transaction (files first, the index last, create-only): a "
-            "reader of DST only ever sees whole versions, in order, with SRC's lineage and "
-            "stream id. Each file's size is checked; --verify also recomputes tensor digests "
-            "and reads every copied file back."
-        ),
+        run,
+        "copy committed versions from one store into a replica, in order",
+        "Copy every committed version of SRC that DST lacks, oldest first, each through "
+        "DST's version-writing transaction (files first, the index last, create-only): a "
+        "reader of DST only ever sees whole versions, in order, with SRC's lineage and "
+        "stream id. Each file's size is checked; --verify also recomputes tensor digests "
+        "and reads every copied file back.",
+        json="one JSON line per version, and a summary",
+        storage=False,
     )
     p.add_argument("src", help="source store URL (a directory, s3://, gs://)")
     p.add_argument("dst", help="destination store URL (the replica)")
@@ -69,7 +71,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="--follow: longest wait between two looks at SRC (30; the wait starts at 1 s, "
         "jittered, and doubles while nothing is new)",
     )
-    p.add_argument("--json", action="store_true", help="one JSON line per version, and a summary")
     for side in ("src", "dst"):
         p.add_argument(
             f"--{side}-option",
@@ -77,7 +78,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             metavar="KEY=VALUE",
             help=f"fsspec storage option for {side.upper()} (repeatable; dotted keys nest)",
         )
-    p.set_defaults(func=run)
 
 
 class _JsonLines(Observer):
@@ -87,19 +87,22 @@ class _JsonLines(Observer):
         print(json.dumps(record.as_dict()), flush=True)
 
 
+def _line(record: VersionCopy) -> str:
+    return (
+        f"weight_v{record.version:06d} {record.kind} {record.outcome}: "
+        f"{record.bytes / 1e6:.1f} MB in {record.seconds:.2f} s "
+        f"({record.mb_per_s:.1f} MB/s, {record.retries} retries)"
+    )
+
+
 class _Plain(Observer):
     """No TTY, no ``--json``: a line per version."""
 
     def version_done(self, record: VersionCopy) -> None:
-        print(
-            f"weight_v{record.version:06d} {record.kind} {record.outcome}: "
-            f"{record.bytes / 1e6:.1f} MB in {record.seconds:.2f} s "
-            f"({record.mb_per_s:.1f} MB/s, {record.retries} retries)",
-            flush=True,
-        )
+        print(_line(record), flush=True)
 
 
-class _Bar(_Plain):
+class _Bar(Observer):
     """A TTY: a rich progress bar per version."""
 
     def __init__(self, progress: Any) -> None:
@@ -126,10 +129,7 @@ class _Bar(_Plain):
             task = self.tasks.pop(record.version, None)
             if task is not None:
                 self.progress.remove_task(task)
-        self.progress.console.print(
-            f"weight_v{record.version:06d} {record.kind} {record.outcome}: "
-            f"{record.bytes / 1e6:.1f} MB, {record.mb_per_s:.1f} MB/s, {record.retries} retries"
-        )
+        self.progress.console.print(_line(record), markup=False)
 
 
 def _summary(report: ReplicationReport) -> str:
@@ -149,38 +149,35 @@ def _summary(report: ReplicationReport) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    policy = ReplicationPolicy(
-        prune_grace_s=args.prune_grace,
-        stale_claim_s=args.stale_claim,
-        poll_max_s=args.poll_max,
-    )
-    kwargs: dict[str, Any] = {
-        "from_version": args.from_version,
-        "verify": args.verify,
-        "jobs": args.jobs,
-        "follow": args.follow,
-        "prune_like_source": args.prune_like_source,
-        "src_storage_options": parse_storage_options(args.src_option),
-        "dst_storage_options": parse_storage_options(args.dst_option),
-        "policy": policy,
-    }
-    if args.json:
-        report = replicate(args.src, args.dst, observer=_JsonLines(), **kwargs)
-        print(json.dumps(report.as_dict()), flush=True)
-        return 0
-    if sys.stdout.isatty():
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TransferSpeedColumn,
+    def copy(observer: Observer) -> ReplicationReport:
+        return replicate(
+            args.src,
+            args.dst,
+            from_version=args.from_version,
+            verify=args.verify,
+            jobs=args.jobs,
+            follow=args.follow,
+            prune_like_source=args.prune_like_source,
+            src_storage_options=parse_storage_options(args.src_option),
+            dst_storage_options=parse_storage_options(args.dst_option),
+            observer=observer,
+            policy=ReplicationPolicy(
+                prune_grace_s=args.prune_grace,
+                stale_claim_s=args.stale_claim,
+                poll_max_s=args.poll_max,
+            ),
         )
 
-        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn())
-        with Progress(*columns, TransferSpeedColumn(), transient=True) as progress:
-            report = replicate(args.src, args.dst, observer=_Bar(progress), **kwargs)
+    if args.json:
+        print(json.dumps(copy(_JsonLines()).as_dict()), flush=True)
+        return 0
+    if sys.stdout.isatty():
+        import rich.progress as rp
+
+        columns = (rp.TextColumn("{task.description}"), rp.BarColumn(), rp.DownloadColumn())
+        with rp.Progress(*columns, rp.TransferSpeedColumn(), transient=True) as progress:
+            report = copy(_Bar(progress))
     else:
-        report = replicate(args.src, args.dst, observer=_Plain(), **kwargs)
+        report = copy(_Plain())
     print(_summary(report))
     return 0

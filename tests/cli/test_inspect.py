@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltastore.cli import main
-from deltastore.cli.inspect import describe
+from deltastore.cli.store import describe
 from deltastore.storage import VersionStore
 from tests.conftest import make_checkpoint, publish_run
 
@@ -33,7 +33,7 @@ def test_the_history_plot_ticks_whole_versions_and_says_where_it_wrote(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("matplotlib")
-    from deltastore.cli.plots import history_figure
+    from deltastore.cli.store import history_figure
 
     rows = [
         {"version": v, "kind": "delta", "wire_bytes": 1000 * v, "density": 0.001 * v}
