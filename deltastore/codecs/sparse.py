@@ -32,7 +32,7 @@ import importlib
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -151,10 +151,11 @@ class _SparseFamily(Encoding):
         self, olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsizes: Sequence[int]
     ) -> list[FramedDelta]:
         """As :meth:`Encoding.encode_framed`: with numba, a batch in one call without the GIL;
-        a tensor the batch pass does not take (or over ``dense_ratio``) encoded again alone."""
-        compiled = compiled_backend(self.use_jit)
-        if compiled is None or len(olds) < 2:
+        with numpy, small tensors in one pass per element size; a tensor the batch pass does
+        not take (or over ``dense_ratio``) encoded again alone."""
+        if len(olds) < 2:
             return super().encode_framed(olds, news, itemsizes)
+        compiled = compiled_backend(self.use_jit)
         if not all(a.dtype == np.uint8 and a.flags.c_contiguous for a in (*olds, *news)):
             return super().encode_framed(olds, news, itemsizes)
         for index, (old, new) in enumerate(zip(olds, news, strict=True)):
@@ -163,13 +164,18 @@ class _SparseFamily(Encoding):
                     f"tensor {index} of the batch has {old.size} old bytes and {new.size} new "
                     "ones; pass both states of the same tensor"
                 )
-        framed = compiled.encode_framed(olds, news, itemsizes, self.tag, self.dense_ratio)
+        if compiled is None:  # numpy: each element size's small tensors in one pass
+            framed = numpy_backend.encode_framed(
+                olds, news, itemsizes, tag=self.tag, dense_ratio=self.dense_ratio
+            )
+        else:
+            framed = compiled.encode_framed(olds, news, itemsizes, self.tag, self.dense_ratio)
         for i, delta in enumerate(framed):
             if delta is None:
                 (framed[i],) = super().encode_framed(
                     olds[i : i + 1], news[i : i + 1], [itemsizes[i]]
                 )
-        return framed  # type: ignore[no-any-return]
+        return cast("list[FramedDelta]", framed)
 
     def apply(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
         if compiled_backend(self.use_jit) is None:
