@@ -1,25 +1,26 @@
-"""Rank 0's claim of a version and the other ranks' join, through the store's
-:class:`~deltastore.storage.VersionWriter` (the one owner of the commit protocol: claim,
-fence checks, successor, index, "does the commit stand").
+"""Rank 0's claim and commit of a version, and the post-write hook after it, through the
+store's :class:`~deltastore.storage.VersionWriter` (the one owner of the commit protocol:
+claim, fence checks, successor, index, "does the commit stand"); other ranks ``store.join``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from deltastore.errors import VersionConflictError
 from deltastore.format.index import VersionIndex
-from deltastore.publish.messages import Failure, Outcome, Plan, Written, describe
+from deltastore.hooks.context import publishing_rank
+from deltastore.publish.messages import Failure, Outcome, Plan, StreamState, Written, describe
 from deltastore.publish.planning import (
     build_index,
     check_written,
     version_totals,
     written_failure,
 )
-from deltastore.publish.stream import StreamState
 from deltastore.storage import VersionStore
 from deltastore.storage.writer import VersionWriter
 from deltastore.trust import SigningKey, build_manifest, sign_manifest, signed_index
@@ -51,11 +52,6 @@ def claim(
             f"{describe(exc)}; nothing was committed",
             kind=kind,
         )
-
-
-def join(store: VersionStore, version: int, token: str) -> VersionWriter:
-    """Another rank: write files of the version rank 0 claimed."""
-    return store.join(version, token)
 
 
 def commit_version(
@@ -143,3 +139,26 @@ def _commit_index(writer: VersionWriter, index: VersionIndex, reason: str) -> Fa
         return None
     writer.abort()
     return Failure(f"{reason}; nothing was committed and no snapshot advanced")
+
+
+def run_post_write(
+    writer: VersionWriter,
+    post_write: Callable[[str], None] | None,
+    rank: int,
+    metrics: dict[str, float],
+) -> BaseException | None:
+    """Run ``post_write`` (else the store's own hook) for ``writer``'s version and add
+    ``hook_s`` to ``metrics``. The error is returned, not raised, so every rank reports it
+    through the finish collective instead of leaving its peers waiting there."""
+    begun = time.perf_counter()
+    try:
+        with publishing_rank(rank):
+            if post_write is not None:
+                post_write(writer.url)
+            else:
+                writer.after_write()
+    except Exception as exc:
+        return exc
+    finally:
+        metrics["hook_s"] = time.perf_counter() - begun
+    return None

@@ -21,12 +21,12 @@ import numpy as np
 
 from deltastore.codecs import ByteArray, Checksum, Encoding, XorChanges, itemsize_of_dtype
 from deltastore.errors import PublishError
+from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.device import HostStager, Staged, StagerStats
 from deltastore.publish.messages import DiffReport, TensorChange, describe
-from deltastore.publish.rank_state import Encoded
-from deltastore.publish.snapshot import TensorSource, check_layout, nbytes_of
-from deltastore.publish.spool import PayloadSpool
+from deltastore.publish.snapshot import Snapshot, TensorSource, check_layout, nbytes_of
+from deltastore.publish.spool import Encoded, PayloadSpool
 
 NamedTensors = Iterable[tuple[str, Any]] | Mapping[str, Any]
 """What ``publish()`` takes: a mapping name → tensor (a state dict) or (name, tensor) pairs."""
@@ -43,33 +43,15 @@ class DiffResult:
     staging: StagerStats | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class DiffSettings:
-    """What the pipeline needs besides the tensors (one publisher's fixed settings)."""
+    """What the pipeline needs besides the tensors (one publisher's fixed settings);
+    ``base_checkpoint`` is named in the error for a tensor the base lacks."""
 
+    config: PublisherConfig
     encoding: Encoding
     checksum: Checksum
-    workers: int
-    max_inflight_bytes: int
-    pin_memory: bool | None
-    stage_host_tensors: bool
     base_checkpoint: str
-    """Named in the error for a tensor the base lacks."""
-
-    @classmethod
-    def of(
-        cls, config: PublisherConfig, encoding: Encoding, checksum: Checksum, base: str
-    ) -> DiffSettings:
-        """The settings of a publisher with ``config``."""
-        return cls(
-            encoding=encoding,
-            checksum=checksum,
-            workers=config.threads,
-            max_inflight_bytes=config.max_inflight_bytes,
-            pin_memory=config.pin_memory,
-            stage_host_tensors=config.stage_host_tensors,
-            base_checkpoint=base,
-        )
 
 
 def report_of(
@@ -98,6 +80,27 @@ def named_pairs(named_tensors: NamedTensors) -> Iterator[tuple[str, Any]]:
         yield item[0], item[1]
 
 
+def counted(
+    named_tensors: NamedTensors, snapshot: Snapshot, progress: ProgressCallback | None
+) -> NamedTensors:
+    """``named_tensors``, reported as phase ``diff``: each tensor's size counted once the
+    pipeline has taken it (its backpressure keeps that within the in-flight budget); once it
+    has taken them all, the rest of the model (unchanged) counts as done."""
+    if progress is None:
+        return named_tensors
+
+    def pairs() -> Iterator[tuple[str, object]]:
+        meter = ProgressMeter.start(progress, "diff", snapshot.total_bytes)
+        assert meter is not None
+        for name, tensor in named_pairs(named_tensors):
+            yield name, tensor
+            source = snapshot.sources.get(name)
+            meter.advance(0 if source is None else source.nbytes)
+        meter.finish(complete=True)
+
+    return pairs()
+
+
 @dataclass
 class _Item:
     """One tensor queued for the encode pool: its snapshot bytes, staged bytes, element size."""
@@ -117,29 +120,6 @@ WORD_CHANGE_BYTES = 16
 """Memory per changed 8-byte word kept by :func:`word_changes` (position and value)."""
 
 
-def _encode_batch(
-    settings: DiffSettings, spool: PayloadSpool, batch: list[_Item]
-) -> list[Encoded | None]:
-    """Encode a batch of staged tensors (one encoding call for all of them: see
-    :meth:`Encoding.encode_framed`); each changed one's frame goes straight into the spool."""
-    news = [item.staged.wait() for item in batch]
-    framed = settings.encoding.encode_framed(
-        [item.old for item in batch], news, [item.itemsize for item in batch]
-    )
-    results: list[Encoded | None] = []
-    for item, new, delta in zip(batch, news, framed, strict=True):
-        if not delta.changed_bytes:
-            results.append(None)
-            continue
-        digest = settings.checksum.hexdigest(new)
-        offset, length = spool.append(delta.frame)
-        changes = delta.xor_changes
-        if changes is None:
-            changes = word_changes(item.old, new, delta.changed_bytes)
-        results.append(Encoded(item.name, delta.changed_bytes, digest, offset, length, changes))
-    return results
-
-
 def word_changes(old: ByteArray, new: ByteArray, changed_bytes: int) -> XorChanges | None:
     """The change from ``old`` to ``new`` as 8-byte words (``old XOR new`` of each word that
     differs), or None where it would be large (more than 1/8 of the tensor's bytes) or the size
@@ -157,25 +137,6 @@ def word_changes(old: ByteArray, new: ByteArray, changed_bytes: int) -> XorChang
     return XorChanges(positions, old_words[positions] ^ new_words[positions])
 
 
-def _encode(
-    settings: DiffSettings,
-    spool: PayloadSpool,
-    metrics: dict[str, float],
-    lock: threading.Lock,
-    batch: list[_Item],
-) -> list[tuple[str, Encoded | None]]:
-    """Worker: encode a batch of tensors (one large one, or several small ones)."""
-    begun = time.perf_counter()
-    try:
-        encoded = _encode_batch(settings, spool, batch)
-    finally:
-        for item in batch:
-            item.staged.release()
-        with lock:
-            metrics["encode_s"] += time.perf_counter() - begun
-    return [(item.name, e) for item, e in zip(batch, encoded, strict=True)]
-
-
 class _EncodeWindow:
     """The encodes of one diff: the open batch, at most ``2 * workers`` submitted batches in
     flight (the producer waits on the oldest), and their results taken from the front."""
@@ -186,18 +147,45 @@ class _EncodeWindow:
         settings: DiffSettings,
         spool: PayloadSpool,
         metrics: dict[str, float],
-        batch_limit: int,
     ) -> None:
         self.executor = executor
         self.settings = settings
         self.spool = spool
         self.metrics = metrics
-        self.batch_limit = batch_limit
+        self.batch_limit = min(BATCH_BYTES, settings.config.max_inflight_bytes // 2)
         self.result = DiffResult()
         self.lock = threading.Lock()
         self.pending: deque[cf.Future[list[tuple[str, Encoded | None]]]] = deque()
         self.batch: list[_Item] = []
         self.batch_bytes = 0
+
+    def encode(self, batch: list[_Item]) -> list[tuple[str, Encoded | None]]:
+        """Worker: encode a batch of staged tensors with one encoding call (see
+        :meth:`Encoding.encode_framed`), each changed one's frame straight into the spool."""
+        begun = time.perf_counter()
+        try:
+            news = [item.staged.wait() for item in batch]
+            framed = self.settings.encoding.encode_framed(
+                [item.old for item in batch], news, [item.itemsize for item in batch]
+            )
+            results: list[tuple[str, Encoded | None]] = []
+            for item, new, delta in zip(batch, news, framed, strict=True):
+                if not delta.changed_bytes:
+                    results.append((item.name, None))
+                    continue
+                digest = self.settings.checksum.hexdigest(new)
+                offset, length = self.spool.append(delta.frame)
+                changes = delta.xor_changes
+                if changes is None:
+                    changes = word_changes(item.old, new, delta.changed_bytes)
+                encoded = Encoded(item.name, delta.changed_bytes, digest, offset, length, changes)
+                results.append((item.name, encoded))
+        finally:
+            for item in batch:
+                item.staged.release()
+            with self.lock:
+                self.metrics["encode_s"] += time.perf_counter() - begun
+        return results
 
     def make_room(self, charge: int) -> None:
         """Submit the open batch if ``charge`` more bytes would overflow it: the unsubmitted
@@ -213,10 +201,9 @@ class _EncodeWindow:
             self.submit()
 
     def submit(self) -> None:
-        args = (self.settings, self.spool, self.metrics, self.lock, self.batch)
-        self.pending.append(self.executor.submit(_encode, *args))
+        self.pending.append(self.executor.submit(self.encode, self.batch))
         self.batch, self.batch_bytes = [], 0
-        window = 2 * self.settings.workers
+        window = 2 * self.settings.config.threads
         while self.pending and (len(self.pending) > window or self.pending[0].done()):
             self._take_oldest()
 
@@ -262,21 +249,21 @@ def diff_tensors(
     :class:`PublishError` naming a tensor passed twice, unknown to the base, or of another
     size, dtype or shape.
     """
+    config = settings.config
     stager = HostStager(
-        settings.max_inflight_bytes,
-        pin_memory=settings.pin_memory,
-        stage_host_tensors=settings.stage_host_tensors,
+        config.max_inflight_bytes,
+        pin_memory=config.pin_memory,
+        stage_host_tensors=config.stage_host_tensors,
     )
     seen: set[str] = set()
-    batch_limit = min(BATCH_BYTES, settings.max_inflight_bytes // 2)
     started = time.perf_counter()
     # A kept pool (the publisher's) outlives this call; one made here is shut down after it.
     with (
         contextlib.nullcontext(pool)
         if pool is not None
-        else cf.ThreadPoolExecutor(settings.workers, thread_name_prefix="deltastore-encode")
+        else cf.ThreadPoolExecutor(config.threads, thread_name_prefix="deltastore-encode")
     ) as executor:
-        window = _EncodeWindow(executor, settings, spool, metrics, batch_limit)
+        window = _EncodeWindow(executor, settings, spool, metrics)
         try:
             for name, tensor in named_pairs(named_tensors):
                 nbytes, itemsize = _check_tensor(name, tensor, sources, seen, settings)

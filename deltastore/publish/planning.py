@@ -19,24 +19,14 @@ from deltastore.publish.messages import (
     Layout,
     Placement,
     ShardJob,
+    StreamState,
     TensorChange,
     Totals,
     Written,
+    rank_errors,
 )
-from deltastore.publish.stream import StreamState
 
 Shards = tuple[tuple[ShardJob, ...], ...]
-
-
-def reported_failure(reports: Sequence[DiffReport], version: int) -> Failure | None:
-    """A failure naming every rank whose diff failed, or None."""
-    failed = [f"rank {r.rank}: {r.error}" for r in reports if r.error is not None]
-    if not failed:
-        return None
-    return Failure(
-        f"publishing weight_v{version:06d} failed on {'; '.join(failed)}; nothing was "
-        "committed and no snapshot advanced"
-    )
 
 
 def divergent_replicas(reports: Sequence[DiffReport], version: int) -> Failure | None:
@@ -168,7 +158,13 @@ def plan_layout(
 ) -> Layout | Failure:
     """Rank 0's whole decision for the next version from every rank's report."""
     version = stream.next_version
-    failure = reported_failure(reports, version) or divergent_replicas(reports, version)
+    failed = rank_errors(reports)
+    if failed:
+        return Failure(
+            f"publishing weight_v{version:06d} failed on {failed}; nothing was committed and "
+            "no snapshot advanced"
+        )
+    failure = divergent_replicas(reports, version)
     if failure is not None:
         return failure
     owner, changes = owners_and_changes(reports)
@@ -190,12 +186,12 @@ def plan_layout(
 
 def written_failure(writes: Sequence[Written], version: int, url: str) -> Failure | None:
     """A failure naming every rank whose shard writes failed, or None."""
-    failed = [f"rank {w.rank}: {w.error}" for w in writes if w.error is not None]
+    failed = rank_errors(writes)
     if not failed:
         return None
     return Failure(
-        f"writing weight_v{version:06d} to {url} failed on {'; '.join(failed)}; nothing was "
-        "committed (its files were removed) and no snapshot advanced"
+        f"writing weight_v{version:06d} to {url} failed on {failed}; nothing was committed "
+        "(its files were removed) and no snapshot advanced"
     )
 
 

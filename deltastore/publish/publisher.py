@@ -10,7 +10,7 @@ is the identity. One publish is five phases (docs/publishing.md has the full acc
 3. **write** (every rank): its shards (:mod:`.shards`);
 4. **commit** (gather → rank 0 → broadcast): completeness, then the index;
 5. **finish** (all-gather): the snapshot advances (:mod:`.rank_state`), the stream state is
-   replaced (:mod:`.stream`), the post-write hook runs, metrics are the global totals.
+   replaced, the post-write hook runs, metrics are the global totals.
 
 Errors (every rank, any world size): before the commit :class:`PublishError` or
 :class:`VersionConflictError`; at or after it :class:`HookError` or :class:`SnapshotError`.
@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from deltastore.codecs import get_checksum, get_encoding
@@ -32,40 +33,56 @@ from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig
 from deltastore.publish.coordination import Coordinator, make_coordinator
 from deltastore.publish.device import StagerStats
-from deltastore.publish.diff import DiffResult, DiffSettings, NamedTensors, diff_tensors, report_of
+from deltastore.publish.diff import (
+    DiffResult,
+    DiffSettings,
+    NamedTensors,
+    counted,
+    diff_tensors,
+    report_of,
+)
 from deltastore.publish.messages import (
+    METRIC_KEYS,
+    SECONDS_KEYS,
     DiffReport,
     Failure,
     Final,
     Outcome,
     Plan,
+    PublishResult,
+    StreamState,
     Written,
     after_commit_error,
     describe,
-)
-from deltastore.publish.metrics import (
-    METRIC_KEYS,
-    SECONDS_KEYS,
-    PublishResult,
     record,
     result_of,
     warn_if_dense,
 )
 from deltastore.publish.planning import plan_layout
-from deltastore.publish.post_write import run_post_write
-from deltastore.publish.rank_state import RankSnapshot
-from deltastore.publish.reporting import counted, write_meter
-from deltastore.publish.seeding import seed_rank
-from deltastore.publish.shards import ShardWriter
+from deltastore.publish.rank_state import RankSnapshot, seed_rank
+from deltastore.publish.shards import ShardWriter, write_meter
 from deltastore.publish.snapshot import Snapshot
 from deltastore.publish.spool import PayloadSpool
-from deltastore.publish.stream import StreamState
 from deltastore.storage import VersionStore
 from deltastore.storage.writer import VersionWriter
 from deltastore.trust import SigningKey, as_signing_key
 from deltastore.trust.base import base_digests_record
 
 log = logging.getLogger("deltastore.publish")
+
+
+@dataclass
+class _Step:
+    """One publish in flight: what its phases share."""
+
+    held: RankSnapshot
+    stream: StreamState
+    spool: PayloadSpool
+    progress: ProgressCallback | None
+    metrics: dict[str, float] = field(default_factory=lambda: dict.fromkeys(METRIC_KEYS, 0.0))
+    diff: DiffResult = field(default_factory=DiffResult)
+    plan: Plan = field(default_factory=lambda: Plan(failure=None))
+    slot: VersionWriter | None = None
 
 
 class DeltaPublisher:
@@ -118,7 +135,7 @@ class DeltaPublisher:
         self.world_size = self.coordinator.world_size
         preload = self.config.preload
         self.preload = self.world_size == 1 if preload is None else preload
-        self._diff_settings = DiffSettings.of(
+        self._diff_settings = DiffSettings(
             self.config, self.encoding, self.checksum, self.base_checkpoint
         )
         self._signing_key: SigningKey | None = None
@@ -128,12 +145,12 @@ class DeltaPublisher:
         self.stream: StreamState | None = None
         """Where the stream stands; replaced (never changed) after each commit."""
         self._held: RankSnapshot | None = None
+        self._sizes: dict[str, int] = {}
         self._metrics: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
         self._warned_density = False
         self.last_staging: StagerStats | None = None
         """Host-staging counters of the last publish (pinned or not, peak bytes in flight)."""
 
-    # ------------------------------------------------------------ read-only views
     @property
     def snapshot(self) -> Snapshot | None:
         """This rank's snapshot (None before :meth:`seed`)."""
@@ -152,7 +169,6 @@ class DeltaPublisher:
     def stream_id(self) -> str | None:
         return None if self.stream is None else self.stream.stream_id
 
-    # ---------------------------------------------------------------------- seed
     def seed(
         self, *, continue_latest: bool = False, progress: ProgressCallback | None = None
     ) -> None:
@@ -177,10 +193,10 @@ class DeltaPublisher:
             continue_latest=continue_latest,
             progress=progress,
         )
+        self._sizes = {name: s.nbytes for name, s in self._held.snapshot.sources.items()}
         if self.stream.base_version == 0 and self.config.record_base_digests and self.rank == 0:
             self._base_digests()  # once per stream: with the seed's reads, not in a publish
 
-    # ------------------------------------------------------------------- publish
     def publish(
         self,
         named_tensors: NamedTensors,
@@ -196,39 +212,35 @@ class DeltaPublisher:
         HF checkpoint that resets the chain. Collective when ranks are: each rank passes its
         own tensors. Raises :class:`PublishError` / :class:`VersionConflictError` (nothing
         committed) or :class:`HookError` / :class:`SnapshotError` (committed, or may be).
-        ``progress``: phases ``diff``, ``write`` (:mod:`.reporting`); raising commits nothing.
+        ``progress``: phases ``diff`` and ``write``; raising commits nothing.
         """
-        held, stream = self._seeded()
+        if self._held is None or self.stream is None:
+            raise PublishError("publish() before seed(): call seed() once first")
         started = time.perf_counter()
-        metrics = dict.fromkeys(METRIC_KEYS, 0.0)
         with gc_paused(), PayloadSpool(self.config.spool_memory_bytes) as spool:
-            diff, local_error = self._diff_phase(
-                named_tensors, held, stream, spool, metrics, progress
-            )
-            plan, slot = self._plan_phase(
-                report_of(self.rank, diff, local_error, full=full), stream, metrics
-            )
-            self._raise_failure(plan.failure, local_error)
-            written, local_error = self._write_phase(
-                plan, slot, diff, held, stream, spool, metrics, progress
-            )
-            outcome = self._commit_phase(plan, slot, written, stream, metrics)
+            step = _Step(self._held, self.stream, spool, progress)
+            local_error = self._diff_phase(step, named_tensors)
+            self._plan_phase(step, report_of(self.rank, step.diff, local_error, full=full))
+            self._raise_failure(step.plan.failure, local_error)
+            written, local_error = self._write_phase(step)
+            outcome = self._commit_phase(step, written)
             if outcome.failure is not None:
-                self.stream = stream.aborted()
+                self.stream = step.stream.aborted()
             self._raise_failure(outcome.failure, local_error)
-            advance_error = self._advance_phase(plan, outcome, diff, held, spool)
-        assert plan.layout is not None and outcome.totals is not None and slot is not None
-        self.stream = stream.committed(
+            advance_error = self._advance_phase(step, outcome)
+        plan, metrics = step.plan, step.metrics
+        assert plan.layout is not None and outcome.totals is not None and step.slot is not None
+        self.stream = step.stream.committed(
             plan.version,
             full=plan.layout.full,
             wire_bytes=outcome.totals.wire_bytes,
             owner=plan.layout.owner,
         )
-        hook_error = run_post_write(slot, self._post_write, self.rank, metrics)
+        hook_error = commit_protocol.run_post_write(step.slot, self._post_write, self.rank, metrics)
         metrics["publish_s"] = time.perf_counter() - started
-        result = result_of(plan, outcome)
+        result = result_of(plan, outcome.totals)
         finals = self._finish_phase(plan.version, advance_error, hook_error, metrics)
-        self._metrics = record(metrics, result, tensors=len(held.snapshot), world=self.world_size)
+        self._metrics = record(metrics, result, tensors=len(self._sizes), world=self.world_size)
         if not self._warned_density:
             self._warned_density = warn_if_dense(result)
         error = after_commit_error(
@@ -249,7 +261,6 @@ class DeltaPublisher:
         metrics, self._metrics = self._metrics, dict.fromkeys(METRIC_KEYS, 0.0)
         return metrics
 
-    # -------------------------------------------------------------------- phases
     def _raise_failure(self, failure: Failure | None, local_error: BaseException | None) -> None:
         """Raise a phase's failure on every rank (see :meth:`Failure.error`)."""
         if failure is None:
@@ -258,128 +269,94 @@ class DeltaPublisher:
             self._held = None
         raise failure.error() from local_error
 
-    def _seeded(self) -> tuple[RankSnapshot, StreamState]:
-        if self._held is None or self.stream is None:
-            raise PublishError("publish() before seed(): call seed() once first")
-        return self._held, self.stream
-
-    def _diff_phase(
-        self,
-        named_tensors: NamedTensors,
-        held: RankSnapshot,
-        stream: StreamState,
-        spool: PayloadSpool,
-        metrics: dict[str, float],
-        progress: ProgressCallback | None,
-    ) -> tuple[DiffResult, BaseException | None]:
+    def _diff_phase(self, step: _Step, named_tensors: NamedTensors) -> BaseException | None:
+        held, stream = step.held, step.stream
         try:
-            diff = diff_tensors(
-                counted(named_tensors, held.snapshot, progress),
+            step.diff = diff_tensors(
+                counted(named_tensors, held.snapshot, step.progress),
                 held.snapshot.sources,
                 lambda name: held.old_bytes(name, stream),
                 self._diff_settings,
-                spool,
-                metrics,
+                step.spool,
+                step.metrics,
                 held.pool(),
             )
         except Exception as exc:
-            return DiffResult(), exc
-        self.last_staging = diff.staging
-        return diff, None
+            return exc
+        self.last_staging = step.diff.staging
+        return None
 
-    def _plan_phase(
-        self, report: DiffReport, stream: StreamState, metrics: dict[str, float]
-    ) -> tuple[Plan, VersionWriter | None]:
+    def _plan_phase(self, step: _Step, report: DiffReport) -> None:
         """Rank 0 plans and claims; every rank gets the plan and a slot to write into."""
         begun = time.perf_counter()
         reports = self.coordinator.gather(report, what="publish: gather diffs")
         plan: Plan | None = None
-        slot = None
         if reports is not None:
-            plan, slot = self._make_plan(reports, stream)
-        plan = self.coordinator.broadcast(plan, what="publish: plan")
-        if slot is None and plan.failure is None:
-            slot = commit_protocol.join(self.store, plan.version, plan.token)
-        metrics["coord_s"] += time.perf_counter() - begun
-        return plan, slot
+            plan = self._make_plan(step, reports)
+        step.plan = plan = self.coordinator.broadcast(plan, what="publish: plan")
+        if step.slot is None and plan.failure is None:
+            step.slot = self.store.join(plan.version, plan.token)
+        step.metrics["coord_s"] += time.perf_counter() - begun
 
-    def _make_plan(
-        self, reports: list[DiffReport], stream: StreamState
-    ) -> tuple[Plan, VersionWriter | None]:
-        """Rank 0: the layout from the reports (pure), then the claim."""
-        assert self._held is not None
-        sizes = {name: s.nbytes for name, s in self._held.snapshot.sources.items()}
+    def _make_plan(self, step: _Step, reports: list[DiffReport]) -> Plan:
+        """Rank 0: the layout from the reports (pure), then the claim (``step.slot``)."""
         layout = plan_layout(
             reports,
-            stream,
-            sizes,
+            step.stream,
+            self._sizes,
             world_size=self.world_size,
             max_shard_bytes=self.config.max_shard_bytes,
             anchor_every=self.config.anchor_every,
             anchor_chain_bytes=self.config.anchor_chain_bytes,
         )
         if isinstance(layout, Failure):
-            return Plan(failure=layout), None
-        slot, failure = commit_protocol.claim(self.store, stream)
+            return Plan(failure=layout)
+        slot, failure = commit_protocol.claim(self.store, step.stream)
         if slot is None:
-            return Plan(failure=failure), None
-        return Plan(failure=None, version=slot.version, token=slot.token, layout=layout), slot
+            return Plan(failure=failure)
+        step.slot = slot
+        return Plan(failure=None, version=slot.version, token=slot.token, layout=layout)
 
-    def _write_phase(
-        self,
-        plan: Plan,
-        slot: VersionWriter | None,
-        diff: DiffResult,
-        held: RankSnapshot,
-        stream: StreamState,
-        spool: PayloadSpool,
-        metrics: dict[str, float],
-        progress: ProgressCallback | None,
-    ) -> tuple[Written, BaseException | None]:
+    def _write_phase(self, step: _Step) -> tuple[Written, BaseException | None]:
+        plan, slot, encoded = step.plan, step.slot, step.diff.encoded
         assert slot is not None and plan.layout is not None
         begun = time.perf_counter()
-        jobs, full = plan.shards_of(self.rank), plan.layout.full
+        jobs, full = plan.layout.shards[self.rank], plan.layout.full
         try:
-            meter = write_meter(progress, jobs, full, diff.encoded, held.snapshot.sources)
+            sources = step.held.snapshot.sources
+            meter = write_meter(step.progress, jobs, full, encoded, sources)
             writer = ShardWriter(
                 slot.open_write,
-                diff.encoded,
-                spool,
+                encoded,
+                step.spool,
                 self.encoding,
                 self.checksum,
                 self.config.threads,
                 meter,
             )
-            entries, wire, facts = writer.write_all(jobs, full=full, held=held, stream=stream)
+            entries, wire, facts = writer.write_all(
+                jobs, full=full, held=step.held, stream=step.stream
+            )
         except Exception as exc:
             return Written(self.rank, describe(exc)), exc
         finally:
-            metrics["write_s"] = time.perf_counter() - begun
+            step.metrics["write_s"] = time.perf_counter() - begun
         return Written(self.rank, None, entries, wire, facts), None
 
-    def _commit_phase(
-        self,
-        plan: Plan,
-        slot: VersionWriter | None,
-        written: Written,
-        stream: StreamState,
-        metrics: dict[str, float],
-    ) -> Outcome:
-        begun = time.perf_counter()
-        what = f"publish: commit weight_v{plan.version:06d}"
+    def _commit_phase(self, step: _Step, written: Written) -> Outcome:
+        begun, metrics, version = time.perf_counter(), step.metrics, step.plan.version
+        what = f"publish: commit weight_v{version:06d}"
         writes = self.coordinator.gather(written, what=what)
         outcome: Outcome | None = None
         if writes is not None:
-            assert slot is not None
+            assert step.slot is not None
             commit_started = time.perf_counter()
-            assert self._held is not None and plan.layout is not None
-            sizes = {name: src.nbytes for name, src in self._held.snapshot.sources.items()}
             outcome = commit_protocol.commit_version(
-                slot,
-                plan,
+                step.slot,
+                step.plan,
                 writes,
-                stream,
-                sizes,
+                step.stream,
+                self._sizes,
                 encoding=self.encoding.name,
                 checksum=self.checksum.name,
                 signing_key=self._signing_key,
@@ -390,7 +367,7 @@ class DeltaPublisher:
             outcome = self.coordinator.broadcast(outcome, what=what)
         except PublishError as exc:
             raise SnapshotError(
-                f"{exc}; weight_v{plan.version:06d} may be committed in {self.store.url}"
+                f"{exc}; weight_v{version:06d} may be committed in {self.store.url}"
             ) from exc
         metrics["coord_s"] += time.perf_counter() - begun - metrics["commit_s"]
         return outcome
@@ -403,23 +380,16 @@ class DeltaPublisher:
             )
         return self._base_record
 
-    def _advance_phase(
-        self,
-        plan: Plan,
-        outcome: Outcome,
-        diff: DiffResult,
-        held: RankSnapshot,
-        spool: PayloadSpool,
-    ) -> BaseException | None:
-        assert plan.layout is not None
+    def _advance_phase(self, step: _Step, outcome: Outcome) -> BaseException | None:
+        assert step.plan.layout is not None
         try:
-            held.advance(
-                plan.layout,
+            step.held.advance(
+                step.plan.layout,
                 outcome.entries,
-                diff.encoded,
-                spool,
+                step.diff.encoded,
+                step.spool,
                 encoding=self.encoding,
-                version=plan.version,
+                version=step.plan.version,
                 checksum=self.checksum.name,
             )
         except Exception as exc:
@@ -450,6 +420,3 @@ class DeltaPublisher:
         for key in SECONDS_KEYS:
             metrics[key] = max(f.seconds[key] for f in finals)
         return finals
-
-
-__all__ = ["METRIC_KEYS", "DeltaPublisher", "PublishResult", "PublisherConfig"]

@@ -6,7 +6,7 @@ the snapshot plus this publish's payloads. Files are opened through ``open_write
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
@@ -14,11 +14,11 @@ from typing import Any, BinaryIO, cast
 from deltastore.codecs import ByteArray, Checksum, Encoding
 from deltastore.format.packed import build_packed_header
 from deltastore.format.safetensors_io import TensorLayout, build_header
-from deltastore.progress import ProgressMeter
-from deltastore.publish.messages import Placement, ShardJob
-from deltastore.publish.rank_state import Encoded, RankSnapshot, apply_payload
-from deltastore.publish.spool import COPY_CHUNK, PayloadSpool
-from deltastore.publish.stream import StreamState
+from deltastore.progress import ProgressCallback, ProgressMeter
+from deltastore.publish.messages import Placement, ShardJob, StreamState
+from deltastore.publish.rank_state import RankSnapshot
+from deltastore.publish.snapshot import TensorSource
+from deltastore.publish.spool import COPY_CHUNK, Encoded, PayloadSpool, apply_payload
 from deltastore.trust.manifest import ShardFact, ShardHasher
 
 OpenWrite = Callable[[str], AbstractContextManager[BinaryIO]]
@@ -74,6 +74,25 @@ def _hashing(sink: BinaryIO) -> Iterator[_HashingWriter]:
         yield writer
     finally:
         writer.close()
+
+
+def write_meter(
+    progress: ProgressCallback | None,
+    jobs: Sequence[ShardJob],
+    full: bool,
+    encoded: Mapping[str, Encoded],
+    sources: Mapping[str, TensorSource],
+) -> ProgressMeter | None:
+    """The ``write`` phase's meter: its total is the payload bytes (delta) or tensor bytes
+    (full) of this rank's shards, headers not counted."""
+    if progress is None:
+        return None
+    names = [name for job in jobs for name in job.names]
+    if full:
+        total = sum(sources[name].nbytes for name in names)
+    else:
+        total = sum(encoded[name].length for name in names)
+    return ProgressMeter.start(progress, "write", total)
 
 
 @dataclass(frozen=True)

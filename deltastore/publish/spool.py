@@ -1,12 +1,16 @@
-"""Compressed delta payloads of one publish, held between the diff and the shard writes."""
+"""Compressed delta payloads of one publish, held between the diff and the shard writes, and
+the :class:`Encoded` record that addresses each one."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 import threading
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, BinaryIO
+
+from deltastore.codecs import ByteArray, Encoding, XorChanges, decompress
 
 COPY_CHUNK = 64 * 1024**2
 """Bytes copied per write call when streaming a payload or tensor into a shard."""
@@ -111,3 +115,29 @@ class PayloadSpool:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One diffed tensor: its new digest and where its compressed payload sits in the spool."""
+
+    name: str
+    changed_bytes: int
+    digest: str
+    offset: int
+    length: int
+    changes: XorChanges | None = None
+    """The change in element form where there is one (applied instead of the payload when
+    the snapshot advances: no second decode)."""
+
+
+def apply_payload(
+    encoding: Encoding, name: str, target: ByteArray, entry: Encoded, spool: PayloadSpool
+) -> None:
+    """Apply a spooled payload to ``target`` in place (size-checked before decompressing)."""
+    payload = decompress(
+        spool.read(entry.offset, entry.length),
+        max_size=encoding.max_payload_size(target.size),
+        what=f"payload of tensor {name!r}",
+    )
+    encoding.apply(target, payload, tensor=name)

@@ -11,6 +11,7 @@ from deltastore.publish.messages import (
     Layout,
     Placement,
     ShardJob,
+    StreamState,
     TensorChange,
     Written,
 )
@@ -24,7 +25,6 @@ from deltastore.publish.planning import (
     wants_full,
     written_failure,
 )
-from deltastore.publish.stream import StreamState
 
 SIZES = {"a": 100, "b": 200, "c": 300, "d": 400}
 STREAM = StreamState(stream_id="s1", base_version=4, next_version=5)
