@@ -1,20 +1,16 @@
 """Rank coordination for a collective publish: small Python objects over a process group.
 
-A :class:`Coordinator` is what :class:`~deltastore.publish.DeltaPublisher` uses to agree across
-trainer ranks: ``gather`` to rank 0, ``broadcast`` from rank 0, ``all_gather``. Every decision
-travels through the process group, never through the store's filesystem (a shared filesystem
-or object store is neither ordered nor fast enough to be a lock).
-
-:class:`LocalCoordinator` is the single-process case (every collective is the identity), so the
-publisher runs one code path whether or not ``torch.distributed`` is up. :class:`TorchCoordinator`
-uses torch's object collectives (pickled objects) on a gloo group: when the trainer's group is
-NCCL, a gloo group over the same ranks is created once, so coordination never touches a GPU
-stream.
+Every decision travels through the process group, never through the store's filesystem (a
+shared filesystem or object store is neither ordered nor fast enough to be a lock).
+:class:`LocalCoordinator` is the single process (every collective is the identity), so the
+publisher runs one code path whether or not ``torch.distributed`` is up; :class:`TorchCoordinator`
+uses torch's object collectives on a gloo group, so coordination never touches a GPU stream.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from deltastore.errors import ConfigError, PublishError
@@ -25,22 +21,18 @@ T = TypeVar("T")
 
 
 class Coordinator(Protocol):
-    """The collectives a publisher needs. Every rank of the group must call each one, in order."""
+    """The collectives a publisher needs; every rank of the group calls each one, in order.
+    ``gather`` returns every rank's ``obj`` (in rank order) on rank 0 and None elsewhere,
+    ``broadcast`` rank 0's on every rank, ``all_gather`` every rank's on every rank."""
 
     rank: int
     world_size: int
 
-    def gather(self, obj: T, *, what: str) -> list[T] | None:
-        """Every rank's ``obj`` on rank 0 (in rank order); None on the other ranks."""
-        ...
+    def gather(self, obj: T, *, what: str) -> list[T] | None: ...
 
-    def broadcast(self, obj: T | None, *, what: str) -> T:
-        """Rank 0's ``obj`` on every rank (the argument is ignored on the other ranks)."""
-        ...
+    def broadcast(self, obj: T | None, *, what: str) -> T: ...
 
-    def all_gather(self, obj: T, *, what: str) -> list[T]:
-        """Every rank's ``obj`` on every rank, in rank order."""
-        ...
+    def all_gather(self, obj: T, *, what: str) -> list[T]: ...
 
 
 class LocalCoordinator:
@@ -61,12 +53,12 @@ class LocalCoordinator:
 
 
 class TorchCoordinator:
-    """Object collectives over a ``torch.distributed`` process group (gloo).
+    """Object collectives over the trainer's ``group`` (None: the default group).
 
-    ``group`` is the trainer's group (None: the default group). If its backend is not gloo, a
-    gloo group over the same ranks is created here: ``torch.distributed.new_group`` is itself a
-    collective of the default group, so every rank must construct the publisher together.
-    Collective failures (a peer died, a timeout) raise :class:`PublishError` naming the step.
+    If its backend is not gloo, a gloo group over the same ranks is created here:
+    ``torch.distributed.new_group`` is itself a collective of the default group, so every rank
+    must construct the publisher together. Collective failures (a peer died, a timeout) raise
+    :class:`PublishError` naming the step.
     """
 
     def __init__(self, group: Any = None) -> None:
@@ -89,45 +81,36 @@ class TorchCoordinator:
         # Object collectives take the *global* rank of the source/destination.
         self._root = dist.get_global_rank(group, 0) if group is not None else 0
 
-    def _fail(self, what: str, exc: BaseException) -> PublishError:
-        return PublishError(
-            f"rank {self.rank}: the collective step '{what}' failed ({type(exc).__name__}: "
-            f"{exc}); a peer rank died or timed out. Check store.latest() and restart every "
-            "rank with resume=True"
-        )
+    def _call(self, what: str, collective: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        try:
+            collective(*args, group=self.group, **kw)
+        except RuntimeError as exc:
+            raise PublishError(
+                f"rank {self.rank}: the collective step '{what}' failed ({type(exc).__name__}: "
+                f"{exc}); a peer rank died or timed out. Check store.latest() and restart every "
+                "rank with resume=True"
+            ) from exc
 
     def gather(self, obj: T, *, what: str) -> list[T] | None:
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        try:
-            self._dist.gather_object(obj, out, dst=self._root, group=self.group)
-        except RuntimeError as exc:
-            raise self._fail(what, exc) from exc
+        self._call(what, self._dist.gather_object, obj, out, dst=self._root)
         return out
 
     def broadcast(self, obj: T | None, *, what: str) -> T:
         box: list[Any] = [obj if self.rank == 0 else None]
-        try:
-            self._dist.broadcast_object_list(box, src=self._root, group=self.group)
-        except RuntimeError as exc:
-            raise self._fail(what, exc) from exc
+        self._call(what, self._dist.broadcast_object_list, box, src=self._root)
         return box[0]  # type: ignore[no-any-return]
 
     def all_gather(self, obj: T, *, what: str) -> list[T]:
         out: list[Any] = [None] * self.world_size
-        try:
-            self._dist.all_gather_object(out, obj, group=self.group)
-        except RuntimeError as exc:
-            raise self._fail(what, exc) from exc
+        self._call(what, self._dist.all_gather_object, out, obj)
         return out
 
 
 def make_coordinator(process_group: Any = None, *, collective: bool | None = None) -> Coordinator:
-    """The coordinator for a publisher.
-
-    ``collective=None`` (the default) means: collective when a ``process_group`` is given or
-    ``torch.distributed`` is initialised with more than one rank; ``False`` forces the
-    single-process behaviour (e.g. one rank that publishes alone); ``True`` requires a group.
-    """
+    """``collective=None``: collective when a ``process_group`` is given or
+    ``torch.distributed`` is initialised with more than one rank; ``False``: alone (e.g. one
+    rank that publishes alone); ``True``: a group is required."""
     if collective is False:
         return LocalCoordinator()
     try:

@@ -1,11 +1,9 @@
 """The trainer's snapshot: the bytes of the last published state of every tensor.
 
-A :class:`Snapshot` knows every tensor of the model (dtype, shape, size) and *where its bytes can
-be read back* (a :class:`TensorSource`: a byte range of the base checkpoint, or of a full
-version in the store, plus the delta payloads to apply on top, plus the digest the result must
-have). It loads a tensor's bytes on first use. A single-process publisher loads everything at
-``seed()``; in a collective publish each rank only ever loads the tensors it is passed, so a
-rank's memory holds its own share of the model, not the whole model.
+A :class:`Snapshot` knows every tensor of the model (dtype, shape, size) and where its bytes
+can be read back (a :class:`TensorSource`), and loads them on first use. A single-process
+publisher loads everything at ``seed()``; in a collective publish each rank only ever loads
+the tensors it is passed, so a rank's memory holds its own share of the model.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from deltastore.format import PayloadRef
 from deltastore.format.checkpoint import checkpoint_files, read_file_range
 from deltastore.format.safetensors_io import read_header_file
 from deltastore.progress import ProgressMeter
-from deltastore.publish.device import host_bytes
+from deltastore.publish.device import host_bytes, not_a_tensor
 from deltastore.storage import VersionStore
 
 _READ_CHUNK = 64 * 1024**2
@@ -41,11 +39,9 @@ class SnapshotTensor:
 
 @dataclass(frozen=True)
 class TensorSource:
-    """How to read one tensor's bytes back: a starting range, then deltas, then a digest check.
-
-    The start is either ``file`` (a local base checkpoint file) or ``full_version`` + ``shard``
-    (a full version in the store); ``offset`` is the absolute byte offset of the tensor there.
-    """
+    """How to read one tensor's bytes back: a starting range (``offset`` in ``file``, a base
+    checkpoint file, or in ``shard`` of ``full_version`` in the store), then the deltas to
+    apply, then the digest the result must have (None: trusted, e.g. the base)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -57,7 +53,6 @@ class TensorSource:
     deltas: tuple[PayloadRef, ...] = field(default_factory=tuple)
     checksum: str | None = None
     digest: str | None = None
-    """Expected digest of the bytes after the deltas (None: trusted, e.g. the base)."""
 
     def describe(self) -> str:
         start = self.file if self.file is not None else f"weight_v{self.full_version:06d}"
@@ -65,28 +60,12 @@ class TensorSource:
         return f"{start}{chain}"
 
 
-class _TensorView(Mapping[str, SnapshotTensor]):
-    """``snapshot.tensors``: every tensor by name, loading its bytes on access."""
+class Snapshot(Mapping[str, SnapshotTensor]):
+    """Name → :class:`SnapshotTensor` in the base checkpoint's order, loaded on first access
+    (thread-safe). ``store`` is needed only for sources that point into a store."""
 
-    def __init__(self, snapshot: Snapshot) -> None:
-        self._snapshot = snapshot
-
-    def __getitem__(self, name: str) -> SnapshotTensor:
-        return self._snapshot[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._snapshot)
-
-    def __len__(self) -> int:
-        return len(self._snapshot)
-
-
-class Snapshot:
-    """Name → :class:`SnapshotTensor` in the base checkpoint's order, loaded on first access.
-
-    ``store`` is needed only for sources that point into a store (full versions, deltas).
-    Loading is thread-safe.
-    """
+    __eq__ = object.__eq__  # type: ignore[assignment]  # identity, never a load of every tensor
+    __hash__ = object.__hash__  # type: ignore[assignment]
 
     def __init__(self, sources: dict[str, TensorSource], store: VersionStore | None = None) -> None:
         self.sources = sources
@@ -94,7 +73,6 @@ class Snapshot:
         self._loaded: dict[str, ByteArray] = {}
         self._lock = threading.Lock()
 
-    # --------------------------------------------------------------- building
     @classmethod
     def describe_checkpoint(cls, directory: str) -> dict[str, TensorSource]:
         """Sources for every tensor of a safetensors checkpoint directory (headers only)."""
@@ -124,7 +102,6 @@ class Snapshot:
                     snapshot._loaded[name] = buffer[lo:hi]
         return snapshot
 
-    # --------------------------------------------------------------- mapping
     def __contains__(self, name: object) -> bool:
         return name in self.sources
 
@@ -141,7 +118,7 @@ class Snapshot:
     @property
     def tensors(self) -> Mapping[str, SnapshotTensor]:
         """Every tensor by name; accessing one loads its bytes."""
-        return _TensorView(self)
+        return self
 
     @property
     def total_bytes(self) -> int:
@@ -158,7 +135,6 @@ class Snapshot:
         with self._lock:
             return name in self._loaded
 
-    # --------------------------------------------------------------- loading
     def load(self, name: str) -> ByteArray:
         """The tensor's bytes, read (and kept) on first access. Raises like :meth:`peek`."""
         with self._lock:
@@ -302,15 +278,10 @@ def nbytes_of(name: str, tensor: Any) -> int:
     element_size = getattr(tensor, "element_size", None)
     if callable(numel) and callable(element_size):
         return int(numel()) * int(element_size())
-    raise PublishError(
-        f"tensor {name!r} is a {type(tensor).__name__}; pass a torch.Tensor or numpy.ndarray"
-    )
+    raise not_a_tensor(name, tensor)
 
 
-def tensor_bytes(name: str, tensor: Any) -> ByteArray:
-    """The raw little-endian bytes of a tensor/array as 1-D uint8 (contiguous first; device
-    tensors are copied to the host)."""
-    return host_bytes(name, tensor)
+tensor_bytes = host_bytes
 
 
 def check_layout(name: str, tensor: Any, nbytes: int, base: TensorSource) -> None:
