@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from deltastore.codecs import get_checksum, get_encoding
+from deltastore.codecs import Checksum, Encoding, get_checksum, get_encoding
 from deltastore.errors import ConfigError
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
@@ -102,3 +102,14 @@ class PublisherConfig:
                 f"unknown DeltaPublisher setting(s) {unknown}; known: {sorted(known)}"
             )
         return dataclasses.replace(config or cls(), **settings)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A publisher's fixed settings: its config, the codecs it names and its base checkpoint
+    (named in the error for a tensor the base lacks)."""
+
+    config: PublisherConfig
+    encoding: Encoding
+    checksum: Checksum
+    base_checkpoint: str

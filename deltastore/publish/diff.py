@@ -9,23 +9,23 @@ taken from the front of a queue, so no step scans the tensors already submitted.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from deltastore.codecs import ByteArray, Checksum, Encoding, XorChanges, itemsize_of_dtype
+from deltastore.codecs import ByteArray, XorChanges, itemsize_of_dtype
 from deltastore.errors import PublishError
 from deltastore.progress import ProgressCallback, ProgressMeter
-from deltastore.publish.config import PublisherConfig
+from deltastore.publish.config import Settings
 from deltastore.publish.device import HostStager, Staged, StagerStats
-from deltastore.publish.messages import DiffReport, TensorChange, describe
-from deltastore.publish.snapshot import Snapshot, TensorSource, check_layout, nbytes_of
+from deltastore.publish.messages import DiffReport, StreamState, TensorChange, describe
+from deltastore.publish.rank_state import RankSnapshot
+from deltastore.publish.snapshot import Snapshot, check_layout, nbytes_of
 from deltastore.publish.spool import Encoded, PayloadSpool
 
 NamedTensors = Iterable[tuple[str, Any]] | Mapping[str, Any]
@@ -41,17 +41,6 @@ class DiffResult:
     passed: dict[str, Encoded | None] = field(default_factory=dict)
     """Every passed name; None where unchanged."""
     staging: StagerStats | None = None
-
-
-@dataclass(frozen=True)
-class DiffSettings:
-    """What the pipeline needs besides the tensors (one publisher's fixed settings);
-    ``base_checkpoint`` is named in the error for a tensor the base lacks."""
-
-    config: PublisherConfig
-    encoding: Encoding
-    checksum: Checksum
-    base_checkpoint: str
 
 
 def report_of(
@@ -137,27 +126,74 @@ def word_changes(old: ByteArray, new: ByteArray, changed_bytes: int) -> XorChang
     return XorChanges(positions, old_words[positions] ^ new_words[positions])
 
 
-class _EncodeWindow:
-    """The encodes of one diff: the open batch, at most ``2 * workers`` submitted batches in
-    flight (the producer waits on the oldest), and their results taken from the front."""
+class _Diff:
+    """One rank's diff in flight: the open batch, at most ``2 * workers`` submitted batches
+    (the producer waits on the oldest), and their results taken from the front."""
 
     def __init__(
         self,
-        executor: cf.Executor,
-        settings: DiffSettings,
+        held: RankSnapshot,
+        stream: StreamState,
+        settings: Settings,
         spool: PayloadSpool,
         metrics: dict[str, float],
     ) -> None:
-        self.executor = executor
-        self.settings = settings
-        self.spool = spool
-        self.metrics = metrics
-        self.batch_limit = min(BATCH_BYTES, settings.config.max_inflight_bytes // 2)
+        config = settings.config
+        self.held, self.stream, self.settings = held, stream, settings
+        self.spool, self.metrics = spool, metrics
+        self.stager = HostStager(
+            config.max_inflight_bytes,
+            pin_memory=config.pin_memory,
+            stage_host_tensors=config.stage_host_tensors,
+        )
+        self.executor = held.pool()
+        self.batch_limit = min(BATCH_BYTES, config.max_inflight_bytes // 2)
+        self.window = 2 * config.threads
         self.result = DiffResult()
         self.lock = threading.Lock()
         self.pending: deque[cf.Future[list[tuple[str, Encoded | None]]]] = deque()
         self.batch: list[_Item] = []
         self.batch_bytes = 0
+        self.seen: set[str] = set()
+
+    def take(self, name: str, tensor: Any) -> None:
+        """Check, load and stage one tensor into the open batch (``load_s``, ``copy_s``)."""
+        nbytes, itemsize = self._check(name, tensor)
+        charge = self.stager.charge_for(tensor, nbytes)
+        # The open batch holds budget nobody releases: it must leave room for this tensor, or
+        # staging it would wait forever.
+        if self.batch and self.batch_bytes + charge > self.batch_limit:
+            self.submit()
+        stats = self.stager.stats
+        begun = time.perf_counter()
+        old = self.held.old_bytes(name, self.stream)
+        loaded = time.perf_counter()
+        waited = stats.budget_wait_s
+        staged = self.stager.stage(name, tensor)
+        self.metrics["load_s"] += loaded - begun
+        # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
+        self.metrics["copy_s"] += time.perf_counter() - loaded - (stats.budget_wait_s - waited)
+        self.batch.append(_Item(name, old, staged, itemsize))
+        self.batch_bytes += charge
+        if self.batch_bytes >= self.batch_limit or len(self.batch) >= BATCH_TENSORS:
+            self.submit()
+
+    def _check(self, name: str, tensor: Any) -> tuple[int, int]:
+        """Refuse a tensor passed twice, unknown to the base, or of another layout; else its
+        size and the element size of its dtype in the base checkpoint's header."""
+        if name in self.seen:
+            raise PublishError(f"tensor {name!r} was passed twice in one publish")
+        self.seen.add(name)
+        source = self.held.snapshot.sources.get(name)
+        if source is None:
+            raise PublishError(
+                f"tensor {name!r} is not in the base checkpoint {self.settings.base_checkpoint}; "
+                "a delta cannot add tensors"
+            )
+        nbytes = nbytes_of(name, tensor)
+        check_layout(name, tensor, nbytes, source)
+        self.settings.encoding.check_size(nbytes, tensor=name)
+        return nbytes, itemsize_of_dtype(source.dtype)
 
     def encode(self, batch: list[_Item]) -> list[tuple[str, Encoded | None]]:
         """Worker: encode a batch of staged tensors with one encoding call (see
@@ -187,24 +223,10 @@ class _EncodeWindow:
                 self.metrics["encode_s"] += time.perf_counter() - begun
         return results
 
-    def make_room(self, charge: int) -> None:
-        """Submit the open batch if ``charge`` more bytes would overflow it: the unsubmitted
-        batch holds budget nobody releases, so it must leave room for the next tensor, or
-        staging it would wait forever."""
-        if self.batch and self.batch_bytes + charge > self.batch_limit:
-            self.submit()
-
-    def add(self, item: _Item, charge: int) -> None:
-        self.batch.append(item)
-        self.batch_bytes += charge
-        if self.batch_bytes >= self.batch_limit or len(self.batch) >= BATCH_TENSORS:
-            self.submit()
-
     def submit(self) -> None:
         self.pending.append(self.executor.submit(self.encode, self.batch))
         self.batch, self.batch_bytes = [], 0
-        window = 2 * self.settings.config.threads
-        while self.pending and (len(self.pending) > window or self.pending[0].done()):
+        while self.pending and (len(self.pending) > self.window or self.pending[0].done()):
             self._take_oldest()
 
     def finish(self) -> DiffResult:
@@ -213,10 +235,11 @@ class _EncodeWindow:
             self.submit()
         while self.pending:
             self._take_oldest()
+        self.result.staging = self.stager.stats
         return self.result
 
     def abandon(self) -> None:
-        """Release the open batch, cancel what has not started and wait for what has (a kept
+        """Release the open batch, cancel what has not started and wait for what has (the kept
         pool is not shut down: its running encodes end here)."""
         for item in self.batch:
             item.staged.release()
@@ -233,94 +256,30 @@ class _EncodeWindow:
 
 def diff_tensors(
     named_tensors: NamedTensors,
-    sources: Mapping[str, TensorSource],
-    old_bytes: Callable[[str], ByteArray],
-    settings: DiffSettings,
+    held: RankSnapshot,
+    stream: StreamState,
+    settings: Settings,
     spool: PayloadSpool,
     metrics: dict[str, float],
-    pool: cf.Executor | None = None,
 ) -> DiffResult:
-    """Diff every passed tensor against ``old_bytes(name)`` (the snapshot).
+    """Diff every passed tensor against ``held``'s snapshot, in its kept threads.
 
-    The encodes run in ``pool`` (the publisher's kept threads; None: a pool of ``workers``
-    threads for this call). Host copies are staged under the in-flight byte budget and at most
-    ``2 * workers`` encodes are pending, so a slow pool holds the producer back. Adds
-    ``load_s``, ``copy_s``, ``encode_s`` and ``diff_s`` to ``metrics``. Raises
-    :class:`PublishError` naming a tensor passed twice, unknown to the base, or of another
-    size, dtype or shape.
+    Host copies are staged under the in-flight byte budget and at most ``2 * workers`` encodes
+    are pending, so a slow pool holds the producer back. Adds ``load_s``, ``copy_s``,
+    ``encode_s`` and ``diff_s`` to ``metrics``. Raises :class:`PublishError` naming a tensor
+    passed twice, unknown to the base, or of another size, dtype or shape.
     """
-    config = settings.config
-    stager = HostStager(
-        config.max_inflight_bytes,
-        pin_memory=config.pin_memory,
-        stage_host_tensors=config.stage_host_tensors,
-    )
-    seen: set[str] = set()
     started = time.perf_counter()
-    # A kept pool (the publisher's) outlives this call; one made here is shut down after it.
-    with (
-        contextlib.nullcontext(pool)
-        if pool is not None
-        else cf.ThreadPoolExecutor(config.threads, thread_name_prefix="deltastore-encode")
-    ) as executor:
-        window = _EncodeWindow(executor, settings, spool, metrics)
-        try:
-            for name, tensor in named_pairs(named_tensors):
-                nbytes, itemsize = _check_tensor(name, tensor, sources, seen, settings)
-                charge = stager.charge_for(tensor, nbytes)
-                window.make_room(charge)
-                old, staged = _load_and_stage(name, tensor, old_bytes, stager, metrics)
-                window.add(_Item(name, old, staged, itemsize), charge)
-            result = window.finish()
-        except BaseException:
-            window.abandon()
-            raise
-        finally:
-            stager.close()
-    result.staging = stager.stats
-    metrics["copy_s"] += stager.stats.copy_wait_s
+    diff = _Diff(held, stream, settings, spool, metrics)
+    try:
+        for name, tensor in named_pairs(named_tensors):
+            diff.take(name, tensor)
+        result = diff.finish()
+    except BaseException:
+        diff.abandon()
+        raise
+    finally:
+        diff.stager.close()
+    metrics["copy_s"] += diff.stager.stats.copy_wait_s
     metrics["diff_s"] = time.perf_counter() - started
     return result
-
-
-def _load_and_stage(
-    name: str,
-    tensor: Any,
-    old_bytes: Callable[[str], ByteArray],
-    stager: HostStager,
-    metrics: dict[str, float],
-) -> tuple[ByteArray, Staged]:
-    """The snapshot's bytes and a staged host copy of ``tensor`` (``load_s``, ``copy_s``)."""
-    begun = time.perf_counter()
-    old = old_bytes(name)
-    loaded = time.perf_counter()
-    waited = stager.stats.budget_wait_s
-    staged = stager.stage(name, tensor)
-    metrics["load_s"] += loaded - begun
-    # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
-    metrics["copy_s"] += time.perf_counter() - loaded - (stager.stats.budget_wait_s - waited)
-    return old, staged
-
-
-def _check_tensor(
-    name: str,
-    tensor: Any,
-    sources: Mapping[str, TensorSource],
-    seen: set[str],
-    settings: DiffSettings,
-) -> tuple[int, int]:
-    """Refuse a tensor passed twice, unknown to the base, or of another layout; else its size
-    and the element size (bytes) of its dtype in the base checkpoint's header."""
-    if name in seen:
-        raise PublishError(f"tensor {name!r} was passed twice in one publish")
-    seen.add(name)
-    source = sources.get(name)
-    if source is None:
-        raise PublishError(
-            f"tensor {name!r} is not in the base checkpoint {settings.base_checkpoint}; a "
-            "delta cannot add tensors"
-        )
-    nbytes = nbytes_of(name, tensor)
-    check_layout(name, tensor, nbytes, source)
-    settings.encoding.check_size(nbytes, tensor=name)
-    return nbytes, itemsize_of_dtype(source.dtype)

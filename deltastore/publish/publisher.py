@@ -30,17 +30,10 @@ from deltastore.errors import ConfigError, PublishError, SnapshotError
 from deltastore.gc_pause import gc_paused
 from deltastore.progress import ProgressCallback
 from deltastore.publish import commit as commit_protocol
-from deltastore.publish.config import PublisherConfig
+from deltastore.publish.config import PublisherConfig, Settings
 from deltastore.publish.coordination import Coordinator, make_coordinator
 from deltastore.publish.device import StagerStats
-from deltastore.publish.diff import (
-    DiffResult,
-    DiffSettings,
-    NamedTensors,
-    counted,
-    diff_tensors,
-    report_of,
-)
+from deltastore.publish.diff import DiffResult, NamedTensors, counted, diff_tensors, report_of
 from deltastore.publish.messages import (
     METRIC_KEYS,
     SECONDS_KEYS,
@@ -60,7 +53,7 @@ from deltastore.publish.messages import (
 )
 from deltastore.publish.planning import plan_layout
 from deltastore.publish.rank_state import RankSnapshot, seed_rank
-from deltastore.publish.shards import ShardWriter, write_meter
+from deltastore.publish.shards import ShardWriter
 from deltastore.publish.snapshot import Snapshot
 from deltastore.publish.spool import PayloadSpool
 from deltastore.storage import VersionStore
@@ -135,9 +128,7 @@ class DeltaPublisher:
         self.world_size = self.coordinator.world_size
         preload = self.config.preload
         self.preload = self.world_size == 1 if preload is None else preload
-        self._diff_settings = DiffSettings(
-            self.config, self.encoding, self.checksum, self.base_checkpoint
-        )
+        self._settings = Settings(self.config, self.encoding, self.checksum, self.base_checkpoint)
         self._signing_key: SigningKey | None = None
         if self.config.signing_key is not None and self.rank == 0:
             self._signing_key = as_signing_key(self.config.signing_key)
@@ -270,16 +261,14 @@ class DeltaPublisher:
         raise failure.error() from local_error
 
     def _diff_phase(self, step: _Step, named_tensors: NamedTensors) -> BaseException | None:
-        held, stream = step.held, step.stream
         try:
             step.diff = diff_tensors(
-                counted(named_tensors, held.snapshot, step.progress),
-                held.snapshot.sources,
-                lambda name: held.old_bytes(name, stream),
-                self._diff_settings,
+                counted(named_tensors, step.held.snapshot, step.progress),
+                step.held,
+                step.stream,
+                self._settings,
                 step.spool,
                 step.metrics,
-                held.pool(),
             )
         except Exception as exc:
             return exc
@@ -318,24 +307,20 @@ class DeltaPublisher:
         return Plan(failure=None, version=slot.version, token=slot.token, layout=layout)
 
     def _write_phase(self, step: _Step) -> tuple[Written, BaseException | None]:
-        plan, slot, encoded = step.plan, step.slot, step.diff.encoded
-        assert slot is not None and plan.layout is not None
+        layout, slot = step.plan.layout, step.slot
+        assert slot is not None and layout is not None
         begun = time.perf_counter()
-        jobs, full = plan.layout.shards[self.rank], plan.layout.full
         try:
-            sources = step.held.snapshot.sources
-            meter = write_meter(step.progress, jobs, full, encoded, sources)
             writer = ShardWriter(
                 slot.open_write,
-                encoded,
+                step.diff.encoded,
                 step.spool,
-                self.encoding,
-                self.checksum,
-                self.config.threads,
-                meter,
+                self._settings,
+                step.held,
+                step.stream,
             )
             entries, wire, facts = writer.write_all(
-                jobs, full=full, held=step.held, stream=step.stream
+                layout.shards[self.rank], full=layout.full, progress=step.progress
             )
         except Exception as exc:
             return Written(self.rank, describe(exc)), exc
@@ -388,9 +373,8 @@ class DeltaPublisher:
                 outcome.entries,
                 step.diff.encoded,
                 step.spool,
-                encoding=self.encoding,
-                version=step.plan.version,
-                checksum=self.checksum.name,
+                step.plan.version,
+                self._settings,
             )
         except Exception as exc:
             return exc

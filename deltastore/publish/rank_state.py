@@ -27,7 +27,7 @@ from deltastore.errors import (
     UnsignedVersionWarning,
 )
 from deltastore.progress import ProgressCallback, ProgressMeter
-from deltastore.publish.config import PublisherConfig
+from deltastore.publish.config import PublisherConfig, Settings
 from deltastore.publish.coordination import Coordinator
 from deltastore.publish.lineage import Lineage, Overlay, apply_lineage, rebuild_lineage
 from deltastore.publish.messages import Layout, Placement, StreamState, describe
@@ -107,10 +107,8 @@ class RankSnapshot:
         entries: dict[str, Placement],
         encoded: dict[str, Encoded],
         spool: PayloadSpool,
-        *,
-        encoding: Encoding,
         version: int,
-        checksum: str,
+        settings: Settings,
     ) -> None:
         """Move the snapshot to the committed ``version`` (call only after the commit).
 
@@ -118,7 +116,7 @@ class RankSnapshot:
         one. Tensors another rank changed are forgotten; after a full version every tensor is
         read back from it.
         """
-        self._apply_all(list(encoded.values()), encoding, spool)
+        self._apply_all(list(encoded.values()), settings.encoding, spool)
         for name in layout.changed:
             if name not in encoded:
                 self.snapshot.evict(name)
@@ -126,6 +124,7 @@ class RankSnapshot:
         if not layout.full:
             return
         for name, placed in entries.items():
+            checksum = settings.checksum.name
             overlay = Overlay(version, placed.shard, placed.start, (), checksum, placed.digest)
             self.snapshot.set_source(name, overlay.on(self.base_sources[name]), keep_loaded=True)
         self.moved.clear()
