@@ -79,7 +79,7 @@ def commit_version(
     reason = f"committing weight_v{version:06d} to {url} failed on rank 0"
     try:
         entries = check_written(plan.layout, writes, sizes, version)
-        totals = version_totals(plan.layout, writes, stream, sum(sizes.values()))
+        totals = version_totals(plan.layout, writes, stream, sum(sizes.values()), version)
         index = build_index(
             version,
             plan.token,

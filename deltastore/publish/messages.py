@@ -191,23 +191,12 @@ class Written:
 
 
 @dataclass(frozen=True)
-class Totals:
-    """Global totals of a committed version (``base_version`` None for a full one)."""
-
-    total_bytes: int
-    changed_bytes: int
-    wire_bytes: int
-    tensors_changed: int
-    base_version: int | None
-
-
-@dataclass(frozen=True)
 class Outcome:
     """Rank 0 → every rank: committed (with where each tensor landed) or not."""
 
     failure: Failure | None
     entries: dict[str, Placement] = field(default_factory=dict)
-    totals: Totals | None = None
+    result: PublishResult | None = None
 
 
 @dataclass(frozen=True)
@@ -238,19 +227,6 @@ class PublishResult:
     def density(self) -> float:
         """Share of the model's bytes that changed (0.0 to 1.0)."""
         return self.changed_bytes / self.total_bytes if self.total_bytes else 0.0
-
-
-def result_of(plan: Plan, totals: Totals) -> PublishResult:
-    assert plan.layout is not None
-    return PublishResult(
-        plan.version,
-        "full" if plan.layout.full else "delta",
-        totals.base_version,
-        totals.tensors_changed,
-        totals.changed_bytes,
-        totals.total_bytes,
-        totals.wire_bytes,
-    )
 
 
 def record(

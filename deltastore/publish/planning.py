@@ -18,10 +18,10 @@ from deltastore.publish.messages import (
     Failure,
     Layout,
     Placement,
+    PublishResult,
     ShardJob,
     StreamState,
     TensorChange,
-    Totals,
     Written,
     rank_errors,
 )
@@ -223,15 +223,17 @@ def check_written(
 
 
 def version_totals(
-    layout: Layout, writes: Sequence[Written], stream: StreamState, total_bytes: int
-) -> Totals:
+    layout: Layout, writes: Sequence[Written], stream: StreamState, total_bytes: int, version: int
+) -> PublishResult:
     """The global totals of the version ``layout`` describes."""
-    return Totals(
-        total_bytes=total_bytes,
-        changed_bytes=sum(layout.changed.values()),
-        wire_bytes=sum(w.wire for w in writes),
-        tensors_changed=len(layout.changed),
+    return PublishResult(
+        version=version,
+        kind="full" if layout.full else "delta",
         base_version=None if layout.full else stream.base_version,
+        tensors_changed=len(layout.changed),
+        changed_bytes=sum(layout.changed.values()),
+        total_bytes=total_bytes,
+        wire_bytes=sum(w.wire for w in writes),
     )
 
 
@@ -240,7 +242,7 @@ def build_index(
     token: str,
     layout: Layout,
     entries: Mapping[str, Placement],
-    totals: Totals,
+    totals: PublishResult,
     stream: StreamState,
     *,
     encoding: str,

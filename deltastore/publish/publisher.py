@@ -48,7 +48,6 @@ from deltastore.publish.messages import (
     after_commit_error,
     describe,
     record,
-    result_of,
     warn_if_dense,
 )
 from deltastore.publish.planning import plan_layout
@@ -219,17 +218,16 @@ class DeltaPublisher:
                 self.stream = step.stream.aborted()
             self._raise_failure(outcome.failure, local_error)
             advance_error = self._advance_phase(step, outcome)
-        plan, metrics = step.plan, step.metrics
-        assert plan.layout is not None and outcome.totals is not None and step.slot is not None
+        plan, metrics, result = step.plan, step.metrics, outcome.result
+        assert plan.layout is not None and result is not None and step.slot is not None
         self.stream = step.stream.committed(
             plan.version,
             full=plan.layout.full,
-            wire_bytes=outcome.totals.wire_bytes,
+            wire_bytes=result.wire_bytes,
             owner=plan.layout.owner,
         )
         hook_error = commit_protocol.run_post_write(step.slot, self._post_write, self.rank, metrics)
         metrics["publish_s"] = time.perf_counter() - started
-        result = result_of(plan, outcome.totals)
         finals = self._finish_phase(plan.version, advance_error, hook_error, metrics)
         self._metrics = record(metrics, result, tensors=len(self._sizes), world=self.world_size)
         if not self._warned_density:

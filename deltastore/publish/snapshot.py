@@ -88,18 +88,16 @@ class Snapshot(Mapping[str, SnapshotTensor]):
         return sources
 
     @classmethod
-    def from_checkpoint(cls, directory: str, *, lazy: bool = False) -> Snapshot:
-        """The tensors of a safetensors checkpoint directory; read now (one read per file)
-        unless ``lazy``."""
+    def from_checkpoint(cls, directory: str) -> Snapshot:
+        """The tensors of a safetensors checkpoint directory, read now (one read per file)."""
         snapshot = cls(cls.describe_checkpoint(directory))
-        if not lazy:
-            for path in checkpoint_files(directory):
-                header = read_header_file(path)
-                length = header.data_length or 0
-                buffer = read_file_range(path, header.data_start, length, what="its tensor data")
-                for name, entry in header.tensors.items():
-                    lo, hi = entry.start - header.data_start, entry.end - header.data_start
-                    snapshot._loaded[name] = buffer[lo:hi]
+        for path in checkpoint_files(directory):
+            header = read_header_file(path)
+            length = header.data_length or 0
+            buffer = read_file_range(path, header.data_start, length, what="its tensor data")
+            for name, entry in header.tensors.items():
+                lo, hi = entry.start - header.data_start, entry.end - header.data_start
+                snapshot._loaded[name] = buffer[lo:hi]
         return snapshot
 
     def __contains__(self, name: object) -> bool:
@@ -177,11 +175,8 @@ class Snapshot(Mapping[str, SnapshotTensor]):
             list(pool.map(load, list(self.sources)))
 
     def read(self, name: str) -> ByteArray:
-        """Read a tensor from its source, apply its deltas and check its digest.
-
-        Raises :class:`IntegrityError` when the result does not match the recorded digest,
-        :class:`PublishError` when a store-backed source has no store.
-        """
+        """Read a tensor from its source and apply its deltas; :class:`IntegrityError` when the
+        result does not match the recorded digest."""
         source = self.sources[name]
         if source.file is not None:
             data = read_file_range(
