@@ -46,6 +46,14 @@ METRIC_KEYS = (
 )
 """Keys of ``DeltaPublisher.pop_metrics``; docs/publishing.md gives each one's unit."""
 SECONDS_KEYS = tuple(k for k in METRIC_KEYS if k.endswith("_s"))
+RESULT_KEYS = (
+    "version",
+    "density",
+    "changed_bytes",
+    "total_bytes",
+    "wire_bytes",
+    "tensors_changed",
+)
 HIGH_DENSITY = 0.20
 """Above this share of changed bytes a version is far denser than an RL step makes."""
 
@@ -56,20 +64,16 @@ class StreamState:
     decided at seed, replaced by :meth:`committed` after each commit and changed nowhere else."""
 
     stream_id: str
-    base_version: int
-    """Version the next delta builds on (0: the base checkpoint)."""
+    base_version: int  # the next delta builds on it (0: the base checkpoint)
     next_version: int
-    walk_from_base: bool = True
-    """A tensor can be rebuilt from the base + chain (False after ``continue_latest``)."""
+    walk_from_base: bool = True  # a tensor can be rebuilt from base + chain (not after continue)
     resumed: bool = False
     """Claims left by a crashed writer (or this one's aborted attempt) may be skipped: seeded
     onto a store with versions, or a claimed version was aborted, and nothing committed
     since."""
-    chain_deltas: int = 0
-    """Deltas since the last full version (or the stream's start), and their wire bytes."""
-    chain_wire: int = 0
-    holders: dict[str, int] = field(default_factory=dict)
-    """Rank 0: the rank that last published each tensor (it holds the tensor's state)."""
+    chain_deltas: int = 0  # deltas since the last full version (or the stream's start) ...
+    chain_wire: int = 0  # ... and their wire bytes
+    holders: dict[str, int] = field(default_factory=dict)  # rank 0: who last published each
 
     def aborted(self) -> StreamState:
         """Nothing advanced, but the aborted version may now carry a tombstone (it took its
@@ -98,8 +102,7 @@ class Failure:
     message: str
     kind: str = "publish"
     """``publish``: nothing was committed (``PublishError``); ``conflict``: another writer
-    holds the version (``VersionConflictError``); ``uncertain``: the commit may have landed
-    (``SnapshotError``)."""
+    holds the version (``VersionConflictError``); ``uncertain``: it may have landed."""
 
     def error(self) -> DeltastoreError:
         if self.kind == "conflict":
@@ -145,12 +148,9 @@ class Layout:
     """Rank 0's decision before the claim: the kind of version and who writes what."""
 
     full: bool
-    shards: tuple[tuple[ShardJob, ...], ...]
-    """Per rank, the shards that rank writes."""
-    changed: dict[str, int]
-    """Name → changed bytes of every changed tensor (one copy of each replica)."""
-    owner: dict[str, int]
-    """Name → the rank whose copy is published (the lowest rank passing it)."""
+    shards: tuple[tuple[ShardJob, ...], ...]  # per rank, the shards that rank writes
+    changed: dict[str, int]  # name -> changed bytes of every changed tensor (one per replica)
+    owner: dict[str, int]  # name -> the rank whose copy is published (the lowest passing it)
 
 
 @dataclass(frozen=True)
@@ -214,14 +214,12 @@ class PublishResult:
     """What one ``DeltaPublisher.publish`` call committed (global totals across ranks)."""
 
     version: int
-    kind: str
-    """``delta`` or ``full``."""
+    kind: str  # "delta" or "full"
     base_version: int | None
     tensors_changed: int
     changed_bytes: int
     total_bytes: int
-    wire_bytes: int
-    """Bytes of shard files written for this version."""
+    wire_bytes: int  # bytes of shard files written for this version
 
     @property
     def density(self) -> float:
@@ -233,17 +231,8 @@ def record(
     metrics: dict[str, float], result: PublishResult, *, tensors: int, world: int
 ) -> dict[str, float]:
     """``metrics`` (the phase timings) completed with the result's figures."""
-    metrics.update(
-        version=result.version,
-        full=1.0 if result.kind == "full" else 0.0,
-        density=result.density,
-        changed_bytes=result.changed_bytes,
-        total_bytes=result.total_bytes,
-        wire_bytes=result.wire_bytes,
-        tensors_changed=result.tensors_changed,
-        tensors=tensors,
-        world_size=world,
-    )
+    metrics.update({key: getattr(result, key) for key in RESULT_KEYS})
+    metrics.update(full=1.0 if result.kind == "full" else 0.0, tensors=tensors, world_size=world)
     return metrics
 
 

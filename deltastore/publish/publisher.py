@@ -217,7 +217,11 @@ class DeltaPublisher:
             if outcome.failure is not None:
                 self.stream = step.stream.aborted()
             self._raise_failure(outcome.failure, local_error)
-            advance_error = self._advance_phase(step, outcome)
+            advance_error: BaseException | None = None
+            try:
+                step.held.advance(step.plan, outcome, step.diff.encoded, spool, self._settings)
+            except Exception as exc:
+                advance_error = exc
         plan, metrics, result = step.plan, step.metrics, outcome.result
         assert plan.layout is not None and result is not None and step.slot is not None
         self.stream = step.stream.committed(
@@ -363,21 +367,6 @@ class DeltaPublisher:
             )
         return self._base_record
 
-    def _advance_phase(self, step: _Step, outcome: Outcome) -> BaseException | None:
-        assert step.plan.layout is not None
-        try:
-            step.held.advance(
-                step.plan.layout,
-                outcome.entries,
-                step.diff.encoded,
-                step.spool,
-                step.plan.version,
-                self._settings,
-            )
-        except Exception as exc:
-            return exc
-        return None
-
     def _finish_phase(
         self,
         version: int,
@@ -385,12 +374,8 @@ class DeltaPublisher:
         hook_error: BaseException | None,
         metrics: dict[str, float],
     ) -> list[Final]:
-        final = Final(
-            self.rank,
-            describe(advance_error),
-            describe(hook_error),
-            {k: metrics[k] for k in SECONDS_KEYS},
-        )
+        seconds = {k: metrics[k] for k in SECONDS_KEYS}
+        final = Final(self.rank, describe(advance_error), describe(hook_error), seconds)
         try:
             finals = self.coordinator.all_gather(final, what=f"finish weight_v{version:06d}")
         except PublishError as exc:

@@ -30,7 +30,7 @@ from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.publish.config import PublisherConfig, Settings
 from deltastore.publish.coordination import Coordinator
 from deltastore.publish.lineage import Lineage, Overlay, apply_lineage, rebuild_lineage
-from deltastore.publish.messages import Layout, Placement, StreamState, describe
+from deltastore.publish.messages import Outcome, Plan, StreamState, describe
 from deltastore.publish.snapshot import Snapshot, TensorSource
 from deltastore.publish.spool import Encoded, PayloadSpool, apply_payload
 from deltastore.storage import VersionStore, new_token
@@ -47,8 +47,8 @@ a few short numpy calls, and two threads trading the GIL between them take longe
 
 
 class RankSnapshot:
-    """A rank's snapshot plus the bookkeeping that keeps it true across ranks: ``base_sources``
-    describe the base checkpoint (version 0), ``store`` is where the chain is re-read from."""
+    """A rank's snapshot, the base checkpoint's sources and the store to re-read the chain
+    from, and which tensors another rank has moved on since this rank held them."""
 
     def __init__(
         self,
@@ -63,7 +63,6 @@ class RankSnapshot:
         self.store = store
         self.workers = workers
         self.moved: set[str] = set()
-        """Tensors changed by another rank since this rank's snapshot of them."""
         self._pool: tuple[int, cf.ThreadPoolExecutor] | None = None
 
     def pool(self) -> cf.ThreadPoolExecutor:
@@ -80,15 +79,11 @@ class RankSnapshot:
         return self._pool[1]
 
     def old_bytes(self, name: str, stream: StreamState, *, keep: bool = True) -> ByteArray:
-        """The snapshot's bytes of ``name`` (kept loaded unless ``keep=False``)."""
         self.refresh(name, stream)
         return self.snapshot.load(name) if keep else self.snapshot.peek(name)
 
     def refresh(self, name: str, stream: StreamState) -> None:
-        """Point a tensor another rank changed since this rank held it at the store's chain.
-
-        Raises :class:`PublishError` when the stream cannot be walked from its base.
-        """
+        """Point a tensor another rank changed since this rank held it at the store's chain."""
         if name not in self.moved or self.snapshot.is_loaded(name):
             return
         if not stream.walk_from_base:
@@ -103,19 +98,17 @@ class RankSnapshot:
 
     def advance(
         self,
-        layout: Layout,
-        entries: dict[str, Placement],
+        plan: Plan,
+        outcome: Outcome,
         encoded: dict[str, Encoded],
         spool: PayloadSpool,
-        version: int,
         settings: Settings,
     ) -> None:
-        """Move the snapshot to the committed ``version`` (call only after the commit).
-
-        Replicas this rank diffed but did not write advance too: their state is the committed
-        one. Tensors another rank changed are forgotten; after a full version every tensor is
-        read back from it.
-        """
+        """Move the snapshot to the committed version: replicas this rank diffed but did not
+        write advance too; tensors another rank changed are forgotten; after a full version
+        every tensor is read back from it."""
+        layout = plan.layout
+        assert layout is not None
         self._apply_all(list(encoded.values()), settings.encoding, spool)
         for name in layout.changed:
             if name not in encoded:
@@ -123,15 +116,15 @@ class RankSnapshot:
                 self.moved.add(name)
         if not layout.full:
             return
-        for name, placed in entries.items():
+        for name, placed in outcome.entries.items():
             checksum = settings.checksum.name
-            overlay = Overlay(version, placed.shard, placed.start, (), checksum, placed.digest)
+            overlay = Overlay(plan.version, placed.shard, placed.start, (), checksum, placed.digest)
             self.snapshot.set_source(name, overlay.on(self.base_sources[name]), keep_loaded=True)
         self.moved.clear()
 
     def _apply_all(self, entries: list[Encoded], encoding: Encoding, spool: PayloadSpool) -> None:
-        """Apply every change to the snapshot, split over ``workers`` threads (decompression
-        and the XOR of large tensors release the GIL, so the threads share the work)."""
+        """Apply every change, split over ``workers`` threads (decompression and the XOR of
+        large tensors release the GIL)."""
 
         def apply(batch: list[Encoded]) -> None:
             for entry in batch:
@@ -161,16 +154,8 @@ class SeedDecision:
     lineage: Lineage | None = None
 
 
-def layout_fingerprint(sources: dict[str, TensorSource]) -> str:
-    """A digest of every tensor's name, dtype, shape and size (what ranks must agree on)."""
-    digest = hashlib.sha256()
-    for name, s in sources.items():
-        digest.update(f"{name}\0{s.dtype}\0{s.shape}\0{s.nbytes}\n".encode())
-    return digest.hexdigest()
-
-
 def read_bases(base_checkpoint: str, coord: Coordinator) -> dict[str, TensorSource]:
-    """Every rank's base checkpoint, described and compared; :class:`ConfigError` (on every
+    """Every rank's base checkpoint, described and compared; :class:`ConfigError` (every
     rank) naming the ranks that cannot read theirs or hold a different one."""
     sources: dict[str, TensorSource] = {}
     read_error: BaseException | None = None
@@ -178,10 +163,13 @@ def read_bases(base_checkpoint: str, coord: Coordinator) -> dict[str, TensorSour
         sources = Snapshot.describe_checkpoint(base_checkpoint)
     except Exception as exc:
         read_error = exc
+    fingerprint = hashlib.sha256()  # of what ranks must agree on
+    for name, s in sources.items():
+        fingerprint.update(f"{name}\0{s.dtype}\0{s.shape}\0{s.nbytes}\n".encode())
     # Exchanged even on failure, so a rank that cannot read its base reports it through the
     # collective instead of leaving its peers waiting in it.
     gathered = coord.all_gather(
-        (describe(read_error), layout_fingerprint(sources)), what="seed: compare bases"
+        (describe(read_error), fingerprint.hexdigest()), what="seed: compare bases"
     )
     unreadable = [f"rank {r}: {error}" for r, (error, _) in enumerate(gathered) if error]
     if unreadable:
@@ -215,28 +203,23 @@ def decide_seed(
             f"{store.url} already holds versions up to weight_v{latest:06d}; pass "
             "resume=True to continue that stream or new_stream=True to start a new one"
         )
+    lineage = None
     if resume and latest and not new_stream:
         lineage = rebuild_lineage(store, latest, sources)
         stream = StreamState(
-            stream_id=lineage.stream_id or new_token(),
-            base_version=latest,
-            next_version=latest + 1,
+            lineage.stream_id or new_token(),
+            latest,
+            latest + 1,
             resumed=True,
             chain_deltas=lineage.deltas,
             chain_wire=lineage.wire_bytes,
         )
-        return SeedDecision(error=None, stream=stream, lineage=lineage)
-    if continue_latest and latest:
-        stream = StreamState(
-            stream_id=store.index(latest).stream_id or new_token(),
-            base_version=latest,
-            next_version=latest + 1,
-            walk_from_base=False,
-            resumed=True,
-        )
-        return SeedDecision(error=None, stream=stream)
-    stream = StreamState(new_token(), base_version=0, next_version=latest + 1, resumed=explicit)
-    return SeedDecision(error=None, stream=stream)
+    elif continue_latest and latest:
+        stream_id = store.index(latest).stream_id or new_token()
+        stream = StreamState(stream_id, latest, latest + 1, walk_from_base=False, resumed=True)
+    else:
+        stream = StreamState(new_token(), 0, latest + 1, resumed=explicit)
+    return SeedDecision(None, stream, lineage)
 
 
 def check_signing(store: VersionStore, config: PublisherConfig) -> None:
@@ -257,29 +240,7 @@ def check_signing(store: VersionStore, config: PublisherConfig) -> None:
     if config.require_signed:
         raise ConfigError(f"{message}; refused (require_signed)")
     log.warning(message)
-    warnings.warn(message, UnsignedVersionWarning, stacklevel=4)
-
-
-def _decision(
-    store: VersionStore,
-    sources: dict[str, TensorSource],
-    coord: Coordinator,
-    config: PublisherConfig,
-    continue_latest: bool,
-) -> SeedDecision:
-    decision: SeedDecision | None = None
-    if coord.rank == 0:
-        try:
-            decision = decide_seed(store, sources, config, continue_latest)
-            check_signing(store, config)
-        except Exception as exc:
-            if not isinstance(exc, DeltastoreError):
-                exc = PublishError(f"seeding from {store.url} failed: {describe(exc)}")
-            decision = SeedDecision(error=exc)
-    decision = coord.broadcast(decision, what="seed: decision")
-    if decision.error is not None:
-        raise decision.error
-    return decision
+    warnings.warn(message, UnsignedVersionWarning, stacklevel=3)
 
 
 def _load(
@@ -324,7 +285,18 @@ def seed_rank(
 ) -> tuple[RankSnapshot, StreamState]:
     """This rank's snapshot and the stream it continues (see ``DeltaPublisher.seed``)."""
     sources = read_bases(base_checkpoint, coord)
-    decision = _decision(store, sources, coord, config, continue_latest)
+    decision: SeedDecision | None = None
+    if coord.rank == 0:
+        try:
+            decision = decide_seed(store, sources, config, continue_latest)
+            check_signing(store, config)
+        except Exception as exc:
+            if not isinstance(exc, DeltastoreError):
+                exc = PublishError(f"seeding from {store.url} failed: {describe(exc)}")
+            decision = SeedDecision(error=exc)
+    decision = coord.broadcast(decision, what="seed: decision")
+    if decision.error is not None:
+        raise decision.error
     assert decision.stream is not None
     snapshot = Snapshot(dict(sources), store)
     lineage = decision.lineage
