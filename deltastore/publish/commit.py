@@ -26,8 +26,7 @@ from deltastore.storage.writer import VersionWriter
 from deltastore.trust import SigningKey, build_manifest, sign_manifest, signed_index
 from deltastore.trust.manifest import BASE_DIGESTS_KEY, ShardFact
 
-BaseRecord = Callable[[], dict[str, Any]]
-"""Rank 0: the base-model record (every base tensor's digest), computed once when asked."""
+BaseRecord = Callable[[], dict[str, Any]]  # rank 0: every base tensor's digest, once asked
 
 log = logging.getLogger("deltastore.publish")
 
@@ -35,12 +34,9 @@ log = logging.getLogger("deltastore.publish")
 def claim(
     store: VersionStore, stream: StreamState
 ) -> tuple[VersionWriter, None] | tuple[None, Failure]:
-    """Rank 0: claim the stream's next version before any rank writes; or why it cannot.
-
-    Right after a resume (or a new stream) the first claimable version after the base is
-    taken (claims left by a crashed writer are skipped by the store, never reused). Another
-    writer holding the version is a ``conflict`` failure.
-    """
+    """Rank 0: claim the stream's next version before any rank writes, or why it cannot;
+    right after a resume (or an abort) the first claimable one after the base (claims left by
+    a crashed writer are skipped by the store, never reused)."""
     try:
         if stream.resumed:
             return store.begin(after=stream.next_version - 1), None
@@ -66,10 +62,8 @@ def commit_version(
     signing_key: SigningKey | None = None,
     base_record: BaseRecord | None = None,
 ) -> Outcome:
-    """Rank 0: check every rank's shards and commit the index, or abort the version.
-
-    Never raises: the outcome's failure says whether anything may have landed.
-    """
+    """Rank 0: check every rank's shards and commit the index, or abort the version. Never
+    raises: the outcome's failure says whether anything may have landed."""
     assert plan.layout is not None
     version, url = plan.version, writer.store_url
     failure = written_failure(writes, version, url)

@@ -27,12 +27,10 @@ from deltastore.errors import PublishError
 
 log = logging.getLogger("deltastore.publish")
 
-_MIN_BUFFER = 1 << 20
-
 
 def _round_up(nbytes: int) -> int:
     """Buffer size for a tensor: the next power of two (≥ 1 MiB), so buffers are reused."""
-    return max(_MIN_BUFFER, 1 << max(0, nbytes - 1).bit_length())
+    return max(1 << 20, 1 << max(0, nbytes - 1).bit_length())
 
 
 @dataclass
@@ -156,9 +154,7 @@ class HostStager:
     def _allocate(self, size: int) -> Any:
         import torch
 
-        pin = self._pin
-        if pin is None:
-            pin = torch.cuda.is_available()
+        pin = torch.cuda.is_available() if self._pin is None else self._pin
         buffer = None
         if pin and self.stats.pinned is not False:
             try:

@@ -34,12 +34,11 @@ NamedTensors = Iterable[tuple[str, Any]] | Mapping[str, Any]
 
 @dataclass
 class DiffResult:
-    """What one rank's diff produced."""
+    """What one rank's diff produced: the changed tensors, and every passed name (None where
+    unchanged)."""
 
     encoded: dict[str, Encoded] = field(default_factory=dict)
-    """The changed tensors."""
     passed: dict[str, Encoded | None] = field(default_factory=dict)
-    """Every passed name; None where unchanged."""
     staging: StagerStats | None = None
 
 
@@ -55,10 +54,7 @@ def report_of(
 
 
 def named_pairs(named_tensors: NamedTensors) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) pairs from a mapping or an iterable of pairs.
-
-    Raises :class:`PublishError` for an item that is not a (name, tensor) pair.
-    """
+    """(name, tensor) pairs from a mapping or an iterable of pairs (else PublishError)."""
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     for item in items:
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
@@ -92,7 +88,7 @@ def counted(
 
 @dataclass
 class _Item:
-    """One tensor queued for the encode pool: its snapshot bytes, staged bytes, element size."""
+    """One tensor queued for the encode pool."""
 
     name: str
     old: ByteArray
@@ -103,22 +99,16 @@ class _Item:
 BATCH_BYTES = 4 * 1024**2
 """Tensors smaller than this are encoded several per pool task, up to this many bytes a task:
 a task's fixed cost (a future, a queue hand-off, a lock) then spreads over many small tensors."""
-BATCH_TENSORS = 256
-"""At most this many tensors in one pool task."""
-WORD_CHANGE_BYTES = 16
-"""Memory per changed 8-byte word kept by :func:`word_changes` (position and value)."""
+BATCH_TENSORS = 256  # at most this many tensors in one pool task
+WORD_CHANGE_BYTES = 16  # memory per changed 8-byte word kept by word_changes (position, value)
 
 
 def word_changes(old: ByteArray, new: ByteArray, changed_bytes: int) -> XorChanges | None:
     """The change from ``old`` to ``new`` as 8-byte words (``old XOR new`` of each word that
-    differs), or None where it would be large (more than 1/8 of the tensor's bytes) or the size
-    is not a whole number of words.
-
-    Kept until the commit, it lets the snapshot advance by XORing a few words in instead of
-    decompressing and applying the payload again, several times cheaper for sparse steps
-    (docs/benchmarks.md, *The publish pipeline around the codec*). Derived from the bytes, not
-    the payload, so it holds for every encoding.
-    """
+    differs), or None where it would be large (over 1/8 of the tensor's bytes) or the size is
+    not a whole number of words. Kept until the commit, it lets the snapshot advance by XORing
+    a few words in instead of decoding the payload again; derived from the bytes, not the
+    payload, so it holds for every encoding."""
     if old.size % 8 or WORD_CHANGE_BYTES * changed_bytes > old.size // 8:
         return None
     old_words, new_words = old.view(np.uint64), new.view(np.uint64)
@@ -157,7 +147,7 @@ class _Diff:
         self.seen: set[str] = set()
 
     def take(self, name: str, tensor: Any) -> None:
-        """Check, load and stage one tensor into the open batch (``load_s``, ``copy_s``)."""
+        """Check, load and stage one tensor into the open batch."""
         nbytes, itemsize = self._check(name, tensor)
         charge = self.stager.charge_for(tensor, nbytes)
         # The open batch holds budget nobody releases: it must leave room for this tensor, or
@@ -196,8 +186,8 @@ class _Diff:
         return nbytes, itemsize_of_dtype(source.dtype)
 
     def encode(self, batch: list[_Item]) -> list[tuple[str, Encoded | None]]:
-        """Worker: encode a batch of staged tensors with one encoding call (see
-        :meth:`Encoding.encode_framed`), each changed one's frame straight into the spool."""
+        """Worker: a batch of staged tensors in one encoding call, each changed one's frame
+        straight into the spool."""
         begun = time.perf_counter()
         try:
             news = [item.staged.wait() for item in batch]
@@ -239,8 +229,8 @@ class _Diff:
         return self.result
 
     def abandon(self) -> None:
-        """Release the open batch, cancel what has not started and wait for what has (the kept
-        pool is not shut down: its running encodes end here)."""
+        """Release the open batch, cancel what has not started and wait for what has (the pool
+        is kept: its running encodes end here)."""
         for item in self.batch:
             item.staged.release()
         for future in self.pending:

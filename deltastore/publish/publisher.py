@@ -31,7 +31,6 @@ from deltastore.gc_pause import gc_paused
 from deltastore.progress import ProgressCallback
 from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig, Settings
-from deltastore.publish.coordination import Coordinator, make_coordinator
 from deltastore.publish.device import StagerStats
 from deltastore.publish.diff import DiffResult, NamedTensors, counted, diff_tensors, report_of
 from deltastore.publish.messages import (
@@ -51,7 +50,7 @@ from deltastore.publish.messages import (
     warn_if_dense,
 )
 from deltastore.publish.planning import plan_layout
-from deltastore.publish.rank_state import RankSnapshot, seed_rank
+from deltastore.publish.rank_state import Coordinator, RankSnapshot, make_coordinator, seed_rank
 from deltastore.publish.shards import ShardWriter
 from deltastore.publish.snapshot import Snapshot
 from deltastore.publish.spool import PayloadSpool
