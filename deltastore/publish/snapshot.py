@@ -388,9 +388,9 @@ def rebuild_lineage(
     overlays: dict[str, Overlay] = {}
     wanted = None if names is None else set(names)
     if start is not None:
-        _overlay_full(store, start, sources, wanted, overlays)
+        _overlay(store, start, sources, wanted, overlays, full=True)
     for delta in deltas:
-        _overlay_delta(store, delta, sources, wanted, overlays)
+        _overlay(store, delta, sources, wanted, overlays, full=False)
     return Lineage(
         version=target,
         start=start.version if start else 0,
@@ -414,64 +414,54 @@ def _headers(
         yield shard, shard_names, header
 
 
-def _overlay_full(
+def _overlay(
     store: VersionStore,
-    start: VersionIndex,
+    index: VersionIndex,
     sources: dict[str, TensorSource],
     wanted: set[str] | None,
     overlays: dict[str, Overlay],
+    *,
+    full: bool,
 ) -> None:
-    """Point the wanted tensors at the full version ``start`` (every tensor of a shard read is
-    checked against the base)."""
-    where = f"{store.url}/weight_v{start.version:06d}"
-    missing = sorted(set(sources) - set(start.weight_map))
-    if missing:
-        raise FormatError(
-            f"full version {where} lacks base tensors {missing[:5]}; a full version must be "
-            "complete"
-        )
-    if start.checksum:
-        get_checksum(start.checksum)
-    for shard, shard_names, header in _headers(store, start, wanted, where):
+    """Lay one version of the chain on the wanted tensors' overlays: a full version is their
+    new start, a delta appends its payloads. Every tensor of a shard read is checked against
+    the base."""
+    where = f"{store.url}/weight_v{index.version:06d}"
+    if full:
+        missing = sorted(set(sources) - set(index.weight_map))
+        if missing:
+            raise FormatError(
+                f"full version {where} lacks base tensors {missing[:5]}; a full version must "
+                "be complete"
+            )
+        if index.checksum:
+            get_checksum(index.checksum)
+    else:
+        try:
+            encoding = get_encoding(index.encoding or "").name
+            check_compression(index.compression)
+            get_checksum(index.checksum or "")
+        except ConfigError as exc:
+            raise FormatError(f"{where} cannot be replayed: {exc}") from None
+    for shard, shard_names, header in _headers(store, index, wanted, where):
         for name in shard_names:
             entry = header.tensors[name]
-            _check_layout(name, entry.nbytes, sources, where)
-            if wanted is None or name in wanted:
-                digest = header.metadata.get(name)
-                overlays[name] = Overlay(
-                    start.version, shard, entry.start, (), start.checksum, digest
-                )
-
-
-def _overlay_delta(
-    store: VersionStore,
-    delta: VersionIndex,
-    sources: dict[str, TensorSource],
-    wanted: set[str] | None,
-    overlays: dict[str, Overlay],
-) -> None:
-    """Append one delta's payloads to the wanted tensors' overlays."""
-    where = f"{store.url}/weight_v{delta.version:06d}"
-    try:
-        encoding = get_encoding(delta.encoding or "")
-        check_compression(delta.compression)
-        get_checksum(delta.checksum or "")
-    except ConfigError as exc:
-        raise FormatError(f"{where} cannot be replayed: {exc}") from None
-    for shard, shard_names, header in _headers(store, delta, wanted, where):
-        for name in shard_names:
-            if name not in sources:
-                _check_layout(name, 0, sources, where)
+            if full or name not in sources:
+                _check_layout(name, entry.nbytes, sources, where)
             if wanted is not None and name not in wanted:
                 continue
-            entry = header.tensors[name]
             digest = header.metadata.get(name)
+            if full:
+                overlays[name] = Overlay(
+                    index.version, shard, entry.start, (), index.checksum, digest
+                )
+                continue
             if digest is None:
                 raise FormatError(f"{where}/{shard}: tensor {name!r} has no digest")
-            ref = PayloadRef(delta.version, shard, entry.start, entry.end, encoding.name)
+            ref = PayloadRef(index.version, shard, entry.start, entry.end, encoding)
             previous = overlays.get(name, Overlay())
             overlays[name] = replace(
-                previous, deltas=(*previous.deltas, ref), checksum=delta.checksum, digest=digest
+                previous, deltas=(*previous.deltas, ref), checksum=index.checksum, digest=digest
             )
 
 
