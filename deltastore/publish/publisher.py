@@ -77,17 +77,12 @@ class _Step:
 
 
 class DeltaPublisher:
-    """Publishes versions of a model to a :class:`VersionStore`, from one process or many ranks.
-
-    ``base_checkpoint`` is the engines' own model path (version 0): the snapshot is seeded from
-    its bytes. The settings (``encoding=``, ``checksum=``, ``workers=``, ``resume=``,
-    ``anchor_every=``, ... every field of :class:`PublisherConfig`) are keywords, or one
-    ``config=`` object. ``post_write`` is a reference-signature hook
-    ``hook(args, version_dir, rollout_engines)``; the publisher binds ``args`` and
-    ``rollout_engines`` and runs it on every rank after each commit (the caller's store is not
-    modified; without ``post_write`` the store's own hook runs). ``process_group`` makes
-    :meth:`seed` and :meth:`publish` collectives of that group. Raises :class:`ConfigError`
-    for an unknown codec, a bad setting or a base checkpoint that is not a directory.
+    """Publishes versions of a model to a :class:`VersionStore`, from one process or many ranks
+    (docs/api.md). ``base_checkpoint`` is the engines' own model path (version 0); the settings
+    are :class:`PublisherConfig`'s fields as keywords, or one ``config=``. ``post_write`` is a
+    reference-signature hook ``hook(args, version_dir, rollout_engines)`` run on every rank
+    after each commit (without it the store's own hook runs). Raises :class:`ConfigError` for an
+    unknown codec, a bad setting or a base checkpoint that is not a directory.
     """
 
     def __init__(
@@ -131,14 +126,12 @@ class DeltaPublisher:
         if self.config.signing_key is not None and self.rank == 0:
             self._signing_key = as_signing_key(self.config.signing_key)
         self._base_record: dict[str, Any] | None = None
-        self.stream: StreamState | None = None
-        """Where the stream stands; replaced (never changed) after each commit."""
+        self.stream: StreamState | None = None  # replaced (never changed) after each commit
         self._held: RankSnapshot | None = None
         self._sizes: dict[str, int] = {}
         self._metrics: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
         self._warned_density = False
-        self.last_staging: StagerStats | None = None
-        """Host-staging counters of the last publish (pinned or not, peak bytes in flight)."""
+        self.last_staging: StagerStats | None = None  # host staging of the last publish
 
     @property
     def snapshot(self) -> Snapshot | None:
@@ -163,15 +156,10 @@ class DeltaPublisher:
     ) -> None:
         """Set up version 0 (the base checkpoint's bytes) or resume; publishes nothing.
 
-        On an empty store a new stream starts at version 1. ``continue_latest=True`` (what
-        ``deltastore publish --prev`` uses) continues the latest version's stream, taking the
-        base checkpoint as that version's state; the caller is responsible for checking it.
-        Collective: rank 0 reads the store and decides, every rank gets the same answer.
-        Raises :class:`StreamError` on a non-empty store without resume/new_stream,
-        :class:`ConfigError` when a rank cannot read its base or ranks hold different bases,
-        :class:`PublishError` when loading the snapshot fails, and the store's errors (e.g.
-        :class:`IntegrityError` when a resumed tensor fails its digest). ``progress`` gets
-        phase ``seed``: the snapshot bytes loaded (see :mod:`deltastore.progress`).
+        ``continue_latest=True`` (``deltastore publish --prev``) continues the latest version's
+        stream, taking the base checkpoint as that version's state (the caller checks it).
+        Collective: rank 0 decides, every rank gets the same answer or the same error
+        (:class:`StreamError`, :class:`ConfigError`, :class:`PublishError`, the store's).
         """
         self._held, self.stream = seed_rank(
             self.store,
@@ -193,15 +181,11 @@ class DeltaPublisher:
         full: bool = False,
         progress: ProgressCallback | None = None,
     ) -> PublishResult:
-        """Diff ``named_tensors`` against the snapshot and publish the change as one version.
-
-        ``named_tensors`` is a mapping name → tensor (a state dict) or an iterable of
-        ``(name, tensor)`` pairs. Tensors not passed are taken as unchanged. A step where
-        nothing changed is still a version. ``full=True`` (on any rank) publishes a complete
-        HF checkpoint that resets the chain. Collective when ranks are: each rank passes its
-        own tensors. Raises :class:`PublishError` / :class:`VersionConflictError` (nothing
-        committed) or :class:`HookError` / :class:`SnapshotError` (committed, or may be).
-        ``progress``: phases ``diff`` and ``write``; raising commits nothing.
+        """Diff ``named_tensors`` (a mapping name → tensor, or pairs; tensors not passed are
+        unchanged) against the snapshot and publish the change as one version; ``full=True``
+        (on any rank) publishes a complete checkpoint that resets the chain. Raises
+        :class:`PublishError` / :class:`VersionConflictError` (nothing committed) or
+        :class:`HookError` / :class:`SnapshotError` (committed, or may be).
         """
         if self._held is None or self.stream is None:
             raise PublishError("publish() before seed(): call seed() once first")
@@ -245,11 +229,8 @@ class DeltaPublisher:
         return result
 
     def pop_metrics(self) -> dict[str, float]:
-        """Metrics of the last publish (all keys of :data:`METRIC_KEYS`), then cleared to zero.
-
-        In a collective publish every rank returns the same global figures: byte and tensor
-        counts are totals over ranks, seconds are the slowest rank's.
-        """
+        """Metrics of the last publish (:data:`METRIC_KEYS`), then cleared to zero; the same
+        global figures on every rank (totals over ranks, the slowest rank's seconds)."""
         metrics, self._metrics = self._metrics, dict.fromkeys(METRIC_KEYS, 0.0)
         return metrics
 

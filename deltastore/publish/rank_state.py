@@ -6,7 +6,7 @@ rank builds and maybe loads its snapshot), how it advances after each commit, an
 One error contract for every world size: each seed failure is raised on every rank, as the
 same class, naming the ranks at fault. Every decision travels through the process group, never
 through the store's filesystem (neither ordered nor fast enough to be a lock):
-:class:`LocalCoordinator` is the single process (every collective is the identity), so one code
+:class:`Coordinator` is the single process (every collective is the identity), so one code
 path serves both; :class:`TorchCoordinator` uses torch's object collectives on a gloo group, so
 coordination never touches a GPU stream.
 """
@@ -21,7 +21,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import deltastore.errors
 from deltastore.codecs import ByteArray, Encoding, apply_changes, get_encoding, warm_up
@@ -336,23 +336,11 @@ def seed_rank(
 T = TypeVar("T")
 
 
-class Coordinator(Protocol):
-    """The collectives a publisher needs; every rank of the group calls each one, in order.
-    ``gather`` returns every rank's ``obj`` (in rank order) on rank 0 and None elsewhere,
-    ``broadcast`` rank 0's on every rank, ``all_gather`` every rank's on every rank."""
-
-    rank: int
-    world_size: int
-
-    def gather(self, obj: T, *, what: str) -> list[T] | None: ...
-
-    def broadcast(self, obj: T | None, *, what: str) -> T: ...
-
-    def all_gather(self, obj: T, *, what: str) -> list[T]: ...
-
-
-class LocalCoordinator:
-    """One process, no group: every collective returns its own argument."""
+class Coordinator:
+    """The collectives a publisher needs, for one process (each is the identity); every rank
+    of a group calls each one, in order. ``gather`` returns every rank's ``obj`` (in rank
+    order) on rank 0 and None elsewhere, ``broadcast`` rank 0's on every rank, ``all_gather``
+    every rank's on every rank."""
 
     rank = 0
     world_size = 1
@@ -368,7 +356,7 @@ class LocalCoordinator:
         return [obj]
 
 
-class TorchCoordinator:
+class TorchCoordinator(Coordinator):
     """Object collectives over the trainer's ``group`` (None: the default group).
 
     If its backend is not gloo, a gloo group over the same ranks is created here:
@@ -428,7 +416,7 @@ def make_coordinator(process_group: Any = None, *, collective: bool | None = Non
     ``torch.distributed`` is initialised with more than one rank; ``False``: alone (e.g. one
     rank that publishes alone); ``True``: a group is required."""
     if collective is False:
-        return LocalCoordinator()
+        return Coordinator()
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch is a dependency
@@ -443,4 +431,4 @@ def make_coordinator(process_group: Any = None, *, collective: bool | None = Non
         return TorchCoordinator(process_group)
     if available and dist.get_world_size() > 1:
         return TorchCoordinator(None)
-    return LocalCoordinator()
+    return Coordinator()

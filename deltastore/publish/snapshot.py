@@ -134,12 +134,10 @@ class Snapshot(Mapping[str, SnapshotTensor]):
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the whole model (loaded or not)."""
         return sum(s.nbytes for s in self.sources.values())
 
     @property
     def loaded_bytes(self) -> int:
-        """Bytes this snapshot holds in memory."""
         with self._lock:
             return sum(int(a.size) for a in self._loaded.values())
 
@@ -164,7 +162,7 @@ class Snapshot(Mapping[str, SnapshotTensor]):
         return data if data is not None else self.read(name)
 
     def evict(self, name: str) -> None:
-        """Forget a tensor's bytes (its source must describe its current state)."""
+        """Forget a tensor's bytes (its source describes its current state)."""
         with self._lock:
             self._loaded.pop(name, None)
 
@@ -177,8 +175,7 @@ class Snapshot(Mapping[str, SnapshotTensor]):
                 self._loaded.pop(name, None)
 
     def load_all(self, workers: int = 4, meter: ProgressMeter | None = None) -> None:
-        """Load every tensor now (each checked against its source's digest); ``meter`` counts
-        each tensor's bytes once it is loaded."""
+        """Load (and check) every tensor now; ``meter`` counts each one's bytes once loaded."""
 
         def load(name: str) -> None:
             self.load(name)
@@ -258,9 +255,7 @@ _NUMPY_DTYPES: dict[str, str] = {
 }
 
 
-_DTYPE_NAMES: dict[Any, str | None] = {}
-"""Safetensors dtype string by torch dtype object, filled on first sight (a dict lookup per
-tensor instead of formatting the dtype's name)."""
+_DTYPE_NAMES: dict[Any, str | None] = {}  # by torch dtype, filled on first sight (no format)
 
 
 def safetensors_dtype_of(tensor: Any) -> str | None:
@@ -294,11 +289,9 @@ tensor_bytes = host_bytes
 
 
 def check_layout(name: str, tensor: Any, nbytes: int, base: TensorSource) -> None:
-    """Refuse a tensor whose dtype, shape or byte size differs from the base's.
-
-    The dtype is checked first: a model trained in another precision than its base (fp32
-    weights, a bf16 checkpoint) is the commonest mistake, and its size differs too.
-    """
+    """Refuse a tensor whose dtype, shape or byte size differs from the base's; the dtype
+    first: another precision than the base's (fp32 weights, a bf16 checkpoint) is the
+    commonest mistake, and its size differs too."""
     dtype = safetensors_dtype_of(tensor)
     # Raw uint8 byte arrays are accepted for any dtype: they are the dtype-blind path.
     typed = dtype is not None and dtype != "U8"
@@ -348,13 +341,10 @@ class Lineage:
     """The state of ``version`` of a stream, as overlays on the base checkpoint."""
 
     version: int
-    start: int
-    """0 (the base) or the newest full version on the chain."""
     stream_id: str | None
     overlays: dict[str, Overlay] = field(default_factory=dict)
-    deltas: int = 0
-    """Deltas on the chain after ``start``, and their wire bytes (for the anchor rule)."""
-    wire_bytes: int = 0
+    deltas: int = 0  # deltas since the chain's full start (or the base) ...
+    wire_bytes: int = 0  # ... and their wire bytes (for the anchor rule)
 
 
 def _check_layout(name: str, nbytes: int, sources: dict[str, TensorSource], where: str) -> None:
@@ -377,12 +367,9 @@ def rebuild_lineage(
     sources: dict[str, TensorSource],
     names: Collection[str] | None = None,
 ) -> Lineage:
-    """Overlays that turn the base's ``sources`` into the state of ``target``.
-
-    ``names`` limits the walk to some tensors (only their shards' headers are read). Raises
-    :class:`StreamError` when the store's tensors do not fit the base, :class:`FormatError`
-    for a corrupt or incomplete version.
-    """
+    """Overlays that turn the base's ``sources`` into the state of ``target`` (of ``names``
+    only: then only their shards' headers are read). Raises :class:`StreamError` when the
+    store's tensors do not fit the base, :class:`FormatError` for a corrupt version."""
     start, deltas = walk_chain(store, target)
     stream = deltas[-1].stream_id if deltas else (start.stream_id if start else None)
     overlays: dict[str, Overlay] = {}
@@ -393,7 +380,6 @@ def rebuild_lineage(
         _overlay(store, delta, sources, wanted, overlays, full=False)
     return Lineage(
         version=target,
-        start=start.version if start else 0,
         stream_id=stream,
         overlays=overlays,
         deltas=len(deltas),
