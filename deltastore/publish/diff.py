@@ -25,7 +25,7 @@ from deltastore.publish.config import Settings
 from deltastore.publish.device import HostStager, Staged, StagerStats
 from deltastore.publish.messages import DiffReport, StreamState, TensorChange, describe
 from deltastore.publish.rank_state import RankSnapshot
-from deltastore.publish.snapshot import Snapshot, check_layout, nbytes_of
+from deltastore.publish.snapshot import check_layout, nbytes_of
 from deltastore.publish.spool import Encoded, PayloadSpool
 
 NamedTensors = Iterable[tuple[str, Any]] | Mapping[str, Any]
@@ -63,27 +63,6 @@ def named_pairs(named_tensors: NamedTensors) -> Iterator[tuple[str, Any]]:
                 f"of type {type(item).__name__}"
             )
         yield item[0], item[1]
-
-
-def counted(
-    named_tensors: NamedTensors, snapshot: Snapshot, progress: ProgressCallback | None
-) -> NamedTensors:
-    """``named_tensors``, reported as phase ``diff``: each tensor's size counted once the
-    pipeline has taken it (its backpressure keeps that within the in-flight budget); once it
-    has taken them all, the rest of the model (unchanged) counts as done."""
-    if progress is None:
-        return named_tensors
-
-    def pairs() -> Iterator[tuple[str, object]]:
-        meter = ProgressMeter.start(progress, "diff", snapshot.total_bytes)
-        assert meter is not None
-        for name, tensor in named_pairs(named_tensors):
-            yield name, tensor
-            source = snapshot.sources.get(name)
-            meter.advance(0 if source is None else source.nbytes)
-        meter.finish(complete=True)
-
-    return pairs()
 
 
 @dataclass
@@ -251,19 +230,28 @@ def diff_tensors(
     settings: Settings,
     spool: PayloadSpool,
     metrics: dict[str, float],
+    progress: ProgressCallback | None,
 ) -> DiffResult:
     """Diff every passed tensor against ``held``'s snapshot, in its kept threads.
 
     Host copies are staged under the in-flight byte budget and at most ``2 * workers`` encodes
     are pending, so a slow pool holds the producer back. Adds ``load_s``, ``copy_s``,
     ``encode_s`` and ``diff_s`` to ``metrics``. Raises :class:`PublishError` naming a tensor
-    passed twice, unknown to the base, or of another size, dtype or shape.
+    passed twice, unknown to the base, or of another size, dtype or shape. ``progress`` (phase
+    ``diff``) counts each tensor once taken (backpressure keeps that within the in-flight
+    budget of what is encoded), then the rest of the model (unchanged) as done.
     """
     started = time.perf_counter()
     diff = _Diff(held, stream, settings, spool, metrics)
+    sources = held.snapshot.sources
     try:
+        meter = ProgressMeter.start(progress, "diff", held.snapshot.total_bytes)
         for name, tensor in named_pairs(named_tensors):
             diff.take(name, tensor)
+            if meter is not None:
+                meter.advance(sources[name].nbytes)
+        if meter is not None:
+            meter.finish(complete=True)
         result = diff.finish()
     except BaseException:
         diff.abandon()

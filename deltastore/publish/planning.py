@@ -1,12 +1,11 @@
-"""Planning a version: pure functions over the ranks' named messages.
-
-Nothing here touches a store or a coordinator, so every decision of rank 0 (replicas,
-delta or full, which rank writes which shard, is the written version complete, its index)
-is unit-tested with plain values (tests/publish/test_planning.py).
+"""Planning a version: pure functions over the ranks' named messages. Nothing here touches a
+store or a coordinator, so every decision of rank 0 (replicas, delta or full, which rank writes
+which shard, is the written version complete, its index) is tested with plain values.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 from deltastore.codecs import COMPRESSION_NAME
@@ -123,15 +122,11 @@ def assign_full(
         per_rank[rank].append(name)
     groups = [_bounded_groups(names, sizes, max_shard_bytes) for names in per_rank]
     count = sum(len(g) for g in groups)
-    shards: list[tuple[ShardJob, ...]] = []
-    index = 0
-    for rank_groups in groups:
-        jobs = []
-        for names in rank_groups:
-            jobs.append(ShardJob(full_shard_name(index, count), tuple(names)))
-            index += 1
-        shards.append(tuple(jobs))
-    return tuple(shards)
+    numbers = itertools.count()
+    return tuple(
+        tuple(ShardJob(full_shard_name(next(numbers), count), tuple(names)) for names in group)
+        for group in groups
+    )
 
 
 def _bounded_groups(names: list[str], sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
@@ -198,10 +193,8 @@ def written_failure(writes: Sequence[Written], version: int, url: str) -> Failur
 def check_written(
     layout: Layout, writes: Sequence[Written], sizes: Mapping[str, int], version: int
 ) -> dict[str, Placement]:
-    """Every tensor's placement, once each, exactly the expected set (and sizes, if full).
-
-    Raises :class:`PublishError` naming the tensors at fault.
-    """
+    """Every tensor's placement, once each, exactly the expected set (and sizes, if full);
+    else :class:`PublishError` naming the tensors at fault."""
     entries: dict[str, Placement] = {}
     for w in writes:
         twice = set(entries) & set(w.entries)

@@ -32,7 +32,7 @@ from deltastore.progress import ProgressCallback
 from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig, Settings
 from deltastore.publish.device import StagerStats
-from deltastore.publish.diff import DiffResult, NamedTensors, counted, diff_tensors, report_of
+from deltastore.publish.diff import DiffResult, NamedTensors, diff_tensors, report_of
 from deltastore.publish.messages import (
     METRIC_KEYS,
     SECONDS_KEYS,
@@ -245,12 +245,13 @@ class DeltaPublisher:
     def _diff_phase(self, step: _Step, named_tensors: NamedTensors) -> BaseException | None:
         try:
             step.diff = diff_tensors(
-                counted(named_tensors, step.held.snapshot, step.progress),
+                named_tensors,
                 step.held,
                 step.stream,
                 self._settings,
                 step.spool,
                 step.metrics,
+                step.progress,
             )
         except Exception as exc:
             return exc
