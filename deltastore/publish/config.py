@@ -13,10 +13,6 @@ from typing import Any
 from deltastore.codecs import Checksum, Encoding, get_checksum, get_encoding
 from deltastore.errors import ConfigError
 
-DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
-DEFAULT_MAX_INFLIGHT_BYTES = 1024**3
-DEFAULT_SPOOL_MEMORY_BYTES = 256 * 1024**2
-
 
 def default_workers() -> int:
     """Encode threads when none are asked for: the cores, at most 8."""
@@ -33,12 +29,12 @@ class PublisherConfig:
     workers: int | None = None  # encode / digest threads (None: default_workers())
     resume: bool = False  # seed() on a store with versions continues its stream
     new_stream: bool = False  # ... or starts a new stream after them
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES  # per shard of a full version
-    spool_memory_bytes: int = DEFAULT_SPOOL_MEMORY_BYTES  # payloads in memory, then a temp file
+    max_shard_bytes: int = 4 * 1024**3  # per shard of a full version
+    spool_memory_bytes: int = 256 * 1024**2  # payloads in memory, then a temp file
     collective: bool | None = None  # None: when torch.distributed has ranks; False: alone
     anchor_every: int | None = None  # every K-th version (since the last full one) is full
     anchor_chain_bytes: float | None = None  # ... or once the chain exceeds this model fraction
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES  # tensor bytes staged for the encoders
+    max_inflight_bytes: int = 1024**3  # tensor bytes staged for the encoders
     preload: bool | None = None  # load the whole snapshot at seed() (None: single process)
     pin_memory: bool | None = None  # pinned host buffers (None: when CUDA is available)
     stage_host_tensors: bool = False  # copy host tensors too (the trainer may change them)

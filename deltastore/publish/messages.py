@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from deltastore.errors import (
     DeltastoreError,
@@ -46,14 +46,6 @@ METRIC_KEYS = (
 )
 """Keys of ``DeltaPublisher.pop_metrics``; docs/publishing.md gives each one's unit."""
 SECONDS_KEYS = tuple(k for k in METRIC_KEYS if k.endswith("_s"))
-RESULT_KEYS = (
-    "version",
-    "density",
-    "changed_bytes",
-    "total_bytes",
-    "wire_bytes",
-    "tensors_changed",
-)
 HIGH_DENSITY = 0.20
 """Above this share of changed bytes a version is far denser than an RL step makes."""
 
@@ -231,8 +223,9 @@ def record(
     metrics: dict[str, float], result: PublishResult, *, tensors: int, world: int
 ) -> dict[str, float]:
     """``metrics`` (the phase timings) completed with the result's figures."""
-    metrics.update({key: getattr(result, key) for key in RESULT_KEYS})
-    metrics.update(full=1.0 if result.kind == "full" else 0.0, tensors=tensors, world_size=world)
+    figures = {**asdict(result), "full": float(result.kind == "full"), "density": result.density}
+    metrics.update({k: figures[k] for k in METRIC_KEYS if k in figures}, tensors=tensors)
+    metrics["world_size"] = world
     return metrics
 
 

@@ -259,35 +259,32 @@ class DeltaPublisher:
         return None
 
     def _plan_phase(self, step: _Step, report: DiffReport) -> None:
-        """Rank 0 plans and claims; every rank gets the plan and a slot to write into."""
+        """Rank 0 plans (pure) and claims; every rank gets the plan and a slot to write into."""
         begun = time.perf_counter()
         reports = self.coordinator.gather(report, what="publish: gather diffs")
         plan: Plan | None = None
         if reports is not None:
-            plan = self._make_plan(step, reports)
+            layout = plan_layout(
+                reports,
+                step.stream,
+                self._sizes,
+                world_size=self.world_size,
+                max_shard_bytes=self.config.max_shard_bytes,
+                anchor_every=self.config.anchor_every,
+                anchor_chain_bytes=self.config.anchor_chain_bytes,
+            )
+            if isinstance(layout, Failure):
+                plan = Plan(failure=layout)
+            else:
+                step.slot, failure = commit_protocol.claim(self.store, step.stream)
+                if step.slot is None:
+                    plan = Plan(failure=failure)
+                else:
+                    plan = Plan(None, step.slot.version, step.slot.token, layout)
         step.plan = plan = self.coordinator.broadcast(plan, what="publish: plan")
         if step.slot is None and plan.failure is None:
             step.slot = self.store.join(plan.version, plan.token)
         step.metrics["coord_s"] += time.perf_counter() - begun
-
-    def _make_plan(self, step: _Step, reports: list[DiffReport]) -> Plan:
-        """Rank 0: the layout from the reports (pure), then the claim (``step.slot``)."""
-        layout = plan_layout(
-            reports,
-            step.stream,
-            self._sizes,
-            world_size=self.world_size,
-            max_shard_bytes=self.config.max_shard_bytes,
-            anchor_every=self.config.anchor_every,
-            anchor_chain_bytes=self.config.anchor_chain_bytes,
-        )
-        if isinstance(layout, Failure):
-            return Plan(failure=layout)
-        slot, failure = commit_protocol.claim(self.store, step.stream)
-        if slot is None:
-            return Plan(failure=failure)
-        step.slot = slot
-        return Plan(failure=None, version=slot.version, token=slot.token, layout=layout)
 
     def _write_phase(self, step: _Step) -> tuple[Written, BaseException | None]:
         layout, slot = step.plan.layout, step.slot
