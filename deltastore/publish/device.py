@@ -1,13 +1,9 @@
 """Getting tensor bytes onto the host for the encode pool, with a bound on bytes in flight.
 
-:class:`HostStager` turns each tensor into a 1-D ``uint8`` host view: host tensors and numpy
-arrays are viewed in place (made contiguous first where they are not); CUDA tensors are copied
-into a reusable **pinned** buffer with a non-blocking copy whose CUDA event the encode worker
-waits on, so the next tensor's copy overlaps this one's encode (pageable buffers, copied
-synchronously, where pinning fails). Every staged tensor holds a share of the ``limit_bytes``
-budget until released, so what the encode pool holds never exceeds it (a larger tensor goes
-alone). ``stage_host_tensors=True`` sends host tensors through the buffers too, so the pool,
-the budget and the pinning fallback are tested without a GPU.
+:class:`HostStager` views host tensors and numpy arrays in place as 1-D ``uint8``, and copies
+CUDA tensors into reusable **pinned** buffers (pageable where pinning fails) without blocking:
+the encode worker waits on the copy's event, so the next copy overlaps this encode. Each staged
+tensor holds a share of the ``limit_bytes`` budget until released (a larger one goes alone).
 """
 
 from __future__ import annotations

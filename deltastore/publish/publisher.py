@@ -1,8 +1,6 @@
-"""``DeltaPublisher``: a thin driver over the publish modules.
-
-One code path serves one process and many ranks: with ``torch.distributed`` initialised (or a
-``process_group`` given) :meth:`DeltaPublisher.publish` is a collective; alone, every collective
-is the identity. One publish is five phases (docs/publishing.md has the full account):
+"""``DeltaPublisher``: a thin driver over the publish modules, one code path for one process
+and many ranks (alone, every collective is the identity). One publish is five phases
+(docs/publishing.md has the full account):
 
 1. **diff** (every rank, in its kept threads): the tensors it is passed against its snapshot;
 2. **plan** (gather → rank 0 → broadcast): replicas, delta or full, shards (:mod:`.planning`),

@@ -1,14 +1,8 @@
-"""What one rank holds of the published model and how ranks agree: how ``seed()`` builds it
-(a collective: every rank reads its base, ranks compare them, rank 0 decides the stream, every
-rank builds and maybe loads its snapshot), how it advances after each commit, and the
-:class:`Coordinator` the collectives run through.
-
-One error contract for every world size: each seed failure is raised on every rank, as the
-same class, naming the ranks at fault. Every decision travels through the process group, never
-through the store's filesystem (neither ordered nor fast enough to be a lock):
-:class:`Coordinator` is the single process (every collective is the identity), so one code
-path serves both; :class:`TorchCoordinator` uses torch's object collectives on a gloo group, so
-coordination never touches a GPU stream.
+"""What one rank holds of the published model: how ``seed()`` builds it (every rank reads its
+base, ranks compare them, rank 0 decides the stream, every rank builds its snapshot) and how it
+advances after each commit; and the :class:`Coordinator` ranks agree through (the process
+group, never the store's filesystem: neither ordered nor fast enough to be a lock). A seed
+failure is raised on every rank, as the same class, naming the ranks at fault.
 """
 
 from __future__ import annotations
@@ -357,13 +351,10 @@ class Coordinator:
 
 
 class TorchCoordinator(Coordinator):
-    """Object collectives over the trainer's ``group`` (None: the default group).
-
-    If its backend is not gloo, a gloo group over the same ranks is created here:
-    ``torch.distributed.new_group`` is itself a collective of the default group, so every rank
-    must construct the publisher together. Collective failures (a peer died, a timeout) raise
-    :class:`PublishError` naming the step.
-    """
+    """Object collectives over the trainer's ``group`` (None: the default group), through a
+    gloo group over the same ranks if it is not one (``new_group`` is a collective of the
+    default group: every rank constructs the publisher together). A failed collective (a peer
+    died, a timeout) raises :class:`PublishError` naming the step."""
 
     def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist

@@ -21,19 +21,14 @@ from deltastore.publish.rank_state import RankSnapshot
 from deltastore.publish.spool import COPY_CHUNK, Encoded, PayloadSpool, apply_payload
 from deltastore.trust.manifest import ShardFact, ShardHasher
 
-OpenWrite = Callable[[str], AbstractContextManager[BinaryIO]]
-"""Opens one file of the version being written, by shard name."""
+OpenWrite = Callable[[str], AbstractContextManager[BinaryIO]]  # one file of the version
 
 
 class _HashingWriter:
-    """Passes writes through to ``out`` and hashes them: a shard's size and whole-file BLAKE3
-    come from the bytes as streamed, so a signing publisher never reads a shard back.
-
-    Each piece is hashed on a thread of its own while the next is written (an object store's
-    file blocks in its part uploads, which need no GIL), one piece behind at most. The pieces
-    must not change once written: every caller here passes new bytes, or views of arrays it
-    no longer changes.
-    """
+    """Passes writes through to ``out`` and hashes them (size and whole-file BLAKE3), so a
+    signing publisher never reads a shard back. Each piece is hashed on a thread of its own
+    while the next is written (an upload blocks without the GIL), one piece behind at most, so
+    pieces must not change once written."""
 
     def __init__(self, out: BinaryIO) -> None:
         self._out = out
@@ -82,8 +77,7 @@ class ShardWriter:
     settings: Settings
     held: RankSnapshot
     stream: StreamState
-    meter: ProgressMeter | None = None
-    """Counts the payload (delta) or tensor (full) bytes written, headers not counted."""
+    meter: ProgressMeter | None = None  # payload (delta) or tensor (full) bytes, not headers
 
     def write_all(
         self, jobs: Sequence[ShardJob], *, full: bool, progress: ProgressCallback | None

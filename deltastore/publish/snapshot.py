@@ -1,15 +1,10 @@
-"""The trainer's snapshot: the bytes of the last published state of every tensor, and how it
-is rebuilt from what a store already holds (resume).
+"""The trainer's snapshot: the last published state of every tensor, and its rebuild from
+what a store already holds (resume).
 
-A :class:`Snapshot` knows every tensor of the model (dtype, shape, size) and where its bytes
-can be read back (a :class:`TensorSource`), and loads them on first use. A single-process
-publisher loads everything at ``seed()``; in a collective publish each rank only ever loads
-the tensors it is passed, so a rank's memory holds its own share of the model.
-
-A version's state is its chain: a full version (or the base, version 0), then the deltas
-forward, as :func:`deltastore.storage.chain.walk_chain` finds them. Only indexes and shard
-headers are read to rebuild it (a :class:`Lineage` of overlays on the base checkpoint); the
-bytes are read and verified when a tensor is first used.
+A :class:`Snapshot` knows where each tensor's bytes can be read back (a :class:`TensorSource`)
+and loads them on first use: all at ``seed()`` in a single process, only the tensors a rank is
+passed in a collective publish. On resume only the chain's indexes and shard headers are read
+(a :class:`Lineage` of overlays on the base checkpoint); the bytes are verified on first use.
 """
 
 from __future__ import annotations
