@@ -14,7 +14,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import deltastore.errors
@@ -51,24 +51,17 @@ PARALLEL_TENSOR_BYTES = 1024**2
 a few short numpy calls, and two threads trading the GIL between them take longer than one."""
 
 
+@dataclass(eq=False)
 class RankSnapshot:
     """A rank's snapshot, the base checkpoint's sources and the store to re-read the chain
-    from, and which tensors another rank has moved on since this rank held them."""
+    from, and which tensors another rank has ``moved`` on since this rank held them."""
 
-    def __init__(
-        self,
-        snapshot: Snapshot,
-        base_sources: dict[str, TensorSource],
-        store: VersionStore,
-        *,
-        workers: int = 1,
-    ) -> None:
-        self.snapshot = snapshot
-        self.base_sources = base_sources
-        self.store = store
-        self.workers = workers
-        self.moved: set[str] = set()
-        self._pool: tuple[int, cf.ThreadPoolExecutor] | None = None
+    snapshot: Snapshot
+    base_sources: dict[str, TensorSource]
+    store: VersionStore
+    workers: int = 1
+    moved: set[str] = field(default_factory=set)
+    _pool: tuple[int, cf.ThreadPoolExecutor] | None = field(default=None, init=False)
 
     def pool(self) -> cf.ThreadPoolExecutor:
         """The rank's ``workers`` threads (encode, advance), all started at once by ``seed()``
