@@ -23,7 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from deltastore.publish.metrics import METRIC_KEYS
+from deltastore.publish import METRIC_KEYS
 from deltastore.testing.servers import free_port
 
 EMBED = "model.embed_tokens.weight"

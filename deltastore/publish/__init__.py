@@ -2,7 +2,7 @@
 
 from deltastore.errors import SnapshotError
 from deltastore.publish.config import PublisherConfig
-from deltastore.publish.metrics import METRIC_KEYS, PublishResult
+from deltastore.publish.messages import METRIC_KEYS, PublishResult
 from deltastore.publish.publisher import DeltaPublisher
 from deltastore.publish.snapshot import Snapshot
 

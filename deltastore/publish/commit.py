@@ -1,32 +1,32 @@
-"""Rank 0's claim of a version and the other ranks' join, through the store's
-:class:`~deltastore.storage.VersionWriter` (the one owner of the commit protocol: claim,
-fence checks, successor, index, "does the commit stand").
+"""Rank 0's claim and commit of a version, and the post-write hook after it, through the
+store's :class:`~deltastore.storage.VersionWriter` (the one owner of the commit protocol:
+claim, fence checks, successor, index, "does the commit stand"); other ranks ``store.join``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from deltastore.errors import VersionConflictError
 from deltastore.format.index import VersionIndex
-from deltastore.publish.messages import Failure, Outcome, Plan, Written, describe
+from deltastore.hooks.context import publishing_rank
+from deltastore.publish.messages import Failure, Outcome, Plan, StreamState, Written, describe
 from deltastore.publish.planning import (
     build_index,
     check_written,
     version_totals,
     written_failure,
 )
-from deltastore.publish.stream import StreamState
 from deltastore.storage import VersionStore
 from deltastore.storage.writer import VersionWriter
 from deltastore.trust import SigningKey, build_manifest, sign_manifest, signed_index
 from deltastore.trust.manifest import BASE_DIGESTS_KEY, ShardFact
 
-BaseRecord = Callable[[], dict[str, Any]]
-"""Rank 0: the base-model record (every base tensor's digest), computed once when asked."""
+BaseRecord = Callable[[], dict[str, Any]]  # rank 0: every base tensor's digest, once asked
 
 log = logging.getLogger("deltastore.publish")
 
@@ -34,12 +34,9 @@ log = logging.getLogger("deltastore.publish")
 def claim(
     store: VersionStore, stream: StreamState
 ) -> tuple[VersionWriter, None] | tuple[None, Failure]:
-    """Rank 0: claim the stream's next version before any rank writes; or why it cannot.
-
-    Right after a resume (or a new stream) the first claimable version after the base is
-    taken (claims left by a crashed writer are skipped by the store, never reused). Another
-    writer holding the version is a ``conflict`` failure.
-    """
+    """Rank 0: claim the stream's next version before any rank writes, or why it cannot;
+    right after a resume (or an abort) the first claimable one after the base (claims left by
+    a crashed writer are skipped by the store, never reused)."""
     try:
         if stream.resumed:
             return store.begin(after=stream.next_version - 1), None
@@ -51,11 +48,6 @@ def claim(
             f"{describe(exc)}; nothing was committed",
             kind=kind,
         )
-
-
-def join(store: VersionStore, version: int, token: str) -> VersionWriter:
-    """Another rank: write files of the version rank 0 claimed."""
-    return store.join(version, token)
 
 
 def commit_version(
@@ -70,10 +62,8 @@ def commit_version(
     signing_key: SigningKey | None = None,
     base_record: BaseRecord | None = None,
 ) -> Outcome:
-    """Rank 0: check every rank's shards and commit the index, or abort the version.
-
-    Never raises: the outcome's failure says whether anything may have landed.
-    """
+    """Rank 0: check every rank's shards and commit the index, or abort the version. Never
+    raises: the outcome's failure says whether anything may have landed."""
     assert plan.layout is not None
     version, url = plan.version, writer.store_url
     failure = written_failure(writes, version, url)
@@ -83,7 +73,7 @@ def commit_version(
     reason = f"committing weight_v{version:06d} to {url} failed on rank 0"
     try:
         entries = check_written(plan.layout, writes, sizes, version)
-        totals = version_totals(plan.layout, writes, stream, sum(sizes.values()))
+        totals = version_totals(plan.layout, writes, stream, sum(sizes.values()), version)
         index = build_index(
             version,
             plan.token,
@@ -143,3 +133,26 @@ def _commit_index(writer: VersionWriter, index: VersionIndex, reason: str) -> Fa
         return None
     writer.abort()
     return Failure(f"{reason}; nothing was committed and no snapshot advanced")
+
+
+def run_post_write(
+    writer: VersionWriter,
+    post_write: Callable[[str], None] | None,
+    rank: int,
+    metrics: dict[str, float],
+) -> BaseException | None:
+    """Run ``post_write`` (else the store's own hook) for ``writer``'s version and add
+    ``hook_s`` to ``metrics``. The error is returned, not raised, so every rank reports it
+    through the finish collective instead of leaving its peers waiting there."""
+    begun = time.perf_counter()
+    try:
+        with publishing_rank(rank):
+            if post_write is not None:
+                post_write(writer.url)
+            else:
+                writer.after_write()
+    except Exception as exc:
+        return exc
+    finally:
+        metrics["hook_s"] = time.perf_counter() - begun
+    return None

@@ -1,8 +1,6 @@
 """``PublisherConfig``: every setting of a :class:`~deltastore.publish.DeltaPublisher` that is a
-plain value (what to encode with, how big, how many, when to anchor), checked once.
-
-The publisher's documented keywords (``encoding=``, ``checksum=``, ``anchor_every=``, ...) are
-the fields of this frozen dataclass; pass either the keywords or a ``config=`` object.
+plain value, checked once: the publisher's keywords are its fields (pass either the keywords or
+a ``config=`` object).
 """
 
 from __future__ import annotations
@@ -12,12 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from deltastore.codecs import get_checksum, get_encoding
+from deltastore.codecs import Checksum, Encoding, get_checksum, get_encoding
 from deltastore.errors import ConfigError
-
-DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
-DEFAULT_MAX_INFLIGHT_BYTES = 1024**3
-DEFAULT_SPOOL_MEMORY_BYTES = 256 * 1024**2
 
 
 def default_workers() -> int:
@@ -27,46 +21,26 @@ def default_workers() -> int:
 
 @dataclass(frozen=True)
 class PublisherConfig:
-    """Settings of a publisher (docs/publishing.md explains each). Raises :class:`ConfigError`
-    on construction for an unknown codec name or an out-of-range value."""
+    """Settings of a publisher (docs/publishing.md and docs/api.md explain each). Raises
+    :class:`ConfigError` on construction for an unknown codec name or an out-of-range value."""
 
-    encoding: str = "xor"
-    """Delta encoding name (``deltastore.codecs``)."""
-    checksum: str = "xxh3-128"
-    """Checksum algorithm name for the digests of new tensor bytes."""
-    workers: int | None = None
-    """Encode / digest threads (None: :func:`default_workers`)."""
-    resume: bool = False
-    """``seed()`` on a store with versions continues its stream."""
-    new_stream: bool = False
-    """``seed()`` on a store with versions starts a new stream after them."""
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
-    """Bytes per shard of a full version."""
-    spool_memory_bytes: int = DEFAULT_SPOOL_MEMORY_BYTES
-    """Compressed payload bytes kept in memory before spilling to a temp file."""
-    collective: bool | None = None
-    """None: collective when torch.distributed has several ranks; False: alone; True: must be."""
-    anchor_every: int | None = None
-    """Every K-th version (deltas since the last full one) is a full version."""
-    anchor_chain_bytes: float | None = None
-    """A full version once the chain's wire bytes would exceed this fraction of the model."""
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
-    """Tensor bytes staged for the encode pool at once."""
-    preload: bool | None = None
-    """Load the whole snapshot at ``seed()`` (None: only in a single process)."""
-    pin_memory: bool | None = None
-    """Pinned host buffers for device tensors (None: when CUDA is available)."""
-    stage_host_tensors: bool = False
-    """Copy host tensors too before encoding (the trainer may change them meanwhile)."""
-    signing_key: Any = None
-    """Sign every version: a private key file path (``deltastore keygen``) or a
-    :class:`~deltastore.trust.SigningKey`; None publishes unsigned versions (docs/signing.md)."""
-    require_signed: bool = False
-    """Refuse (at ``seed()``) to publish unsigned versions into a store whose latest version is
-    signed; without it that only warns (:class:`~deltastore.errors.UnsignedVersionWarning`)."""
-    record_base_digests: bool = True
-    """Record every base tensor's digest in each delta built on version 0 (``base_digests``),
-    so a host seeded from another base is refused; costs one hash of the base per stream."""
+    encoding: str = "xor"  # delta encoding (deltastore.codecs)
+    checksum: str = "xxh3-128"  # digests of new tensor bytes
+    workers: int | None = None  # encode / digest threads (None: default_workers())
+    resume: bool = False  # seed() on a store with versions continues its stream
+    new_stream: bool = False  # ... or starts a new stream after them
+    max_shard_bytes: int = 4 * 1024**3  # per shard of a full version
+    spool_memory_bytes: int = 256 * 1024**2  # payloads in memory, then a temp file
+    collective: bool | None = None  # None: when torch.distributed has ranks; False: alone
+    anchor_every: int | None = None  # every K-th version (since the last full one) is full
+    anchor_chain_bytes: float | None = None  # ... or once the chain exceeds this model fraction
+    max_inflight_bytes: int = 1024**3  # tensor bytes staged for the encoders
+    preload: bool | None = None  # load the whole snapshot at seed() (None: single process)
+    pin_memory: bool | None = None  # pinned host buffers (None: when CUDA is available)
+    stage_host_tensors: bool = False  # copy host tensors too (the trainer may change them)
+    signing_key: Any = None  # sign every version: a key file path or a SigningKey (signing.md)
+    require_signed: bool = False  # seed() refuses unsigned publishing onto a signed store
+    record_base_digests: bool = True  # base digests in each delta built on version 0
 
     def __post_init__(self) -> None:
         get_encoding(self.encoding)
@@ -86,15 +60,12 @@ class PublisherConfig:
 
     @property
     def threads(self) -> int:
-        """Encode / digest threads to use."""
         return self.workers or default_workers()
 
     @classmethod
     def build(cls, config: PublisherConfig | None, settings: dict[str, Any]) -> PublisherConfig:
-        """``config`` (or the defaults) with the keyword ``settings`` applied on top.
-
-        Raises :class:`ConfigError` naming a keyword that is not a setting.
-        """
+        """``config`` (or the defaults) with the keyword ``settings`` on top; ConfigError
+        naming a keyword that is not a setting."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(settings) - known)
         if unknown:
@@ -102,3 +73,14 @@ class PublisherConfig:
                 f"unknown DeltaPublisher setting(s) {unknown}; known: {sorted(known)}"
             )
         return dataclasses.replace(config or cls(), **settings)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A publisher's fixed settings: its config, the codecs it names and its base checkpoint
+    (named in the error for a tensor the base lacks)."""
+
+    config: PublisherConfig
+    encoding: Encoding
+    checksum: Checksum
+    base_checkpoint: str

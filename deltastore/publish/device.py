@@ -1,20 +1,9 @@
 """Getting tensor bytes onto the host for the encode pool, with a bound on bytes in flight.
 
-:class:`HostStager` turns each tensor a trainer passes into a 1-D ``uint8`` host view:
-
-* host tensors (CPU torch tensors, numpy arrays) are viewed in place, no copy (a non-contiguous
-  one is made contiguous first);
-* CUDA tensors are copied into a **pinned** buffer from a reusable pool with a non-blocking
-  copy, and a CUDA event marks when the bytes have landed: the encode worker waits on the
-  event, so the copy of the next tensor overlaps the encode of this one. If pinned memory
-  cannot be allocated, pageable buffers are used (the copy is then synchronous).
-
-Every staged tensor holds a share of a byte budget (``limit_bytes``) until the encode worker
-releases it, so the tensors queued for or inside the encode pool never exceed the budget (one
-tensor larger than the budget is admitted alone). That, plus per-worker scratch, is what bounds
-a publish's memory beyond the snapshot. ``stage_host_tensors=True`` sends host tensors through
-the buffer pool too, so the pool, the budget and the pinning fallback can be tested on a
-machine without a GPU.
+:class:`HostStager` views host tensors and numpy arrays in place as 1-D ``uint8``, and copies
+CUDA tensors into reusable **pinned** buffers (pageable where pinning fails) without blocking:
+the encode worker waits on the copy's event, so the next copy overlaps this encode. Each staged
+tensor holds a share of the ``limit_bytes`` budget until released (a larger one goes alone).
 """
 
 from __future__ import annotations
@@ -34,85 +23,69 @@ from deltastore.errors import PublishError
 
 log = logging.getLogger("deltastore.publish")
 
-_MIN_BUFFER = 1 << 20
-
 
 def _round_up(nbytes: int) -> int:
     """Buffer size for a tensor: the next power of two (≥ 1 MiB), so buffers are reused."""
-    return max(_MIN_BUFFER, 1 << max(0, nbytes - 1).bit_length())
+    return max(1 << 20, 1 << max(0, nbytes - 1).bit_length())
 
 
 @dataclass
 class StagerStats:
-    """Counters of one :class:`HostStager` (bytes and seconds)."""
+    """Counters of one :class:`HostStager`: tensors ``staged`` and ``copied`` through a pool
+    buffer; buffers allocated and their bytes; the largest budget share held at once (buffer
+    sizes for copies, tensor bytes for views); ``pinned`` (True once a pinned buffer was
+    allocated, False once pinning failed, None if never tried); seconds the producer waited
+    for budget (backpressure) and encode workers waited for device copies to land."""
 
     staged: int = 0
-    """Tensors staged."""
     copied: int = 0
-    """Tensors copied through a pool buffer (device tensors, or host ones when forced)."""
     buffers_allocated: int = 0
     buffer_bytes_allocated: int = 0
     peak_in_flight_bytes: int = 0
-    """Largest budget share held at once (buffer sizes for copies, tensor bytes for views)."""
     pinned: bool | None = None
-    """True once a pinned buffer was allocated, False once pinning failed, None if never tried."""
     budget_wait_s: float = 0.0
-    """Seconds the producer waited for the encode pool to release budget (backpressure)."""
     copy_wait_s: float = 0.0
-    """Seconds encode workers waited for device copies to land (summed over workers)."""
 
 
+@dataclass(eq=False)
 class Staged:
-    """One tensor's host bytes, valid until :meth:`release`."""
+    """One tensor's host bytes, valid until :meth:`release`; ``source`` keeps a device tensor
+    alive until its non-blocking copy (``event``) has landed."""
 
-    def __init__(
-        self,
-        stager: HostStager,
-        view: ByteArray,
-        charge: int,
-        buffer: Any = None,
-        event: Any = None,
-        source: Any = None,
-    ) -> None:
-        self._stager = stager
-        self._view = view
-        self._charge = charge
-        self._buffer = buffer
-        self._event = event
-        # Keeps the device tensor alive until its non-blocking copy has landed.
-        self._source = source
-        self.nbytes = int(view.size)
+    stager: HostStager
+    view: ByteArray
+    charge: int
+    buffer: Any = None
+    event: Any = None
+    source: Any = None
 
     def wait(self) -> ByteArray:
         """The host bytes, once any pending device copy has completed."""
-        if self._event is not None:
+        if self.event is not None:
             started = time.perf_counter()
-            self._event.synchronize()
-            self._stager._add_copy_wait(time.perf_counter() - started)
-            self._event = None
-            self._source = None
-        return self._view
+            self.event.synchronize()
+            self.stager._add_copy_wait(time.perf_counter() - started)
+            self.event = None
+            self.source = None
+        return self.view
 
     def release(self) -> None:
         """Return the buffer to the pool and the bytes to the budget (idempotent)."""
-        if self._charge < 0:
+        if self.charge < 0:
             return
-        if self._event is not None:
+        if self.event is not None:
             # Never hand a buffer back while a copy may still be writing into it.
-            self._event.synchronize()
-        self._stager._release(self._charge, self._buffer)
-        self._charge = -1
-        self._buffer = None
-        self._source = None
+            self.event.synchronize()
+        self.stager._release(self.charge, self.buffer)
+        self.charge = -1
+        self.buffer = None
+        self.source = None
 
 
 class HostStager:
-    """Stages tensors on the host under a byte budget, reusing (pinned) copy buffers.
-
-    ``limit_bytes`` bounds the bytes staged and not yet released. ``pin_memory=None`` pins when
-    CUDA is available; ``stage_host_tensors`` copies host tensors through the pool as well
-    (for tests and for callers whose host tensors change while the publish runs).
-    """
+    """Stages tensors on the host under a budget of ``limit_bytes`` staged and not yet
+    released, reusing (pinned: ``pin_memory=None`` pins when CUDA is available) copy buffers;
+    ``stage_host_tensors`` is for tests and for callers whose host tensors change meanwhile."""
 
     def __init__(
         self,
@@ -132,7 +105,6 @@ class HostStager:
         self._allocated = 0
         self.stats = StagerStats()
 
-    # -------------------------------------------------------------- budget
     def _acquire(self, charge: int) -> None:
         started = time.perf_counter()
         with self._cond:
@@ -159,7 +131,6 @@ class HostStager:
         with self._cond:
             return self._in_flight
 
-    # ------------------------------------------------------------- buffers
     def _take_buffer(self, size: int) -> Any:
         """An idle buffer of at least ``size`` bytes, or a new one (idle ones dropped to fit)."""
         with self._cond:
@@ -179,9 +150,7 @@ class HostStager:
     def _allocate(self, size: int) -> Any:
         import torch
 
-        pin = self._pin
-        if pin is None:
-            pin = torch.cuda.is_available()
+        pin = torch.cuda.is_available() if self._pin is None else self._pin
         buffer = None
         if pin and self.stats.pinned is not False:
             try:
@@ -196,58 +165,37 @@ class HostStager:
         self.stats.buffer_bytes_allocated += size
         return buffer
 
-    # ------------------------------------------------------------- staging
-    def charge_for(self, tensor: Any, nbytes: int) -> int:
-        """Budget bytes :meth:`stage` will hold for ``tensor`` of ``nbytes`` bytes: the bytes
-        of a host view, or the pooled buffer's size for a copy."""
+    def _pooled(self, tensor: Any) -> bool:
+        """Whether :meth:`stage` copies ``tensor`` through a pool buffer: a CUDA tensor, or a
+        host one with ``stage_host_tensors`` (everything else is viewed or copied plainly)."""
         if isinstance(tensor, np.ndarray) or (
             not self.stage_host_tensors and getattr(tensor, "is_cpu", False)
         ):
-            return nbytes
-        device = getattr(tensor, "device", None)
-        on_host = device is None or getattr(device, "type", "cpu") == "cpu"
-        if on_host and not self.stage_host_tensors:
-            return nbytes
-        if not on_host and getattr(device, "type", None) != "cuda":
-            return nbytes
-        return _round_up(nbytes)
+            return False
+        kind = getattr(getattr(tensor, "device", None), "type", None)
+        return kind == "cuda" or (kind == "cpu" and self.stage_host_tensors)
+
+    def charge_for(self, tensor: Any, nbytes: int) -> int:
+        """Budget bytes :meth:`stage` will hold for ``tensor`` of ``nbytes`` bytes: the bytes
+        of a host view, or the pooled buffer's size for a copy."""
+        return _round_up(nbytes) if self._pooled(tensor) else nbytes
 
     def stage(self, name: str, tensor: Any) -> Staged:
-        """Host bytes of ``tensor`` (blocks while the budget is spent).
-
-        Raises :class:`PublishError` for objects that are neither torch tensors nor numpy
-        arrays.
-        """
+        """Host bytes of ``tensor`` (blocks while the budget is spent); :class:`PublishError`
+        for objects that are neither torch tensors nor numpy arrays."""
         self.stats.staged += 1
         view = None if self.stage_host_tensors else plain_host_view(tensor)
+        if view is None and not self._pooled(tensor):
+            view = host_bytes(name, tensor)  # other accelerators: a plain synchronous copy
         if view is not None:
             self._acquire(view.size)
             return Staged(self, view, view.size)
-        if isinstance(tensor, np.ndarray):
-            view = host_bytes(name, tensor)
-            self._acquire(view.size)
-            return Staged(self, view, view.size)
-        try:
-            import torch
-        except ImportError:  # pragma: no cover - torch is a dependency
-            torch = None  # type: ignore[assignment]
-        if torch is None or not isinstance(tensor, torch.Tensor):
-            raise PublishError(
-                f"tensor {name!r} is a {type(tensor).__name__}; pass a torch.Tensor or "
-                "numpy.ndarray"
-            )
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            raise not_a_tensor(name, tensor)
         # detach() makes a new tensor object per call: only where autograd tracks the tensor.
         t = tensor.detach() if tensor.requires_grad else tensor
-        on_host = t.device.type == "cpu"
-        if on_host and not self.stage_host_tensors:
-            view = host_bytes(name, t)
-            self._acquire(view.size)
-            return Staged(self, view, view.size)
-        if not on_host and t.device.type != "cuda":
-            # No pinned-copy path for other accelerators: a plain synchronous copy.
-            view = host_bytes(name, t.to("cpu"))
-            self._acquire(view.size)
-            return Staged(self, view, view.size)
         flat = t.contiguous().reshape(-1).view(torch.uint8)
         nbytes = flat.numel()
         size = _round_up(nbytes)
@@ -256,7 +204,7 @@ class HostStager:
             buffer = self._take_buffer(size)
             target = buffer[:nbytes]
             event = None
-            if on_host:
+            if t.device.type == "cpu":
                 target.copy_(flat)
             else:
                 pinned = buffer.is_pinned()
@@ -279,14 +227,12 @@ class HostStager:
 
 def plain_host_view(tensor: Any) -> ByteArray | None:
     """The bytes of a plain, contiguous, non-empty CPU torch tensor as a 1-D ``uint8`` view
-    built from its data pointer; None for anything else (the general path handles it).
+    built from its data pointer (the view keeps the tensor alive); None for anything else.
 
-    No torch operator is dispatched: each one releases and retakes the GIL, and while the
-    encode pool runs, retaking it costs the producer far more than the operator (figures in
-    docs/benchmarks.md, *Many small tensors*). The view
-    keeps the tensor alive. Complex tensors (maybe conjugate views), negative views, quantized
-    and sparse tensors and subclasses (their bytes may not be their values) are left to the
-    general path.
+    No torch operator is dispatched: each releases and retakes the GIL, which under a busy
+    encode pool costs the producer far more than the operator (docs/benchmarks.md, *Many small
+    tensors*). Complex tensors (maybe conjugate views), negative views, quantized and sparse
+    tensors and subclasses (their bytes may not be their values) take the general path.
     """
     torch = sys.modules.get("torch")
     kind = type(tensor)
@@ -311,9 +257,7 @@ def plain_host_view(tensor: Any) -> ByteArray | None:
 
 def _is_negative_view(torch: Any, tensor: Any) -> bool:
     """True for a lazily negated view (its memory is minus its value), read from the tensor's
-    dispatch keys: ``is_neg()`` is a dispatched operator that releases the GIL, and under a
-    busy encode pool getting it back cost more than the rest of the staging
-    (docs/benchmarks.md, *Many small tensors*)."""
+    dispatch keys: ``is_neg()`` is a dispatched operator (see :func:`plain_host_view`)."""
     keys = getattr(torch._C, "_dispatch_keys", None)
     if keys is None:  # pragma: no cover - a torch without it
         return bool(tensor.is_neg())
@@ -321,11 +265,9 @@ def _is_negative_view(torch: Any, tensor: Any) -> bool:
 
 
 def host_bytes(name: str, tensor: Any) -> ByteArray:
-    """The raw little-endian bytes of a host tensor/array as 1-D uint8 (contiguous first).
-
-    Non-contiguous tensors (transposed, sliced) are made contiguous, so the bytes are the
-    tensor's logical row-major content, as safetensors stores it.
-    """
+    """The raw little-endian bytes of a tensor/array as 1-D uint8: a device tensor copied to
+    the host, a non-contiguous one (transposed, sliced) made contiguous, so the bytes are its
+    logical row-major content, as safetensors stores it."""
     if isinstance(tensor, np.ndarray):
         array = np.ascontiguousarray(tensor)
         if array.dtype.byteorder == ">":
@@ -346,6 +288,10 @@ def host_bytes(name: str, tensor: Any) -> ByteArray:
         if t.stride(0) != 1:
             t = t.clone(memory_format=torch.contiguous_format)
         return t.view(torch.uint8).numpy()
-    raise PublishError(
+    raise not_a_tensor(name, tensor)
+
+
+def not_a_tensor(name: str, tensor: Any) -> PublishError:
+    return PublishError(
         f"tensor {name!r} is a {type(tensor).__name__}; pass a torch.Tensor or numpy.ndarray"
     )

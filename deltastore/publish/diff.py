@@ -9,24 +9,24 @@ taken from the front of a queue, so no step scans the tensors already submitted.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from deltastore.codecs import ByteArray, Checksum, Encoding, XorChanges, itemsize_of_dtype
+from deltastore.codecs import ByteArray, XorChanges, itemsize_of_dtype
 from deltastore.errors import PublishError
-from deltastore.publish.config import PublisherConfig
+from deltastore.progress import ProgressCallback, ProgressMeter
+from deltastore.publish.config import Settings
 from deltastore.publish.device import HostStager, Staged, StagerStats
-from deltastore.publish.messages import DiffReport, TensorChange, describe
-from deltastore.publish.rank_state import Encoded
-from deltastore.publish.snapshot import TensorSource, check_layout, nbytes_of
-from deltastore.publish.spool import PayloadSpool
+from deltastore.publish.messages import DiffReport, StreamState, TensorChange, describe
+from deltastore.publish.rank_state import RankSnapshot
+from deltastore.publish.snapshot import check_layout, nbytes_of
+from deltastore.publish.spool import Encoded, PayloadSpool
 
 NamedTensors = Iterable[tuple[str, Any]] | Mapping[str, Any]
 """What ``publish()`` takes: a mapping name → tensor (a state dict) or (name, tensor) pairs."""
@@ -34,42 +34,12 @@ NamedTensors = Iterable[tuple[str, Any]] | Mapping[str, Any]
 
 @dataclass
 class DiffResult:
-    """What one rank's diff produced."""
+    """What one rank's diff produced: the changed tensors, and every passed name (None where
+    unchanged)."""
 
     encoded: dict[str, Encoded] = field(default_factory=dict)
-    """The changed tensors."""
     passed: dict[str, Encoded | None] = field(default_factory=dict)
-    """Every passed name; None where unchanged."""
     staging: StagerStats | None = None
-
-
-@dataclass
-class DiffSettings:
-    """What the pipeline needs besides the tensors (one publisher's fixed settings)."""
-
-    encoding: Encoding
-    checksum: Checksum
-    workers: int
-    max_inflight_bytes: int
-    pin_memory: bool | None
-    stage_host_tensors: bool
-    base_checkpoint: str
-    """Named in the error for a tensor the base lacks."""
-
-    @classmethod
-    def of(
-        cls, config: PublisherConfig, encoding: Encoding, checksum: Checksum, base: str
-    ) -> DiffSettings:
-        """The settings of a publisher with ``config``."""
-        return cls(
-            encoding=encoding,
-            checksum=checksum,
-            workers=config.threads,
-            max_inflight_bytes=config.max_inflight_bytes,
-            pin_memory=config.pin_memory,
-            stage_host_tensors=config.stage_host_tensors,
-            base_checkpoint=base,
-        )
 
 
 def report_of(
@@ -84,10 +54,7 @@ def report_of(
 
 
 def named_pairs(named_tensors: NamedTensors) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) pairs from a mapping or an iterable of pairs.
-
-    Raises :class:`PublishError` for an item that is not a (name, tensor) pair.
-    """
+    """(name, tensor) pairs from a mapping or an iterable of pairs (else PublishError)."""
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     for item in items:
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
@@ -100,7 +67,7 @@ def named_pairs(named_tensors: NamedTensors) -> Iterator[tuple[str, Any]]:
 
 @dataclass
 class _Item:
-    """One tensor queued for the encode pool: its snapshot bytes, staged bytes, element size."""
+    """One tensor queued for the encode pool."""
 
     name: str
     old: ByteArray
@@ -111,45 +78,16 @@ class _Item:
 BATCH_BYTES = 4 * 1024**2
 """Tensors smaller than this are encoded several per pool task, up to this many bytes a task:
 a task's fixed cost (a future, a queue hand-off, a lock) then spreads over many small tensors."""
-BATCH_TENSORS = 256
-"""At most this many tensors in one pool task."""
-WORD_CHANGE_BYTES = 16
-"""Memory per changed 8-byte word kept by :func:`word_changes` (position and value)."""
-
-
-def _encode_batch(
-    settings: DiffSettings, spool: PayloadSpool, batch: list[_Item]
-) -> list[Encoded | None]:
-    """Encode a batch of staged tensors (one encoding call for all of them: see
-    :meth:`Encoding.encode_framed`); each changed one's frame goes straight into the spool."""
-    news = [item.staged.wait() for item in batch]
-    framed = settings.encoding.encode_framed(
-        [item.old for item in batch], news, [item.itemsize for item in batch]
-    )
-    results: list[Encoded | None] = []
-    for item, new, delta in zip(batch, news, framed, strict=True):
-        if not delta.changed_bytes:
-            results.append(None)
-            continue
-        digest = settings.checksum.hexdigest(new)
-        offset, length = spool.append(delta.frame)
-        changes = delta.xor_changes
-        if changes is None:
-            changes = word_changes(item.old, new, delta.changed_bytes)
-        results.append(Encoded(item.name, delta.changed_bytes, digest, offset, length, changes))
-    return results
+BATCH_TENSORS = 256  # at most this many tensors in one pool task
+WORD_CHANGE_BYTES = 16  # memory per changed 8-byte word kept by word_changes (position, value)
 
 
 def word_changes(old: ByteArray, new: ByteArray, changed_bytes: int) -> XorChanges | None:
     """The change from ``old`` to ``new`` as 8-byte words (``old XOR new`` of each word that
-    differs), or None where it would be large (more than 1/8 of the tensor's bytes) or the size
-    is not a whole number of words.
-
-    Kept until the commit, it lets the snapshot advance by XORing a few words in instead of
-    decompressing and applying the payload again, several times cheaper for sparse steps
-    (docs/benchmarks.md, *The publish pipeline around the codec*). Derived from the bytes, not
-    the payload, so it holds for every encoding.
-    """
+    differs), or None where it would be large (over 1/8 of the tensor's bytes) or the size is
+    not a whole number of words. Kept until the commit, it lets the snapshot advance by XORing
+    a few words in instead of decoding the payload again; derived from the bytes, not the
+    payload, so it holds for every encoding."""
     if old.size % 8 or WORD_CHANGE_BYTES * changed_bytes > old.size // 8:
         return None
     old_words, new_words = old.view(np.uint64), new.view(np.uint64)
@@ -157,67 +95,107 @@ def word_changes(old: ByteArray, new: ByteArray, changed_bytes: int) -> XorChang
     return XorChanges(positions, old_words[positions] ^ new_words[positions])
 
 
-def _encode(
-    settings: DiffSettings,
-    spool: PayloadSpool,
-    metrics: dict[str, float],
-    lock: threading.Lock,
-    batch: list[_Item],
-) -> list[tuple[str, Encoded | None]]:
-    """Worker: encode a batch of tensors (one large one, or several small ones)."""
-    begun = time.perf_counter()
-    try:
-        encoded = _encode_batch(settings, spool, batch)
-    finally:
-        for item in batch:
-            item.staged.release()
-        with lock:
-            metrics["encode_s"] += time.perf_counter() - begun
-    return [(item.name, e) for item, e in zip(batch, encoded, strict=True)]
-
-
-class _EncodeWindow:
-    """The encodes of one diff: the open batch, at most ``2 * workers`` submitted batches in
-    flight (the producer waits on the oldest), and their results taken from the front."""
+class _Diff:
+    """One rank's diff in flight: the open batch, at most ``2 * workers`` submitted batches
+    (the producer waits on the oldest), and their results taken from the front."""
 
     def __init__(
         self,
-        executor: cf.Executor,
-        settings: DiffSettings,
+        held: RankSnapshot,
+        stream: StreamState,
+        settings: Settings,
         spool: PayloadSpool,
         metrics: dict[str, float],
-        batch_limit: int,
     ) -> None:
-        self.executor = executor
-        self.settings = settings
-        self.spool = spool
-        self.metrics = metrics
-        self.batch_limit = batch_limit
+        config = settings.config
+        self.held, self.stream, self.settings = held, stream, settings
+        self.spool, self.metrics = spool, metrics
+        self.stager = HostStager(
+            config.max_inflight_bytes,
+            pin_memory=config.pin_memory,
+            stage_host_tensors=config.stage_host_tensors,
+        )
+        self.executor = held.pool()
+        self.batch_limit = min(BATCH_BYTES, config.max_inflight_bytes // 2)
+        self.window = 2 * config.threads
         self.result = DiffResult()
         self.lock = threading.Lock()
         self.pending: deque[cf.Future[list[tuple[str, Encoded | None]]]] = deque()
         self.batch: list[_Item] = []
         self.batch_bytes = 0
+        self.seen: set[str] = set()
 
-    def make_room(self, charge: int) -> None:
-        """Submit the open batch if ``charge`` more bytes would overflow it: the unsubmitted
-        batch holds budget nobody releases, so it must leave room for the next tensor, or
-        staging it would wait forever."""
+    def take(self, name: str, tensor: Any) -> None:
+        """Check, load and stage one tensor into the open batch."""
+        nbytes, itemsize = self._check(name, tensor)
+        charge = self.stager.charge_for(tensor, nbytes)
+        # The open batch holds budget nobody releases: it must leave room for this tensor, or
+        # staging it would wait forever.
         if self.batch and self.batch_bytes + charge > self.batch_limit:
             self.submit()
-
-    def add(self, item: _Item, charge: int) -> None:
-        self.batch.append(item)
+        stats = self.stager.stats
+        begun = time.perf_counter()
+        old = self.held.old_bytes(name, self.stream)
+        loaded = time.perf_counter()
+        waited = stats.budget_wait_s
+        staged = self.stager.stage(name, tensor)
+        self.metrics["load_s"] += loaded - begun
+        # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
+        self.metrics["copy_s"] += time.perf_counter() - loaded - (stats.budget_wait_s - waited)
+        self.batch.append(_Item(name, old, staged, itemsize))
         self.batch_bytes += charge
         if self.batch_bytes >= self.batch_limit or len(self.batch) >= BATCH_TENSORS:
             self.submit()
 
+    def _check(self, name: str, tensor: Any) -> tuple[int, int]:
+        """Refuse a tensor passed twice, unknown to the base, or of another layout; else its
+        size and the element size of its dtype in the base checkpoint's header."""
+        if name in self.seen:
+            raise PublishError(f"tensor {name!r} was passed twice in one publish")
+        self.seen.add(name)
+        source = self.held.snapshot.sources.get(name)
+        if source is None:
+            raise PublishError(
+                f"tensor {name!r} is not in the base checkpoint {self.settings.base_checkpoint}; "
+                "a delta cannot add tensors"
+            )
+        nbytes = nbytes_of(name, tensor)
+        check_layout(name, tensor, nbytes, source)
+        self.settings.encoding.check_size(nbytes, tensor=name)
+        return nbytes, itemsize_of_dtype(source.dtype)
+
+    def encode(self, batch: list[_Item]) -> list[tuple[str, Encoded | None]]:
+        """Worker: a batch of staged tensors in one encoding call, each changed one's frame
+        straight into the spool."""
+        begun = time.perf_counter()
+        try:
+            news = [item.staged.wait() for item in batch]
+            framed = self.settings.encoding.encode_framed(
+                [item.old for item in batch], news, [item.itemsize for item in batch]
+            )
+            results: list[tuple[str, Encoded | None]] = []
+            for item, new, delta in zip(batch, news, framed, strict=True):
+                if not delta.changed_bytes:
+                    results.append((item.name, None))
+                    continue
+                digest = self.settings.checksum.hexdigest(new)
+                offset, length = self.spool.append(delta.frame)
+                changes = delta.xor_changes
+                if changes is None:
+                    changes = word_changes(item.old, new, delta.changed_bytes)
+                encoded = Encoded(item.name, delta.changed_bytes, digest, offset, length, changes)
+                results.append((item.name, encoded))
+        finally:
+            for item in batch:
+                item.staged.release()
+            with self.lock:
+                self.metrics["encode_s"] += time.perf_counter() - begun
+        return results
+
     def submit(self) -> None:
-        args = (self.settings, self.spool, self.metrics, self.lock, self.batch)
-        self.pending.append(self.executor.submit(_encode, *args))
+        self.pending.append(self.executor.submit(self.encode, self.batch))
         self.batch, self.batch_bytes = [], 0
-        window = 2 * self.settings.workers
-        while self.pending and (len(self.pending) > window or self.pending[0].done()):
+        while self.pending and (len(self.pending) > self.window or self.pending[0].done()):
             self._take_oldest()
 
     def finish(self) -> DiffResult:
@@ -226,11 +204,12 @@ class _EncodeWindow:
             self.submit()
         while self.pending:
             self._take_oldest()
+        self.result.staging = self.stager.stats
         return self.result
 
     def abandon(self) -> None:
-        """Release the open batch, cancel what has not started and wait for what has (a kept
-        pool is not shut down: its running encodes end here)."""
+        """Release the open batch, cancel what has not started and wait for what has (the pool
+        is kept: its running encodes end here)."""
         for item in self.batch:
             item.staged.release()
         for future in self.pending:
@@ -246,94 +225,39 @@ class _EncodeWindow:
 
 def diff_tensors(
     named_tensors: NamedTensors,
-    sources: Mapping[str, TensorSource],
-    old_bytes: Callable[[str], ByteArray],
-    settings: DiffSettings,
+    held: RankSnapshot,
+    stream: StreamState,
+    settings: Settings,
     spool: PayloadSpool,
     metrics: dict[str, float],
-    pool: cf.Executor | None = None,
+    progress: ProgressCallback | None,
 ) -> DiffResult:
-    """Diff every passed tensor against ``old_bytes(name)`` (the snapshot).
+    """Diff every passed tensor against ``held``'s snapshot, in its kept threads.
 
-    The encodes run in ``pool`` (the publisher's kept threads; None: a pool of ``workers``
-    threads for this call). Host copies are staged under the in-flight byte budget and at most
-    ``2 * workers`` encodes are pending, so a slow pool holds the producer back. Adds
-    ``load_s``, ``copy_s``, ``encode_s`` and ``diff_s`` to ``metrics``. Raises
-    :class:`PublishError` naming a tensor passed twice, unknown to the base, or of another
-    size, dtype or shape.
+    Host copies are staged under the in-flight byte budget and at most ``2 * workers`` encodes
+    are pending, so a slow pool holds the producer back. Adds ``load_s``, ``copy_s``,
+    ``encode_s`` and ``diff_s`` to ``metrics``. Raises :class:`PublishError` naming a tensor
+    passed twice, unknown to the base, or of another size, dtype or shape. ``progress`` (phase
+    ``diff``) counts each tensor once taken (backpressure keeps that within the in-flight
+    budget of what is encoded), then the rest of the model (unchanged) as done.
     """
-    stager = HostStager(
-        settings.max_inflight_bytes,
-        pin_memory=settings.pin_memory,
-        stage_host_tensors=settings.stage_host_tensors,
-    )
-    seen: set[str] = set()
-    batch_limit = min(BATCH_BYTES, settings.max_inflight_bytes // 2)
     started = time.perf_counter()
-    # A kept pool (the publisher's) outlives this call; one made here is shut down after it.
-    with (
-        contextlib.nullcontext(pool)
-        if pool is not None
-        else cf.ThreadPoolExecutor(settings.workers, thread_name_prefix="deltastore-encode")
-    ) as executor:
-        window = _EncodeWindow(executor, settings, spool, metrics, batch_limit)
-        try:
-            for name, tensor in named_pairs(named_tensors):
-                nbytes, itemsize = _check_tensor(name, tensor, sources, seen, settings)
-                charge = stager.charge_for(tensor, nbytes)
-                window.make_room(charge)
-                old, staged = _load_and_stage(name, tensor, old_bytes, stager, metrics)
-                window.add(_Item(name, old, staged, itemsize), charge)
-            result = window.finish()
-        except BaseException:
-            window.abandon()
-            raise
-        finally:
-            stager.close()
-    result.staging = stager.stats
-    metrics["copy_s"] += stager.stats.copy_wait_s
+    diff = _Diff(held, stream, settings, spool, metrics)
+    sources = held.snapshot.sources
+    try:
+        meter = ProgressMeter.start(progress, "diff", held.snapshot.total_bytes)
+        for name, tensor in named_pairs(named_tensors):
+            diff.take(name, tensor)
+            if meter is not None:
+                meter.advance(sources[name].nbytes)
+        if meter is not None:
+            meter.finish(complete=True)
+        result = diff.finish()
+    except BaseException:
+        diff.abandon()
+        raise
+    finally:
+        diff.stager.close()
+    metrics["copy_s"] += diff.stager.stats.copy_wait_s
     metrics["diff_s"] = time.perf_counter() - started
     return result
-
-
-def _load_and_stage(
-    name: str,
-    tensor: Any,
-    old_bytes: Callable[[str], ByteArray],
-    stager: HostStager,
-    metrics: dict[str, float],
-) -> tuple[ByteArray, Staged]:
-    """The snapshot's bytes and a staged host copy of ``tensor`` (``load_s``, ``copy_s``)."""
-    begun = time.perf_counter()
-    old = old_bytes(name)
-    loaded = time.perf_counter()
-    waited = stager.stats.budget_wait_s
-    staged = stager.stage(name, tensor)
-    metrics["load_s"] += loaded - begun
-    # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
-    metrics["copy_s"] += time.perf_counter() - loaded - (stager.stats.budget_wait_s - waited)
-    return old, staged
-
-
-def _check_tensor(
-    name: str,
-    tensor: Any,
-    sources: Mapping[str, TensorSource],
-    seen: set[str],
-    settings: DiffSettings,
-) -> tuple[int, int]:
-    """Refuse a tensor passed twice, unknown to the base, or of another layout; else its size
-    and the element size (bytes) of its dtype in the base checkpoint's header."""
-    if name in seen:
-        raise PublishError(f"tensor {name!r} was passed twice in one publish")
-    seen.add(name)
-    source = sources.get(name)
-    if source is None:
-        raise PublishError(
-            f"tensor {name!r} is not in the base checkpoint {settings.base_checkpoint}; a "
-            "delta cannot add tensors"
-        )
-    nbytes = nbytes_of(name, tensor)
-    check_layout(name, tensor, nbytes, source)
-    settings.encoding.check_size(nbytes, tensor=name)
-    return nbytes, itemsize_of_dtype(source.dtype)

@@ -1,5 +1,6 @@
-"""The named messages ranks exchange during one publish (pickled by torch's object
-collectives): small, plain and frozen. docs/publishing.md shows where each one travels.
+"""The frozen values of a publish: the messages ranks exchange (pickled by torch's object
+collectives; docs/publishing.md shows where each travels), the stream's state, and what a
+publish reports (:class:`PublishResult`, the keys of ``pop_metrics()``).
 
 In a single process the same messages pass through the identity coordinator, so one code
 path (and one error contract) serves every world size.
@@ -7,8 +8,10 @@ path (and one error contract) serves every world size.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from deltastore.errors import (
     DeltastoreError,
@@ -19,6 +22,70 @@ from deltastore.errors import (
 )
 from deltastore.trust.manifest import ShardFact
 
+log = logging.getLogger("deltastore.publish")
+
+METRIC_KEYS = (
+    "version",
+    "full",
+    "density",
+    "changed_bytes",
+    "total_bytes",
+    "wire_bytes",
+    "tensors_changed",
+    "tensors",
+    "world_size",
+    "load_s",
+    "copy_s",
+    "encode_s",
+    "diff_s",
+    "write_s",
+    "commit_s",
+    "coord_s",
+    "hook_s",
+    "publish_s",
+)
+"""Keys of ``DeltaPublisher.pop_metrics``; docs/publishing.md gives each one's unit."""
+SECONDS_KEYS = tuple(k for k in METRIC_KEYS if k.endswith("_s"))
+HIGH_DENSITY = 0.20
+"""Above this share of changed bytes a version is far denser than an RL step makes."""
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """The stream a publisher continues and what its chain holds since the last full version:
+    decided at seed, replaced by :meth:`committed` after each commit and changed nowhere else."""
+
+    stream_id: str
+    base_version: int  # the next delta builds on it (0: the base checkpoint)
+    next_version: int
+    walk_from_base: bool = True  # a tensor can be rebuilt from base + chain (not after continue)
+    resumed: bool = False
+    """Claims left by a crashed writer (or this one's aborted attempt) may be skipped: seeded
+    onto a store with versions, or a claimed version was aborted, and nothing committed
+    since."""
+    chain_deltas: int = 0  # deltas since the last full version (or the stream's start) ...
+    chain_wire: int = 0  # ... and their wire bytes
+    holders: dict[str, int] = field(default_factory=dict)  # rank 0: who last published each
+
+    def aborted(self) -> StreamState:
+        """Nothing advanced, but the aborted version may now carry a tombstone (it took its
+        base's successor), so the next claim may skip it like a resumed stream's."""
+        return replace(self, resumed=True)
+
+    def committed(
+        self, version: int, *, full: bool, wire_bytes: int, owner: dict[str, int]
+    ) -> StreamState:
+        return replace(
+            self,
+            base_version=version,
+            next_version=version + 1,
+            walk_from_base=True if full else self.walk_from_base,
+            resumed=False,
+            chain_deltas=0 if full else self.chain_deltas + 1,
+            chain_wire=0 if full else self.chain_wire + wire_bytes,
+            holders={**self.holders, **owner},
+        )
+
 
 @dataclass(frozen=True)
 class Failure:
@@ -27,11 +94,9 @@ class Failure:
     message: str
     kind: str = "publish"
     """``publish``: nothing was committed (``PublishError``); ``conflict``: another writer
-    holds the version (``VersionConflictError``); ``uncertain``: the commit may have landed
-    (``SnapshotError``)."""
+    holds the version (``VersionConflictError``); ``uncertain``: it may have landed."""
 
     def error(self) -> DeltastoreError:
-        """The exception every rank raises for this failure."""
         if self.kind == "conflict":
             return VersionConflictError(self.message)
         if self.kind == "uncertain":
@@ -43,26 +108,23 @@ class Failure:
 
 @dataclass(frozen=True)
 class TensorChange:
-    """One changed tensor as its rank diffed it."""
+    """One changed tensor as its rank diffed it: new digest, compressed payload bytes (what
+    it adds to the wire) and bytes that differ from the snapshot."""
 
     digest: str
-    """Digest of the tensor's new bytes."""
     payload_bytes: int
-    """Compressed payload bytes (what the tensor adds to the wire)."""
     changed_bytes: int
-    """Bytes of the tensor that differ from the snapshot."""
 
 
 @dataclass(frozen=True)
 class DiffReport:
-    """Rank → rank 0 after the diff: what the rank was passed and what changed."""
+    """Rank → rank 0 after the diff: every name the rank was passed (None where unchanged)
+    and whether its caller asked for a full version."""
 
     rank: int
     error: str | None
     passed: dict[str, TensorChange | None]
-    """Every name the rank was passed; None where the tensor is unchanged."""
     full: bool
-    """The rank's caller asked for a full version."""
 
 
 @dataclass(frozen=True)
@@ -78,28 +140,20 @@ class Layout:
     """Rank 0's decision before the claim: the kind of version and who writes what."""
 
     full: bool
-    shards: tuple[tuple[ShardJob, ...], ...]
-    """Per rank, the shards that rank writes."""
-    changed: dict[str, int]
-    """Name → changed bytes of every changed tensor (one copy of each replica)."""
-    owner: dict[str, int]
-    """Name → the rank whose copy is published (the lowest rank passing it)."""
+    shards: tuple[tuple[ShardJob, ...], ...]  # per rank, the shards that rank writes
+    changed: dict[str, int]  # name -> changed bytes of every changed tensor (one per replica)
+    owner: dict[str, int]  # name -> the rank whose copy is published (the lowest passing it)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Rank 0 → every rank: the claimed version and its layout, or why there is none."""
+    """Rank 0 → every rank: the claimed version, its token (the index's commit token) and
+    its layout, or why there is none."""
 
     failure: Failure | None
     version: int = 0
     token: str = ""
-    """The claim's token; the index carries it as its commit token."""
     layout: Layout | None = None
-
-    def shards_of(self, rank: int) -> tuple[ShardJob, ...]:
-        """The shards ``rank`` writes."""
-        assert self.layout is not None
-        return self.layout.shards[rank]
 
 
 @dataclass(frozen=True)
@@ -118,27 +172,14 @@ class Placement:
 
 @dataclass(frozen=True)
 class Written:
-    """Rank → rank 0 after writing its shards."""
+    """Rank → rank 0 after writing its shards: the bytes written and each shard's size and
+    whole-file BLAKE3 (what a signature covers)."""
 
     rank: int
     error: str | None
     entries: dict[str, Placement] = field(default_factory=dict)
     wire: int = 0
-    """Bytes of the shard files this rank wrote."""
     shards: dict[str, ShardFact] = field(default_factory=dict)
-    """Each shard this rank wrote: its size and whole-file BLAKE3 (what a signature covers)."""
-
-
-@dataclass(frozen=True)
-class Totals:
-    """Global totals of a committed version."""
-
-    total_bytes: int
-    changed_bytes: int
-    wire_bytes: int
-    tensors_changed: int
-    base_version: int | None
-    """What a delta builds on; None for a full version."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +188,7 @@ class Outcome:
 
     failure: Failure | None
     entries: dict[str, Placement] = field(default_factory=dict)
-    totals: Totals | None = None
+    result: PublishResult | None = None
 
 
 @dataclass(frozen=True)
@@ -160,25 +201,78 @@ class Final:
     seconds: dict[str, float]
 
 
+@dataclass(frozen=True)
+class PublishResult:
+    """What one ``DeltaPublisher.publish`` call committed (global totals across ranks)."""
+
+    version: int
+    kind: str  # "delta" or "full"
+    base_version: int | None
+    tensors_changed: int
+    changed_bytes: int
+    total_bytes: int
+    wire_bytes: int  # bytes of shard files written for this version
+
+    @property
+    def density(self) -> float:
+        """Share of the model's bytes that changed (0.0 to 1.0)."""
+        return self.changed_bytes / self.total_bytes if self.total_bytes else 0.0
+
+
+def record(
+    metrics: dict[str, float], result: PublishResult, *, tensors: int, world: int
+) -> dict[str, float]:
+    """``metrics`` (the phase timings) completed with the result's figures."""
+    figures = {**asdict(result), "full": float(result.kind == "full"), "density": result.density}
+    metrics.update({k: figures[k] for k in METRIC_KEYS if k in figures}, tensors=tensors)
+    metrics["world_size"] = world
+    return metrics
+
+
+def warn_if_dense(result: PublishResult) -> bool:
+    """Log and warn (``RuntimeWarning``) when a version is far denser than an RL step makes,
+    saying why that usually is; returns whether it warned (callers warn once)."""
+    if result.density <= HIGH_DENSITY:
+        return False
+    message = (
+        f"weight_v{result.version:06d} changed {result.density:.0%} of the model's bytes; an "
+        "RL step usually changes a few percent at most. Publishing the dtype the engines load "
+        "(usually bf16, not fp32 master weights) gives far lower density: cast the tensors "
+        "and seed from a base checkpoint in that dtype"
+    )
+    log.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return True
+
+
 def describe(exc: BaseException | None) -> str | None:
     """``Type: message`` of an exception, for a message to other ranks."""
     return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+def rank_errors(items: Sequence[DiffReport | Written | Final], attribute: str = "error") -> str:
+    """``rank R: error`` of every item whose ``attribute`` is set, joined; empty if none."""
+    return "; ".join(
+        f"rank {item.rank}: {getattr(item, attribute)}"
+        for item in items
+        if getattr(item, attribute)
+    )
 
 
 def after_commit_error(where: str, finals: Sequence[Final]) -> DeltastoreError | None:
     """The error every rank raises after a commit (``where`` names the committed version):
     :class:`SnapshotError` if a snapshot could not advance, :class:`HookError` if a hook
     failed, else None."""
-    broken = [f"rank {f.rank}: {f.advance_error}" for f in finals if f.advance_error]
+    broken = rank_errors(finals, "advance_error")
     if broken:
         return SnapshotError(
-            f"{where}, but advancing the snapshot failed on {'; '.join(broken)}; restart "
-            "every rank with resume=True"
+            f"{where}, but advancing the snapshot failed on {broken}; restart every rank with "
+            "resume=True"
         )
-    hooks = [f"rank {f.rank}: {f.hook_error}" for f in finals if f.hook_error]
+    hooks = rank_errors(finals, "hook_error")
     if hooks:
         return HookError(
-            f"{where} but the post-write hook failed on {'; '.join(hooks)}; fix the hook "
-            "and run it again on those ranks before engines pull"
+            f"{where} but the post-write hook failed on {hooks}; fix the hook and run it "
+            "again on those ranks before engines pull"
         )
     return None

@@ -1,12 +1,11 @@
-"""Planning a version: pure functions over the ranks' named messages.
-
-Nothing here touches a store or a coordinator, so every decision of rank 0 (replicas,
-delta or full, which rank writes which shard, is the written version complete, its index)
-is unit-tested with plain values (tests/publish/test_planning.py).
+"""Planning a version: pure functions over the ranks' named messages. Nothing here touches a
+store or a coordinator, so every decision of rank 0 (replicas, delta or full, which rank writes
+which shard, is the written version complete, its index) is tested with plain values.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 from deltastore.codecs import COMPRESSION_NAME
@@ -18,25 +17,15 @@ from deltastore.publish.messages import (
     Failure,
     Layout,
     Placement,
+    PublishResult,
     ShardJob,
+    StreamState,
     TensorChange,
-    Totals,
     Written,
+    rank_errors,
 )
-from deltastore.publish.stream import StreamState
 
 Shards = tuple[tuple[ShardJob, ...], ...]
-
-
-def reported_failure(reports: Sequence[DiffReport], version: int) -> Failure | None:
-    """A failure naming every rank whose diff failed, or None."""
-    failed = [f"rank {r.rank}: {r.error}" for r in reports if r.error is not None]
-    if not failed:
-        return None
-    return Failure(
-        f"publishing weight_v{version:06d} failed on {'; '.join(failed)}; nothing was "
-        "committed and no snapshot advanced"
-    )
 
 
 def divergent_replicas(reports: Sequence[DiffReport], version: int) -> Failure | None:
@@ -133,15 +122,11 @@ def assign_full(
         per_rank[rank].append(name)
     groups = [_bounded_groups(names, sizes, max_shard_bytes) for names in per_rank]
     count = sum(len(g) for g in groups)
-    shards: list[tuple[ShardJob, ...]] = []
-    index = 0
-    for rank_groups in groups:
-        jobs = []
-        for names in rank_groups:
-            jobs.append(ShardJob(full_shard_name(index, count), tuple(names)))
-            index += 1
-        shards.append(tuple(jobs))
-    return tuple(shards)
+    numbers = itertools.count()
+    return tuple(
+        tuple(ShardJob(full_shard_name(next(numbers), count), tuple(names)) for names in group)
+        for group in groups
+    )
 
 
 def _bounded_groups(names: list[str], sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
@@ -168,7 +153,13 @@ def plan_layout(
 ) -> Layout | Failure:
     """Rank 0's whole decision for the next version from every rank's report."""
     version = stream.next_version
-    failure = reported_failure(reports, version) or divergent_replicas(reports, version)
+    failed = rank_errors(reports)
+    if failed:
+        return Failure(
+            f"publishing weight_v{version:06d} failed on {failed}; nothing was committed and "
+            "no snapshot advanced"
+        )
+    failure = divergent_replicas(reports, version)
     if failure is not None:
         return failure
     owner, changes = owners_and_changes(reports)
@@ -190,22 +181,20 @@ def plan_layout(
 
 def written_failure(writes: Sequence[Written], version: int, url: str) -> Failure | None:
     """A failure naming every rank whose shard writes failed, or None."""
-    failed = [f"rank {w.rank}: {w.error}" for w in writes if w.error is not None]
+    failed = rank_errors(writes)
     if not failed:
         return None
     return Failure(
-        f"writing weight_v{version:06d} to {url} failed on {'; '.join(failed)}; nothing was "
-        "committed (its files were removed) and no snapshot advanced"
+        f"writing weight_v{version:06d} to {url} failed on {failed}; nothing was committed "
+        "(its files were removed) and no snapshot advanced"
     )
 
 
 def check_written(
     layout: Layout, writes: Sequence[Written], sizes: Mapping[str, int], version: int
 ) -> dict[str, Placement]:
-    """Every tensor's placement, once each, exactly the expected set (and sizes, if full).
-
-    Raises :class:`PublishError` naming the tensors at fault.
-    """
+    """Every tensor's placement, once each, exactly the expected set (and sizes, if full);
+    else :class:`PublishError` naming the tensors at fault."""
     entries: dict[str, Placement] = {}
     for w in writes:
         twice = set(entries) & set(w.entries)
@@ -227,15 +216,17 @@ def check_written(
 
 
 def version_totals(
-    layout: Layout, writes: Sequence[Written], stream: StreamState, total_bytes: int
-) -> Totals:
+    layout: Layout, writes: Sequence[Written], stream: StreamState, total_bytes: int, version: int
+) -> PublishResult:
     """The global totals of the version ``layout`` describes."""
-    return Totals(
-        total_bytes=total_bytes,
-        changed_bytes=sum(layout.changed.values()),
-        wire_bytes=sum(w.wire for w in writes),
-        tensors_changed=len(layout.changed),
+    return PublishResult(
+        version=version,
+        kind="full" if layout.full else "delta",
         base_version=None if layout.full else stream.base_version,
+        tensors_changed=len(layout.changed),
+        changed_bytes=sum(layout.changed.values()),
+        total_bytes=total_bytes,
+        wire_bytes=sum(w.wire for w in writes),
     )
 
 
@@ -244,7 +235,7 @@ def build_index(
     token: str,
     layout: Layout,
     entries: Mapping[str, Placement],
-    totals: Totals,
+    totals: PublishResult,
     stream: StreamState,
     *,
     encoding: str,

@@ -1,8 +1,6 @@
-"""``DeltaPublisher``: a thin driver over the publish modules.
-
-One code path serves one process and many ranks: with ``torch.distributed`` initialised (or a
-``process_group`` given) :meth:`DeltaPublisher.publish` is a collective; alone, every collective
-is the identity. One publish is five phases (docs/publishing.md has the full account):
+"""``DeltaPublisher``: a thin driver over the publish modules, one code path for one process
+and many ranks (alone, every collective is the identity). One publish is five phases
+(docs/publishing.md has the full account):
 
 1. **diff** (every rank, in its kept threads): the tensors it is passed against its snapshot;
 2. **plan** (gather → rank 0 → broadcast): replicas, delta or full, shards (:mod:`.planning`),
@@ -10,7 +8,7 @@ is the identity. One publish is five phases (docs/publishing.md has the full acc
 3. **write** (every rank): its shards (:mod:`.shards`);
 4. **commit** (gather → rank 0 → broadcast): completeness, then the index;
 5. **finish** (all-gather): the snapshot advances (:mod:`.rank_state`), the stream state is
-   replaced (:mod:`.stream`), the post-write hook runs, metrics are the global totals.
+   replaced, the post-write hook runs, metrics are the global totals.
 
 Errors (every rank, any world size): before the commit :class:`PublishError` or
 :class:`VersionConflictError`; at or after it :class:`HookError` or :class:`SnapshotError`.
@@ -22,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from deltastore.codecs import get_checksum, get_encoding
@@ -29,37 +28,30 @@ from deltastore.errors import ConfigError, PublishError, SnapshotError
 from deltastore.gc_pause import gc_paused
 from deltastore.progress import ProgressCallback
 from deltastore.publish import commit as commit_protocol
-from deltastore.publish.config import PublisherConfig
-from deltastore.publish.coordination import Coordinator, make_coordinator
+from deltastore.publish.config import PublisherConfig, Settings
 from deltastore.publish.device import StagerStats
-from deltastore.publish.diff import DiffResult, DiffSettings, NamedTensors, diff_tensors, report_of
+from deltastore.publish.diff import DiffResult, NamedTensors, diff_tensors, report_of
 from deltastore.publish.messages import (
+    METRIC_KEYS,
+    SECONDS_KEYS,
     DiffReport,
     Failure,
     Final,
     Outcome,
     Plan,
+    PublishResult,
+    StreamState,
     Written,
     after_commit_error,
     describe,
-)
-from deltastore.publish.metrics import (
-    METRIC_KEYS,
-    SECONDS_KEYS,
-    PublishResult,
     record,
-    result_of,
     warn_if_dense,
 )
 from deltastore.publish.planning import plan_layout
-from deltastore.publish.post_write import run_post_write
-from deltastore.publish.rank_state import RankSnapshot
-from deltastore.publish.reporting import counted, write_meter
-from deltastore.publish.seeding import seed_rank
+from deltastore.publish.rank_state import Coordinator, RankSnapshot, make_coordinator, seed_rank
 from deltastore.publish.shards import ShardWriter
 from deltastore.publish.snapshot import Snapshot
 from deltastore.publish.spool import PayloadSpool
-from deltastore.publish.stream import StreamState
 from deltastore.storage import VersionStore
 from deltastore.storage.writer import VersionWriter
 from deltastore.trust import SigningKey, as_signing_key
@@ -68,18 +60,27 @@ from deltastore.trust.base import base_digests_record
 log = logging.getLogger("deltastore.publish")
 
 
-class DeltaPublisher:
-    """Publishes versions of a model to a :class:`VersionStore`, from one process or many ranks.
+@dataclass
+class _Step:
+    """One publish in flight: what its phases share."""
 
-    ``base_checkpoint`` is the engines' own model path (version 0): the snapshot is seeded from
-    its bytes. The settings (``encoding=``, ``checksum=``, ``workers=``, ``resume=``,
-    ``anchor_every=``, ... every field of :class:`PublisherConfig`) are keywords, or one
-    ``config=`` object. ``post_write`` is a reference-signature hook
-    ``hook(args, version_dir, rollout_engines)``; the publisher binds ``args`` and
-    ``rollout_engines`` and runs it on every rank after each commit (the caller's store is not
-    modified; without ``post_write`` the store's own hook runs). ``process_group`` makes
-    :meth:`seed` and :meth:`publish` collectives of that group. Raises :class:`ConfigError`
-    for an unknown codec, a bad setting or a base checkpoint that is not a directory.
+    held: RankSnapshot
+    stream: StreamState
+    spool: PayloadSpool
+    progress: ProgressCallback | None
+    metrics: dict[str, float] = field(default_factory=lambda: dict.fromkeys(METRIC_KEYS, 0.0))
+    diff: DiffResult = field(default_factory=DiffResult)
+    plan: Plan = field(default_factory=lambda: Plan(failure=None))
+    slot: VersionWriter | None = None
+
+
+class DeltaPublisher:
+    """Publishes versions of a model to a :class:`VersionStore`, from one process or many ranks
+    (docs/api.md). ``base_checkpoint`` is the engines' own model path (version 0); the settings
+    are :class:`PublisherConfig`'s fields as keywords, or one ``config=``. ``post_write`` is a
+    reference-signature hook ``hook(args, version_dir, rollout_engines)`` run on every rank
+    after each commit (without it the store's own hook runs). Raises :class:`ConfigError` for an
+    unknown codec, a bad setting or a base checkpoint that is not a directory.
     """
 
     def __init__(
@@ -118,22 +119,18 @@ class DeltaPublisher:
         self.world_size = self.coordinator.world_size
         preload = self.config.preload
         self.preload = self.world_size == 1 if preload is None else preload
-        self._diff_settings = DiffSettings.of(
-            self.config, self.encoding, self.checksum, self.base_checkpoint
-        )
+        self._settings = Settings(self.config, self.encoding, self.checksum, self.base_checkpoint)
         self._signing_key: SigningKey | None = None
         if self.config.signing_key is not None and self.rank == 0:
             self._signing_key = as_signing_key(self.config.signing_key)
         self._base_record: dict[str, Any] | None = None
-        self.stream: StreamState | None = None
-        """Where the stream stands; replaced (never changed) after each commit."""
+        self.stream: StreamState | None = None  # replaced (never changed) after each commit
         self._held: RankSnapshot | None = None
+        self._sizes: dict[str, int] = {}
         self._metrics: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
         self._warned_density = False
-        self.last_staging: StagerStats | None = None
-        """Host-staging counters of the last publish (pinned or not, peak bytes in flight)."""
+        self.last_staging: StagerStats | None = None  # host staging of the last publish
 
-    # ------------------------------------------------------------ read-only views
     @property
     def snapshot(self) -> Snapshot | None:
         """This rank's snapshot (None before :meth:`seed`)."""
@@ -152,21 +149,15 @@ class DeltaPublisher:
     def stream_id(self) -> str | None:
         return None if self.stream is None else self.stream.stream_id
 
-    # ---------------------------------------------------------------------- seed
     def seed(
         self, *, continue_latest: bool = False, progress: ProgressCallback | None = None
     ) -> None:
         """Set up version 0 (the base checkpoint's bytes) or resume; publishes nothing.
 
-        On an empty store a new stream starts at version 1. ``continue_latest=True`` (what
-        ``deltastore publish --prev`` uses) continues the latest version's stream, taking the
-        base checkpoint as that version's state; the caller is responsible for checking it.
-        Collective: rank 0 reads the store and decides, every rank gets the same answer.
-        Raises :class:`StreamError` on a non-empty store without resume/new_stream,
-        :class:`ConfigError` when a rank cannot read its base or ranks hold different bases,
-        :class:`PublishError` when loading the snapshot fails, and the store's errors (e.g.
-        :class:`IntegrityError` when a resumed tensor fails its digest). ``progress`` gets
-        phase ``seed``: the snapshot bytes loaded (see :mod:`deltastore.progress`).
+        ``continue_latest=True`` (``deltastore publish --prev``) continues the latest version's
+        stream, taking the base checkpoint as that version's state (the caller checks it).
+        Collective: rank 0 decides, every rank gets the same answer or the same error
+        (:class:`StreamError`, :class:`ConfigError`, :class:`PublishError`, the store's).
         """
         self._held, self.stream = seed_rank(
             self.store,
@@ -177,10 +168,10 @@ class DeltaPublisher:
             continue_latest=continue_latest,
             progress=progress,
         )
+        self._sizes = {name: s.nbytes for name, s in self._held.snapshot.sources.items()}
         if self.stream.base_version == 0 and self.config.record_base_digests and self.rank == 0:
             self._base_digests()  # once per stream: with the seed's reads, not in a publish
 
-    # ------------------------------------------------------------------- publish
     def publish(
         self,
         named_tensors: NamedTensors,
@@ -188,47 +179,42 @@ class DeltaPublisher:
         full: bool = False,
         progress: ProgressCallback | None = None,
     ) -> PublishResult:
-        """Diff ``named_tensors`` against the snapshot and publish the change as one version.
-
-        ``named_tensors`` is a mapping name → tensor (a state dict) or an iterable of
-        ``(name, tensor)`` pairs. Tensors not passed are taken as unchanged. A step where
-        nothing changed is still a version. ``full=True`` (on any rank) publishes a complete
-        HF checkpoint that resets the chain. Collective when ranks are: each rank passes its
-        own tensors. Raises :class:`PublishError` / :class:`VersionConflictError` (nothing
-        committed) or :class:`HookError` / :class:`SnapshotError` (committed, or may be).
-        ``progress``: phases ``diff``, ``write`` (:mod:`.reporting`); raising commits nothing.
+        """Diff ``named_tensors`` (a mapping name → tensor, or pairs; tensors not passed are
+        unchanged) against the snapshot and publish the change as one version; ``full=True``
+        (on any rank) publishes a complete checkpoint that resets the chain. Raises
+        :class:`PublishError` / :class:`VersionConflictError` (nothing committed) or
+        :class:`HookError` / :class:`SnapshotError` (committed, or may be).
         """
-        held, stream = self._seeded()
+        if self._held is None or self.stream is None:
+            raise PublishError("publish() before seed(): call seed() once first")
         started = time.perf_counter()
-        metrics = dict.fromkeys(METRIC_KEYS, 0.0)
         with gc_paused(), PayloadSpool(self.config.spool_memory_bytes) as spool:
-            diff, local_error = self._diff_phase(
-                named_tensors, held, stream, spool, metrics, progress
-            )
-            plan, slot = self._plan_phase(
-                report_of(self.rank, diff, local_error, full=full), stream, metrics
-            )
-            self._raise_failure(plan.failure, local_error)
-            written, local_error = self._write_phase(
-                plan, slot, diff, held, stream, spool, metrics, progress
-            )
-            outcome = self._commit_phase(plan, slot, written, stream, metrics)
+            step = _Step(self._held, self.stream, spool, progress)
+            local_error = self._diff_phase(step, named_tensors)
+            self._plan_phase(step, report_of(self.rank, step.diff, local_error, full=full))
+            self._raise_failure(step.plan.failure, local_error)
+            written, local_error = self._write_phase(step)
+            outcome = self._commit_phase(step, written)
             if outcome.failure is not None:
-                self.stream = stream.aborted()
+                self.stream = step.stream.aborted()
             self._raise_failure(outcome.failure, local_error)
-            advance_error = self._advance_phase(plan, outcome, diff, held, spool)
-        assert plan.layout is not None and outcome.totals is not None and slot is not None
-        self.stream = stream.committed(
+            advance_error: BaseException | None = None
+            try:
+                step.held.advance(step.plan, outcome, step.diff.encoded, spool, self._settings)
+            except Exception as exc:
+                advance_error = exc
+        plan, metrics, result = step.plan, step.metrics, outcome.result
+        assert plan.layout is not None and result is not None and step.slot is not None
+        self.stream = step.stream.committed(
             plan.version,
             full=plan.layout.full,
-            wire_bytes=outcome.totals.wire_bytes,
+            wire_bytes=result.wire_bytes,
             owner=plan.layout.owner,
         )
-        hook_error = run_post_write(slot, self._post_write, self.rank, metrics)
+        hook_error = commit_protocol.run_post_write(step.slot, self._post_write, self.rank, metrics)
         metrics["publish_s"] = time.perf_counter() - started
-        result = result_of(plan, outcome)
         finals = self._finish_phase(plan.version, advance_error, hook_error, metrics)
-        self._metrics = record(metrics, result, tensors=len(held.snapshot), world=self.world_size)
+        self._metrics = record(metrics, result, tensors=len(self._sizes), world=self.world_size)
         if not self._warned_density:
             self._warned_density = warn_if_dense(result)
         error = after_commit_error(
@@ -241,15 +227,11 @@ class DeltaPublisher:
         return result
 
     def pop_metrics(self) -> dict[str, float]:
-        """Metrics of the last publish (all keys of :data:`METRIC_KEYS`), then cleared to zero.
-
-        In a collective publish every rank returns the same global figures: byte and tensor
-        counts are totals over ranks, seconds are the slowest rank's.
-        """
+        """Metrics of the last publish (:data:`METRIC_KEYS`), then cleared to zero; the same
+        global figures on every rank (totals over ranks, the slowest rank's seconds)."""
         metrics, self._metrics = self._metrics, dict.fromkeys(METRIC_KEYS, 0.0)
         return metrics
 
-    # -------------------------------------------------------------------- phases
     def _raise_failure(self, failure: Failure | None, local_error: BaseException | None) -> None:
         """Raise a phase's failure on every rank (see :meth:`Failure.error`)."""
         if failure is None:
@@ -258,128 +240,86 @@ class DeltaPublisher:
             self._held = None
         raise failure.error() from local_error
 
-    def _seeded(self) -> tuple[RankSnapshot, StreamState]:
-        if self._held is None or self.stream is None:
-            raise PublishError("publish() before seed(): call seed() once first")
-        return self._held, self.stream
-
-    def _diff_phase(
-        self,
-        named_tensors: NamedTensors,
-        held: RankSnapshot,
-        stream: StreamState,
-        spool: PayloadSpool,
-        metrics: dict[str, float],
-        progress: ProgressCallback | None,
-    ) -> tuple[DiffResult, BaseException | None]:
+    def _diff_phase(self, step: _Step, named_tensors: NamedTensors) -> BaseException | None:
         try:
-            diff = diff_tensors(
-                counted(named_tensors, held.snapshot, progress),
-                held.snapshot.sources,
-                lambda name: held.old_bytes(name, stream),
-                self._diff_settings,
-                spool,
-                metrics,
-                held.pool(),
+            step.diff = diff_tensors(
+                named_tensors,
+                step.held,
+                step.stream,
+                self._settings,
+                step.spool,
+                step.metrics,
+                step.progress,
             )
         except Exception as exc:
-            return DiffResult(), exc
-        self.last_staging = diff.staging
-        return diff, None
+            return exc
+        self.last_staging = step.diff.staging
+        return None
 
-    def _plan_phase(
-        self, report: DiffReport, stream: StreamState, metrics: dict[str, float]
-    ) -> tuple[Plan, VersionWriter | None]:
-        """Rank 0 plans and claims; every rank gets the plan and a slot to write into."""
+    def _plan_phase(self, step: _Step, report: DiffReport) -> None:
+        """Rank 0 plans (pure) and claims; every rank gets the plan and a slot to write into."""
         begun = time.perf_counter()
         reports = self.coordinator.gather(report, what="publish: gather diffs")
         plan: Plan | None = None
-        slot = None
         if reports is not None:
-            plan, slot = self._make_plan(reports, stream)
-        plan = self.coordinator.broadcast(plan, what="publish: plan")
-        if slot is None and plan.failure is None:
-            slot = commit_protocol.join(self.store, plan.version, plan.token)
-        metrics["coord_s"] += time.perf_counter() - begun
-        return plan, slot
+            layout = plan_layout(
+                reports,
+                step.stream,
+                self._sizes,
+                world_size=self.world_size,
+                max_shard_bytes=self.config.max_shard_bytes,
+                anchor_every=self.config.anchor_every,
+                anchor_chain_bytes=self.config.anchor_chain_bytes,
+            )
+            if isinstance(layout, Failure):
+                plan = Plan(failure=layout)
+            else:
+                step.slot, failure = commit_protocol.claim(self.store, step.stream)
+                if step.slot is None:
+                    plan = Plan(failure=failure)
+                else:
+                    plan = Plan(None, step.slot.version, step.slot.token, layout)
+        step.plan = plan = self.coordinator.broadcast(plan, what="publish: plan")
+        if step.slot is None and plan.failure is None:
+            step.slot = self.store.join(plan.version, plan.token)
+        step.metrics["coord_s"] += time.perf_counter() - begun
 
-    def _make_plan(
-        self, reports: list[DiffReport], stream: StreamState
-    ) -> tuple[Plan, VersionWriter | None]:
-        """Rank 0: the layout from the reports (pure), then the claim."""
-        assert self._held is not None
-        sizes = {name: s.nbytes for name, s in self._held.snapshot.sources.items()}
-        layout = plan_layout(
-            reports,
-            stream,
-            sizes,
-            world_size=self.world_size,
-            max_shard_bytes=self.config.max_shard_bytes,
-            anchor_every=self.config.anchor_every,
-            anchor_chain_bytes=self.config.anchor_chain_bytes,
-        )
-        if isinstance(layout, Failure):
-            return Plan(failure=layout), None
-        slot, failure = commit_protocol.claim(self.store, stream)
-        if slot is None:
-            return Plan(failure=failure), None
-        return Plan(failure=None, version=slot.version, token=slot.token, layout=layout), slot
-
-    def _write_phase(
-        self,
-        plan: Plan,
-        slot: VersionWriter | None,
-        diff: DiffResult,
-        held: RankSnapshot,
-        stream: StreamState,
-        spool: PayloadSpool,
-        metrics: dict[str, float],
-        progress: ProgressCallback | None,
-    ) -> tuple[Written, BaseException | None]:
-        assert slot is not None and plan.layout is not None
+    def _write_phase(self, step: _Step) -> tuple[Written, BaseException | None]:
+        layout, slot = step.plan.layout, step.slot
+        assert slot is not None and layout is not None
         begun = time.perf_counter()
-        jobs, full = plan.shards_of(self.rank), plan.layout.full
         try:
-            meter = write_meter(progress, jobs, full, diff.encoded, held.snapshot.sources)
             writer = ShardWriter(
                 slot.open_write,
-                diff.encoded,
-                spool,
-                self.encoding,
-                self.checksum,
-                self.config.threads,
-                meter,
+                step.diff.encoded,
+                step.spool,
+                self._settings,
+                step.held,
+                step.stream,
             )
-            entries, wire, facts = writer.write_all(jobs, full=full, held=held, stream=stream)
+            entries, wire, facts = writer.write_all(
+                layout.shards[self.rank], full=layout.full, progress=step.progress
+            )
         except Exception as exc:
             return Written(self.rank, describe(exc)), exc
         finally:
-            metrics["write_s"] = time.perf_counter() - begun
+            step.metrics["write_s"] = time.perf_counter() - begun
         return Written(self.rank, None, entries, wire, facts), None
 
-    def _commit_phase(
-        self,
-        plan: Plan,
-        slot: VersionWriter | None,
-        written: Written,
-        stream: StreamState,
-        metrics: dict[str, float],
-    ) -> Outcome:
-        begun = time.perf_counter()
-        what = f"publish: commit weight_v{plan.version:06d}"
+    def _commit_phase(self, step: _Step, written: Written) -> Outcome:
+        begun, metrics, version = time.perf_counter(), step.metrics, step.plan.version
+        what = f"publish: commit weight_v{version:06d}"
         writes = self.coordinator.gather(written, what=what)
         outcome: Outcome | None = None
         if writes is not None:
-            assert slot is not None
+            assert step.slot is not None
             commit_started = time.perf_counter()
-            assert self._held is not None and plan.layout is not None
-            sizes = {name: src.nbytes for name, src in self._held.snapshot.sources.items()}
             outcome = commit_protocol.commit_version(
-                slot,
-                plan,
+                step.slot,
+                step.plan,
                 writes,
-                stream,
-                sizes,
+                step.stream,
+                self._sizes,
                 encoding=self.encoding.name,
                 checksum=self.checksum.name,
                 signing_key=self._signing_key,
@@ -390,7 +330,7 @@ class DeltaPublisher:
             outcome = self.coordinator.broadcast(outcome, what=what)
         except PublishError as exc:
             raise SnapshotError(
-                f"{exc}; weight_v{plan.version:06d} may be committed in {self.store.url}"
+                f"{exc}; weight_v{version:06d} may be committed in {self.store.url}"
             ) from exc
         metrics["coord_s"] += time.perf_counter() - begun - metrics["commit_s"]
         return outcome
@@ -403,29 +343,6 @@ class DeltaPublisher:
             )
         return self._base_record
 
-    def _advance_phase(
-        self,
-        plan: Plan,
-        outcome: Outcome,
-        diff: DiffResult,
-        held: RankSnapshot,
-        spool: PayloadSpool,
-    ) -> BaseException | None:
-        assert plan.layout is not None
-        try:
-            held.advance(
-                plan.layout,
-                outcome.entries,
-                diff.encoded,
-                spool,
-                encoding=self.encoding,
-                version=plan.version,
-                checksum=self.checksum.name,
-            )
-        except Exception as exc:
-            return exc
-        return None
-
     def _finish_phase(
         self,
         version: int,
@@ -433,12 +350,8 @@ class DeltaPublisher:
         hook_error: BaseException | None,
         metrics: dict[str, float],
     ) -> list[Final]:
-        final = Final(
-            self.rank,
-            describe(advance_error),
-            describe(hook_error),
-            {k: metrics[k] for k in SECONDS_KEYS},
-        )
+        seconds = {k: metrics[k] for k in SECONDS_KEYS}
+        final = Final(self.rank, describe(advance_error), describe(hook_error), seconds)
         try:
             finals = self.coordinator.all_gather(final, what=f"finish weight_v{version:06d}")
         except PublishError as exc:
@@ -450,6 +363,3 @@ class DeltaPublisher:
         for key in SECONDS_KEYS:
             metrics[key] = max(f.seconds[key] for f in finals)
         return finals
-
-
-__all__ = ["METRIC_KEYS", "DeltaPublisher", "PublishResult", "PublisherConfig"]

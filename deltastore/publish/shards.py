@@ -6,34 +6,29 @@ the snapshot plus this publish's payloads. Files are opened through ``open_write
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
-from deltastore.codecs import ByteArray, Checksum, Encoding
+from deltastore.codecs import ByteArray
 from deltastore.format.packed import build_packed_header
 from deltastore.format.safetensors_io import TensorLayout, build_header
-from deltastore.progress import ProgressMeter
-from deltastore.publish.messages import Placement, ShardJob
-from deltastore.publish.rank_state import Encoded, RankSnapshot, apply_payload
-from deltastore.publish.spool import COPY_CHUNK, PayloadSpool
-from deltastore.publish.stream import StreamState
+from deltastore.progress import ProgressCallback, ProgressMeter
+from deltastore.publish.config import Settings
+from deltastore.publish.messages import Placement, ShardJob, StreamState
+from deltastore.publish.rank_state import RankSnapshot
+from deltastore.publish.spool import COPY_CHUNK, Encoded, PayloadSpool, apply_payload
 from deltastore.trust.manifest import ShardFact, ShardHasher
 
-OpenWrite = Callable[[str], AbstractContextManager[BinaryIO]]
-"""Opens one file of the version being written, by shard name."""
+OpenWrite = Callable[[str], AbstractContextManager[BinaryIO]]  # one file of the version
 
 
 class _HashingWriter:
-    """Passes writes through to ``out`` and hashes them: a shard's size and whole-file BLAKE3
-    come from the bytes as streamed, so a signing publisher never reads a shard back.
-
-    Each piece is hashed on a thread of its own while the next is written (an object store's
-    file blocks in its part uploads, which need no GIL), one piece behind at most. The pieces
-    must not change once written: every caller here passes new bytes, or views of arrays it
-    no longer changes.
-    """
+    """Passes writes through to ``out`` and hashes them (size and whole-file BLAKE3), so a
+    signing publisher never reads a shard back. Each piece is hashed on a thread of its own
+    while the next is written (an upload blocks without the GIL), one piece behind at most, so
+    pieces must not change once written."""
 
     def __init__(self, out: BinaryIO) -> None:
         self._out = out
@@ -64,44 +59,44 @@ class _HashingWriter:
     def as_binary(self) -> BinaryIO:
         return cast(BinaryIO, self)
 
+    def __enter__(self) -> _HashingWriter:
+        return self
 
-@contextmanager
-def _hashing(sink: BinaryIO) -> Iterator[_HashingWriter]:
-    """A :class:`_HashingWriter` over ``sink`` whose thread ends with the block, however it
-    ends (its pending hash waited for)."""
-    writer = _HashingWriter(sink)
-    try:
-        yield writer
-    finally:
-        writer.close()
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-@dataclass(frozen=True)
+@dataclass
 class ShardWriter:
-    """Writes one rank's shards of one version."""
+    """Writes one rank's shards of one version, from ``held`` (its snapshot) as of ``stream``
+    plus this publish's ``encoded`` payloads in ``spool``."""
 
     open_write: OpenWrite
     encoded: dict[str, Encoded]
     spool: PayloadSpool
-    encoding: Encoding
-    checksum: Checksum
-    workers: int
-    meter: ProgressMeter | None = None
-    """Counts the payload (delta) or tensor (full) bytes written, if progress is reported."""
+    settings: Settings
+    held: RankSnapshot
+    stream: StreamState
+    meter: ProgressMeter | None = None  # payload (delta) or tensor (full) bytes, not headers
 
     def write_all(
-        self, jobs: Sequence[ShardJob], *, full: bool, held: RankSnapshot, stream: StreamState
+        self, jobs: Sequence[ShardJob], *, full: bool, progress: ProgressCallback | None
     ) -> tuple[dict[str, Placement], int, dict[str, ShardFact]]:
         """Write every job; returns each tensor's placement, the bytes written and each
         shard's size and whole-file BLAKE3 (hashed as streamed, for the signature)."""
+        if progress is not None:
+            names = [name for job in jobs for name in job.names]
+            sources = self.held.snapshot.sources
+            if full:
+                total = sum(sources[name].nbytes for name in names)
+            else:
+                total = sum(self.encoded[name].length for name in names)
+            self.meter = ProgressMeter.start(progress, "write", total)
         entries: dict[str, Placement] = {}
         facts: dict[str, ShardFact] = {}
         wire = 0
         for job in jobs:
-            if full:
-                placed, size, fact = self.write_full(job, held, stream)
-            else:
-                placed, size, fact = self.write_delta(job)
+            placed, size, fact = self.write_full(job) if full else self.write_delta(job)
             entries.update(placed)
             facts[job.shard] = fact
             wire += size
@@ -111,7 +106,7 @@ class ShardWriter:
         """One delta shard: every tensor's compressed payload as a ``U8`` entry, or, for an
         encoding reference readers do not know, all of them under one packed entry."""
         encoded = self.encoded
-        if self.encoding.reference_format:
+        if self.settings.encoding.reference_format:
             layouts = [TensorLayout(n, "U8", (encoded[n].length,)) for n in job.names]
             header = build_header(layouts, {n: encoded[n].digest for n in job.names})
         else:
@@ -123,7 +118,7 @@ class ShardWriter:
         entries = {}
         offset = len(header)
         spans = [(encoded[n].offset, encoded[n].length) for n in job.names]
-        with self.open_write(job.shard) as sink, _hashing(sink) as out:
+        with self.open_write(job.shard) as sink, _HashingWriter(sink) as out:
             out.write(header)
             self.spool.copy_many_to(out.as_binary(), spans)
         if self.meter is not None:
@@ -134,25 +129,22 @@ class ShardWriter:
             offset = end
         return entries, offset, out.fact()
 
-    def write_full(
-        self, job: ShardJob, held: RankSnapshot, stream: StreamState
-    ) -> tuple[dict[str, Placement], int, ShardFact]:
+    def write_full(self, job: ShardJob) -> tuple[dict[str, Placement], int, ShardFact]:
         """One shard of a complete HF checkpoint: every tensor's new bytes and digest."""
-        sources = held.snapshot.sources
+        sources = self.held.snapshot.sources
         for name in job.names:
-            held.refresh(name, stream)
-        with cf.ThreadPoolExecutor(self.workers, thread_name_prefix="deltastore-digest") as pool:
-            digests = dict(
-                zip(job.names, pool.map(lambda n: self._digest(n, held, stream), job.names))
-            )
+            self.held.refresh(name, self.stream)
+        workers = self.settings.config.threads
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix="deltastore-digest") as pool:
+            digests = dict(zip(job.names, pool.map(self._digest, job.names)))
         layouts = [TensorLayout(n, sources[n].dtype, sources[n].shape) for n in job.names]
         header = build_header(layouts, {"format": "pt", **digests})
         entries = {}
         offset = len(header)
-        with self.open_write(job.shard) as sink, _hashing(sink) as out:
+        with self.open_write(job.shard) as sink, _HashingWriter(sink) as out:
             out.write(header)
             for n in job.names:
-                data = self._new_bytes(n, held, stream)
+                data = self._new_bytes(n)
                 for lo in range(0, data.size, COPY_CHUNK):
                     out.write(memoryview(data[lo : lo + COPY_CHUNK]))
                     if self.meter is not None:
@@ -163,25 +155,25 @@ class ShardWriter:
                 del data
         return entries, offset, out.fact()
 
-    def _digest(self, name: str, held: RankSnapshot, stream: StreamState) -> str:
+    def _digest(self, name: str) -> str:
         """A tensor's digest after this publish, reusing a verified one where it can."""
         if name in self.encoded:
             return self.encoded[name].digest
-        source = held.snapshot.sources[name]
+        source, checksum = self.held.snapshot.sources[name], self.settings.checksum
         if (
             source.digest is not None
-            and source.checksum == self.checksum.name
-            and not held.snapshot.is_loaded(name)
+            and source.checksum == checksum.name
+            and not self.held.snapshot.is_loaded(name)
         ):
             return source.digest
-        return self.checksum.hexdigest(held.old_bytes(name, stream, keep=False))
+        return checksum.hexdigest(self.held.old_bytes(name, self.stream, keep=False))
 
-    def _new_bytes(self, name: str, held: RankSnapshot, stream: StreamState) -> ByteArray:
+    def _new_bytes(self, name: str) -> ByteArray:
         """A tensor's bytes after this publish: snapshot + payload, snapshot untouched."""
-        current = held.old_bytes(name, stream, keep=False)
+        current = self.held.old_bytes(name, self.stream, keep=False)
         entry = self.encoded.get(name)
         if entry is None:
             return current
         result = current.copy()
-        apply_payload(self.encoding, name, result, entry, self.spool)
+        apply_payload(self.settings.encoding, name, result, entry, self.spool)
         return result

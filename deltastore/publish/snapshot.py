@@ -1,31 +1,38 @@
-"""The trainer's snapshot: the bytes of the last published state of every tensor.
+"""The trainer's snapshot: the last published state of every tensor, and its rebuild from
+what a store already holds (resume).
 
-A :class:`Snapshot` knows every tensor of the model (dtype, shape, size) and *where its bytes can
-be read back* (a :class:`TensorSource`: a byte range of the base checkpoint, or of a full
-version in the store, plus the delta payloads to apply on top, plus the digest the result must
-have). It loads a tensor's bytes on first use. A single-process publisher loads everything at
-``seed()``; in a collective publish each rank only ever loads the tensors it is passed, so a
-rank's memory holds its own share of the model, not the whole model.
+A :class:`Snapshot` knows where each tensor's bytes can be read back (a :class:`TensorSource`)
+and loads them on first use: all at ``seed()`` in a single process, only the tensors a rank is
+passed in a collective publish. On resume only the chain's indexes and shard headers are read
+(a :class:`Lineage` of overlays on the base checkpoint); the bytes are verified on first use.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from deltastore.codecs import ByteArray, decompress, get_checksum, get_encoding
-from deltastore.errors import ConfigError, IntegrityError, PublishError
+from deltastore.codecs import (
+    ByteArray,
+    check_compression,
+    decompress,
+    get_checksum,
+    get_encoding,
+)
+from deltastore.errors import ConfigError, FormatError, IntegrityError, PublishError, StreamError
 from deltastore.format import PayloadRef
 from deltastore.format.checkpoint import checkpoint_files, read_file_range
-from deltastore.format.safetensors_io import read_header_file
+from deltastore.format.index import VersionIndex, check_shard_names
+from deltastore.format.safetensors_io import SafetensorsHeader, read_header_file
 from deltastore.progress import ProgressMeter
-from deltastore.publish.device import host_bytes
+from deltastore.publish.device import host_bytes, not_a_tensor
 from deltastore.storage import VersionStore
+from deltastore.storage.chain import walk_chain
 
 _READ_CHUNK = 64 * 1024**2
 
@@ -41,11 +48,9 @@ class SnapshotTensor:
 
 @dataclass(frozen=True)
 class TensorSource:
-    """How to read one tensor's bytes back: a starting range, then deltas, then a digest check.
-
-    The start is either ``file`` (a local base checkpoint file) or ``full_version`` + ``shard``
-    (a full version in the store); ``offset`` is the absolute byte offset of the tensor there.
-    """
+    """How to read one tensor's bytes back: a starting range (``offset`` in ``file``, a base
+    checkpoint file, or in ``shard`` of ``full_version`` in the store), then the deltas to
+    apply, then the digest the result must have (None: trusted, e.g. the base)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -57,7 +62,6 @@ class TensorSource:
     deltas: tuple[PayloadRef, ...] = field(default_factory=tuple)
     checksum: str | None = None
     digest: str | None = None
-    """Expected digest of the bytes after the deltas (None: trusted, e.g. the base)."""
 
     def describe(self) -> str:
         start = self.file if self.file is not None else f"weight_v{self.full_version:06d}"
@@ -65,28 +69,12 @@ class TensorSource:
         return f"{start}{chain}"
 
 
-class _TensorView(Mapping[str, SnapshotTensor]):
-    """``snapshot.tensors``: every tensor by name, loading its bytes on access."""
+class Snapshot(Mapping[str, SnapshotTensor]):
+    """Name → :class:`SnapshotTensor` in the base checkpoint's order, loaded on first access
+    (thread-safe). ``store`` is needed only for sources that point into a store."""
 
-    def __init__(self, snapshot: Snapshot) -> None:
-        self._snapshot = snapshot
-
-    def __getitem__(self, name: str) -> SnapshotTensor:
-        return self._snapshot[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._snapshot)
-
-    def __len__(self) -> int:
-        return len(self._snapshot)
-
-
-class Snapshot:
-    """Name → :class:`SnapshotTensor` in the base checkpoint's order, loaded on first access.
-
-    ``store`` is needed only for sources that point into a store (full versions, deltas).
-    Loading is thread-safe.
-    """
+    __eq__ = object.__eq__  # type: ignore[assignment]  # identity, never a load of every tensor
+    __hash__ = object.__hash__  # type: ignore[assignment]
 
     def __init__(self, sources: dict[str, TensorSource], store: VersionStore | None = None) -> None:
         self.sources = sources
@@ -94,7 +82,6 @@ class Snapshot:
         self._loaded: dict[str, ByteArray] = {}
         self._lock = threading.Lock()
 
-    # --------------------------------------------------------------- building
     @classmethod
     def describe_checkpoint(cls, directory: str) -> dict[str, TensorSource]:
         """Sources for every tensor of a safetensors checkpoint directory (headers only)."""
@@ -110,21 +97,18 @@ class Snapshot:
         return sources
 
     @classmethod
-    def from_checkpoint(cls, directory: str, *, lazy: bool = False) -> Snapshot:
-        """The tensors of a safetensors checkpoint directory; read now (one read per file)
-        unless ``lazy``."""
+    def from_checkpoint(cls, directory: str) -> Snapshot:
+        """The tensors of a safetensors checkpoint directory, read now (one read per file)."""
         snapshot = cls(cls.describe_checkpoint(directory))
-        if not lazy:
-            for path in checkpoint_files(directory):
-                header = read_header_file(path)
-                length = header.data_length or 0
-                buffer = read_file_range(path, header.data_start, length, what="its tensor data")
-                for name, entry in header.tensors.items():
-                    lo, hi = entry.start - header.data_start, entry.end - header.data_start
-                    snapshot._loaded[name] = buffer[lo:hi]
+        for path in checkpoint_files(directory):
+            header = read_header_file(path)
+            length = header.data_length or 0
+            buffer = read_file_range(path, header.data_start, length, what="its tensor data")
+            for name, entry in header.tensors.items():
+                lo, hi = entry.start - header.data_start, entry.end - header.data_start
+                snapshot._loaded[name] = buffer[lo:hi]
         return snapshot
 
-    # --------------------------------------------------------------- mapping
     def __contains__(self, name: object) -> bool:
         return name in self.sources
 
@@ -141,16 +125,14 @@ class Snapshot:
     @property
     def tensors(self) -> Mapping[str, SnapshotTensor]:
         """Every tensor by name; accessing one loads its bytes."""
-        return _TensorView(self)
+        return self
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the whole model (loaded or not)."""
         return sum(s.nbytes for s in self.sources.values())
 
     @property
     def loaded_bytes(self) -> int:
-        """Bytes this snapshot holds in memory."""
         with self._lock:
             return sum(int(a.size) for a in self._loaded.values())
 
@@ -158,7 +140,6 @@ class Snapshot:
         with self._lock:
             return name in self._loaded
 
-    # --------------------------------------------------------------- loading
     def load(self, name: str) -> ByteArray:
         """The tensor's bytes, read (and kept) on first access. Raises like :meth:`peek`."""
         with self._lock:
@@ -176,7 +157,7 @@ class Snapshot:
         return data if data is not None else self.read(name)
 
     def evict(self, name: str) -> None:
-        """Forget a tensor's bytes (its source must describe its current state)."""
+        """Forget a tensor's bytes (its source describes its current state)."""
         with self._lock:
             self._loaded.pop(name, None)
 
@@ -189,8 +170,7 @@ class Snapshot:
                 self._loaded.pop(name, None)
 
     def load_all(self, workers: int = 4, meter: ProgressMeter | None = None) -> None:
-        """Load every tensor now (each checked against its source's digest); ``meter`` counts
-        each tensor's bytes once it is loaded."""
+        """Load (and check) every tensor now; ``meter`` counts each one's bytes once loaded."""
 
         def load(name: str) -> None:
             self.load(name)
@@ -201,11 +181,8 @@ class Snapshot:
             list(pool.map(load, list(self.sources)))
 
     def read(self, name: str) -> ByteArray:
-        """Read a tensor from its source, apply its deltas and check its digest.
-
-        Raises :class:`IntegrityError` when the result does not match the recorded digest,
-        :class:`PublishError` when a store-backed source has no store.
-        """
+        """Read a tensor from its source and apply its deltas; :class:`IntegrityError` when the
+        result does not match the recorded digest."""
         source = self.sources[name]
         if source.file is not None:
             data = read_file_range(
@@ -273,9 +250,7 @@ _NUMPY_DTYPES: dict[str, str] = {
 }
 
 
-_DTYPE_NAMES: dict[Any, str | None] = {}
-"""Safetensors dtype string by torch dtype object, filled on first sight (a dict lookup per
-tensor instead of formatting the dtype's name)."""
+_DTYPE_NAMES: dict[Any, str | None] = {}  # by torch dtype, filled on first sight (no format)
 
 
 def safetensors_dtype_of(tensor: Any) -> str | None:
@@ -302,23 +277,16 @@ def nbytes_of(name: str, tensor: Any) -> int:
     element_size = getattr(tensor, "element_size", None)
     if callable(numel) and callable(element_size):
         return int(numel()) * int(element_size())
-    raise PublishError(
-        f"tensor {name!r} is a {type(tensor).__name__}; pass a torch.Tensor or numpy.ndarray"
-    )
+    raise not_a_tensor(name, tensor)
 
 
-def tensor_bytes(name: str, tensor: Any) -> ByteArray:
-    """The raw little-endian bytes of a tensor/array as 1-D uint8 (contiguous first; device
-    tensors are copied to the host)."""
-    return host_bytes(name, tensor)
+tensor_bytes = host_bytes
 
 
 def check_layout(name: str, tensor: Any, nbytes: int, base: TensorSource) -> None:
-    """Refuse a tensor whose dtype, shape or byte size differs from the base's.
-
-    The dtype is checked first: a model trained in another precision than its base (fp32
-    weights, a bf16 checkpoint) is the commonest mistake, and its size differs too.
-    """
+    """Refuse a tensor whose dtype, shape or byte size differs from the base's; the dtype
+    first: another precision than the base's (fp32 weights, a bf16 checkpoint) is the
+    commonest mistake, and its size differs too."""
     dtype = safetensors_dtype_of(tensor)
     # Raw uint8 byte arrays are accepted for any dtype: they are the dtype-blind path.
     typed = dtype is not None and dtype != "U8"
@@ -339,3 +307,149 @@ def check_layout(name: str, tensor: Any, nbytes: int, base: TensorSource) -> Non
             f"tensor {name!r} has {nbytes} bytes, the base has {base.nbytes} "
             f"({base.dtype}{list(base.shape)}); a delta needs equal sizes"
         )
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """What a chain changes about one tensor: a full-version start and/or deltas, and the
+    digest of the result. It is relative to the base, so each rank lays it on its own copy."""
+
+    full_version: int | None = None
+    shard: str | None = None
+    offset: int = 0
+    deltas: tuple[PayloadRef, ...] = ()
+    checksum: str | None = None
+    digest: str | None = None
+
+    def on(self, base: TensorSource) -> TensorSource:
+        """``base`` (the tensor in the base checkpoint) with this overlay laid on it."""
+        source = replace(base, deltas=self.deltas, checksum=self.checksum, digest=self.digest)
+        if self.full_version is None:
+            return source
+        return replace(
+            source, file=None, full_version=self.full_version, shard=self.shard, offset=self.offset
+        )
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """The state of ``version`` of a stream, as overlays on the base checkpoint."""
+
+    version: int
+    stream_id: str | None
+    overlays: dict[str, Overlay] = field(default_factory=dict)
+    deltas: int = 0  # deltas since the chain's full start (or the base) ...
+    wire_bytes: int = 0  # ... and their wire bytes (for the anchor rule)
+
+
+def _check_layout(name: str, nbytes: int, sources: dict[str, TensorSource], where: str) -> None:
+    base = sources.get(name)
+    if base is None:
+        raise StreamError(
+            f"{where} holds tensor {name!r}, which the base checkpoint lacks; the stream was "
+            "built on another base (pass the engines' model path as base_checkpoint)"
+        )
+    if nbytes != base.nbytes:
+        raise StreamError(
+            f"{where} holds tensor {name!r} with {nbytes} bytes, the base has {base.nbytes}; "
+            "the stream was built on another base"
+        )
+
+
+def rebuild_lineage(
+    store: VersionStore,
+    target: int,
+    sources: dict[str, TensorSource],
+    names: Collection[str] | None = None,
+) -> Lineage:
+    """Overlays that turn the base's ``sources`` into the state of ``target`` (of ``names``
+    only: then only their shards' headers are read). Raises :class:`StreamError` when the
+    store's tensors do not fit the base, :class:`FormatError` for a corrupt version."""
+    start, deltas = walk_chain(store, target)
+    stream = deltas[-1].stream_id if deltas else (start.stream_id if start else None)
+    overlays: dict[str, Overlay] = {}
+    wanted = None if names is None else set(names)
+    if start is not None:
+        _overlay(store, start, sources, wanted, overlays, full=True)
+    for delta in deltas:
+        _overlay(store, delta, sources, wanted, overlays, full=False)
+    return Lineage(
+        version=target,
+        stream_id=stream,
+        overlays=overlays,
+        deltas=len(deltas),
+        wire_bytes=sum(int(delta.totals.get("wire_bytes", 0)) for delta in deltas),
+    )
+
+
+def _headers(
+    store: VersionStore, index: VersionIndex, wanted: set[str] | None, where: str
+) -> Iterator[tuple[str, list[str], SafetensorsHeader]]:
+    """Each shard of ``index`` holding a wanted tensor (all when ``wanted`` is None), its
+    names and its header, checked against the index."""
+    for shard, shard_names in index.shards().items():
+        if wanted is not None and not wanted.intersection(shard_names):
+            continue
+        header = store.read_shard_header(index.version, shard)
+        check_shard_names(index, shard, set(header.tensors), source=f"{where}/{shard}")
+        yield shard, shard_names, header
+
+
+def _overlay(
+    store: VersionStore,
+    index: VersionIndex,
+    sources: dict[str, TensorSource],
+    wanted: set[str] | None,
+    overlays: dict[str, Overlay],
+    *,
+    full: bool,
+) -> None:
+    """Lay one version of the chain on the wanted tensors' overlays: a full version is their
+    new start, a delta appends its payloads. Every tensor of a shard read is checked against
+    the base."""
+    where = f"{store.url}/weight_v{index.version:06d}"
+    if full:
+        missing = sorted(set(sources) - set(index.weight_map))
+        if missing:
+            raise FormatError(
+                f"full version {where} lacks base tensors {missing[:5]}; a full version must "
+                "be complete"
+            )
+        if index.checksum:
+            get_checksum(index.checksum)
+    else:
+        try:
+            encoding = get_encoding(index.encoding or "").name
+            check_compression(index.compression)
+            get_checksum(index.checksum or "")
+        except ConfigError as exc:
+            raise FormatError(f"{where} cannot be replayed: {exc}") from None
+    for shard, shard_names, header in _headers(store, index, wanted, where):
+        for name in shard_names:
+            entry = header.tensors[name]
+            if full or name not in sources:
+                _check_layout(name, entry.nbytes, sources, where)
+            if wanted is not None and name not in wanted:
+                continue
+            digest = header.metadata.get(name)
+            if full:
+                overlays[name] = Overlay(
+                    index.version, shard, entry.start, (), index.checksum, digest
+                )
+                continue
+            if digest is None:
+                raise FormatError(f"{where}/{shard}: tensor {name!r} has no digest")
+            ref = PayloadRef(index.version, shard, entry.start, entry.end, encoding)
+            previous = overlays.get(name, Overlay())
+            overlays[name] = replace(
+                previous, deltas=(*previous.deltas, ref), checksum=index.checksum, digest=digest
+            )
+
+
+def apply_lineage(
+    snapshot: Snapshot, lineage: Lineage, base_sources: dict[str, TensorSource]
+) -> None:
+    """Point the snapshot's sources at the lineage, laid on this rank's ``base_sources``
+    (bytes are read and verified on first use)."""
+    for name, overlay in lineage.overlays.items():
+        snapshot.set_source(name, overlay.on(base_sources[name]))

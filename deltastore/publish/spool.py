@@ -1,12 +1,16 @@
-"""Compressed delta payloads of one publish, held between the diff and the shard writes."""
+"""Compressed delta payloads of one publish, held between the diff and the shard writes, and
+the :class:`Encoded` record that addresses each one."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 import threading
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, BinaryIO
+
+from deltastore.codecs import ByteArray, Encoding, XorChanges, decompress
 
 COPY_CHUNK = 64 * 1024**2
 """Bytes copied per write call when streaming a payload or tensor into a shard."""
@@ -15,12 +19,9 @@ JOIN_BYTES = 4 * 1024**2
 
 
 class PayloadSpool:
-    """Compressed payloads kept as they are produced: in memory up to a bound, then on disk.
-
-    Each in-memory frame stays its own ``bytes`` object (no growing buffer to reallocate and
-    copy); once ``memory_bytes`` are held, later frames go to an anonymous temp file. Frames
-    are addressed by a virtual offset. Thread-safe: encode workers append directly.
-    """
+    """Compressed payloads as they are produced, addressed by a virtual offset: each its own
+    ``bytes`` object in memory (no growing buffer to reallocate and copy) until
+    ``memory_bytes`` are held, then in an anonymous temp file. Encode workers append directly."""
 
     def __init__(self, memory_bytes: int) -> None:
         self.memory_bytes = memory_bytes
@@ -54,35 +55,16 @@ class PayloadSpool:
             self._file.seek(self._on_disk[offset])
             return bytes(self._file.read(length))
 
-    def copy_to(self, out: BinaryIO, offset: int, length: int) -> None:
-        with self._lock:
-            frame = self._memory.get(offset)
-            position = self._on_disk.get(offset)
-        if frame is not None:
-            view = memoryview(frame)
-            for lo in range(0, length, COPY_CHUNK):
-                out.write(view[lo : lo + COPY_CHUNK])
-            return
-        assert position is not None
-        done = 0
-        while done < length:
-            with self._lock:
-                self._file.seek(position + done)
-                chunk = self._file.read(min(length - done, COPY_CHUNK))
-            out.write(chunk)
-            done += len(chunk)
-
     def copy_many_to(self, out: BinaryIO, spans: list[tuple[int, int]]) -> None:
-        """Write the frames at ``spans`` ((offset, length), in order) to ``out`` back to back.
-
-        In-memory frames are joined into writes of up to :data:`JOIN_BYTES`, so a shard of
-        thousands of small payloads takes a few large writes instead of one per payload.
-        """
+        """Write the frames at ``spans`` ((offset, length), in order) to ``out`` back to back:
+        small in-memory frames joined into writes of up to :data:`JOIN_BYTES` (a shard of
+        thousands of payloads takes a few large writes), the others in chunks."""
         pending: list[bytes] = []
         pending_bytes = 0
         for offset, length in spans:
             with self._lock:
                 frame = self._memory.get(offset)
+                position = self._on_disk.get(offset)
             if frame is not None and length < JOIN_BYTES:
                 pending.append(frame)
                 pending_bytes += length
@@ -91,8 +73,17 @@ class PayloadSpool:
             if pending:
                 out.write(pending[0] if len(pending) == 1 else b"".join(pending))
                 pending, pending_bytes = [], 0
-            if frame is None or length >= JOIN_BYTES:
-                self.copy_to(out, offset, length)
+            if frame is not None and length >= JOIN_BYTES:
+                view = memoryview(frame)
+                for lo in range(0, length, COPY_CHUNK):
+                    out.write(view[lo : lo + COPY_CHUNK])
+            elif frame is None:
+                assert position is not None
+                for lo in range(0, length, COPY_CHUNK):
+                    with self._lock:
+                        self._file.seek(position + lo)
+                        chunk = self._file.read(min(length - lo, COPY_CHUNK))
+                    out.write(chunk)
         if pending:
             out.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
@@ -111,3 +102,29 @@ class PayloadSpool:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One diffed tensor: its new digest and where its compressed payload sits in the spool."""
+
+    name: str
+    changed_bytes: int
+    digest: str
+    offset: int
+    length: int
+    changes: XorChanges | None = None
+    """The change in element form where there is one (applied instead of the payload when
+    the snapshot advances: no second decode)."""
+
+
+def apply_payload(
+    encoding: Encoding, name: str, target: ByteArray, entry: Encoded, spool: PayloadSpool
+) -> None:
+    """Apply a spooled payload to ``target`` in place (size-checked before decompressing)."""
+    payload = decompress(
+        spool.read(entry.offset, entry.length),
+        max_size=encoding.max_payload_size(target.size),
+        what=f"payload of tensor {name!r}",
+    )
+    encoding.apply(target, payload, tensor=name)

@@ -11,6 +11,7 @@ from deltastore.publish.messages import (
     Layout,
     Placement,
     ShardJob,
+    StreamState,
     TensorChange,
     Written,
 )
@@ -24,7 +25,6 @@ from deltastore.publish.planning import (
     wants_full,
     written_failure,
 )
-from deltastore.publish.stream import StreamState
 
 SIZES = {"a": 100, "b": 200, "c": 300, "d": 400}
 STREAM = StreamState(stream_id="s1", base_version=4, next_version=5)
@@ -144,7 +144,7 @@ def test_written_versions_are_checked_for_completeness_and_sizes():
 def test_index_of_a_delta_and_of_a_full_version():
     layout = Layout(full=False, shards=((),), changed={"a": 5}, owner={"a": 0})
     writes = [Written(0, None, {"a": Placement("delta-1", 8, 20, "da")}, wire=20)]
-    totals = version_totals(layout, writes, STREAM, 1000)
+    totals = version_totals(layout, writes, STREAM, 1000, 5)
     assert (totals.changed_bytes, totals.wire_bytes, totals.base_version) == (5, 20, 4)
     index = build_index(
         5, "tok", layout, writes[0].entries, totals, STREAM, encoding="xor", checksum="xxh3-128"
@@ -157,7 +157,7 @@ def test_index_of_a_delta_and_of_a_full_version():
     )
     assert index.weight_map == {"a": "delta-1"} and index.commit_token == "tok"
     full = Layout(full=True, shards=((),), changed={}, owner={})
-    full_totals = version_totals(full, writes, STREAM, 1000)
+    full_totals = version_totals(full, writes, STREAM, 1000, 5)
     full_index = build_index(
         5, "tok", full, {}, full_totals, STREAM, encoding="xor", checksum="xxh3-128"
     )

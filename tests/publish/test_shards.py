@@ -39,7 +39,7 @@ def test_pieces_are_hashed_beside_their_writes_and_the_fact_is_the_files_hash(
     monkeypatch.setattr(ShardHasher, "update", noted)
     pieces = [bytes([i]) * (1 << 16) + b"tail" for i in range(16)]
     sink = _SlowSink()
-    with shards._hashing(sink) as out:
+    with shards._HashingWriter(sink) as out:
         for piece in pieces:
             out.write(memoryview(piece))
     whole = b"".join(pieces)
@@ -54,6 +54,6 @@ def test_a_failed_write_ends_the_hash_thread_and_raises_it() -> None:
         def write(self, data: object) -> int:
             raise OSError("disk full")
 
-    with pytest.raises(OSError, match="disk full"), shards._hashing(Failing()) as out:
+    with pytest.raises(OSError, match="disk full"), shards._HashingWriter(Failing()) as out:
         out.write(b"x" * 1024)
     assert not any(t.name.startswith("deltastore-shard-hash") for t in threading.enumerate())
