@@ -691,8 +691,8 @@ def encode_framed(
     tag: int,
     dense_ratio: int,
 ) -> list[FramedDelta | None]:
-    """A batch's frames (see :class:`SparseBackend`): each element size's small tensors in one
-    pass of numpy calls (:func:`encode_group`); None for the others (large, not whole words)."""
+    """As the numba backend's ``encode_framed``, but only each element size's small tensors, in
+    one pass of numpy calls (:func:`encode_group`); None for the others (large, not whole words)."""
     framed: list[FramedDelta | None] = [None] * len(olds)
     chunks, _ = groups(olds, itemsizes)
     prefix = bytes((tag,)) if tag >= 0 else b""
