@@ -25,6 +25,7 @@ import xxhash
 import zstandard
 
 from deltastore.codecs import ByteArray
+from deltastore.format.safetensors_io import TensorLayout, write_safetensors
 
 Frame = tuple[str, bytes, str]
 """(tensor name, zstd-1 frame of new XOR old, xxh3-128 hex of new)."""
@@ -103,25 +104,12 @@ def reference_publish(
 
 
 def _write_shard(path: str, frames: list[Frame]) -> int:
-    header: dict[str, object] = {"__metadata__": {n: d for n, _, d in frames}}
-    offset = 0
-    for name, frame, _ in frames:
-        header[name] = {
-            "dtype": "U8",
-            "shape": [len(frame)],
-            "data_offsets": [offset, offset + len(frame)],
-        }
-        offset += len(frame)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
+    tensors = [(TensorLayout(name, "U8", (len(frame),)), frame) for name, frame, _ in frames]
     with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)))
-        fh.write(raw)
-        for _, frame, _ in frames:
-            fh.write(frame)
+        size = write_safetensors(fh, tensors, {name: digest for name, _, digest in frames})
         fh.flush()
         os.fsync(fh.fileno())
-    return 8 + len(raw) + offset
+    return size
 
 
 def reference_pull(shard: str, host_file: str, workers: int, *, flush: bool = True) -> Phases:
@@ -135,7 +123,7 @@ def reference_pull(shard: str, host_file: str, workers: int, *, flush: bool = Tr
         data = shard_file.read()
     (hlen,) = struct.unpack_from("<Q", data)
     header = json.loads(data[8 : 8 + hlen])
-    digests = header.pop("__metadata__")
+    digests = header.pop("__metadata__", {})
     phases.add(read_s=time.perf_counter() - t0)
     with open(host_file, "r+b") as fh:
         (host_hlen,) = struct.unpack("<Q", fh.read(8))

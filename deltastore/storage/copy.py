@@ -29,7 +29,7 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.names import version_dir_name
-from deltastore.format.shard_stream import StreamHasher
+from deltastore.format.shard_stream import StreamedShardCheck, StreamHasher
 
 if TYPE_CHECKING:
     from deltastore.storage.store import VersionStore
@@ -52,26 +52,16 @@ class RangeSource(Protocol):
     def read_range(self, version: int, name: str, start: int, end: int) -> bytes: ...
 
 
-class StreamCheck(Protocol):
-    """What follows a file's bytes as they are copied (e.g. a
-    :class:`~deltastore.format.shard_stream.StreamedShardCheck`); it raises to fail the try."""
-
-    checked: int  # tensors checked (reported as ``verified_tensors``)
-
-    def update(self, data: bytes | memoryview) -> None: ...
-
-    def finish(self) -> object: ...
-
-
 @dataclass(frozen=True)
 class CopyJob:
     """One file of a version to copy (``size`` at the source); ``check`` makes a fresh check
-    for each try, fed the file's bytes in order (None: sizes only)."""
+    for each try, fed the file's bytes in order, which raises to fail the try (None: sizes
+    only)."""
 
     version: int
     name: str
     size: int
-    check: Callable[[], StreamCheck] | None = None
+    check: Callable[[], StreamedShardCheck] | None = None
 
 
 @dataclass(frozen=True)

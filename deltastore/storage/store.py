@@ -2,15 +2,10 @@
 
 The store moves opaque bytes: it knows version directories, indexes and byte ranges, never
 codecs. Versions are written only through :class:`~deltastore.storage.writer.VersionWriter`
-(:meth:`VersionStore.begin`), whose module docstring is the commit protocol. Versions are
-listed by their indexes (shards without one, and versions with a tombstone, are invisible).
-Remote stores are opened without fsspec's listing cache, so another host's commit is visible at
-once. Each idempotent step is retried as a unit under one deadline for transient errors;
-permanent errors fail at once as :class:`StoreError` / :class:`ConfigError` naming the URL.
-What differs between kinds of store is one :class:`~deltastore.storage.backends.Backend`; the
-commit protocol's objects (claims, tombstones, successors, file writes) are a
-:class:`~deltastore.storage.writer.StoreObjects` the store holds, for the writer and prune
-(and, through :func:`store_objects`, the conformance suite and fault tests).
+(:meth:`VersionStore.begin`), whose module docstring is the commit protocol, and listed by
+their indexes (shards without one, and versions with a tombstone, are invisible). Remote
+stores are opened without fsspec's listing cache, so another host's commit is visible at once.
+What differs between kinds of store is one :class:`~deltastore.storage.backends.Backend`.
 """
 
 from __future__ import annotations

@@ -24,10 +24,8 @@ Readers (:meth:`VersionStore.versions`, :meth:`VersionStore.index`) treat a vers
 tombstone as invisible, and tombstones are permanent, so an index that lands late (a writer
 that stalled, or died right after writing it) never makes a pruned version visible again.
 
-The protocol's objects (claims, tombstones, successors, probes under ``_claims/``, the
-create-only write they rely on, the streamed write of a version's files) are a
-:class:`StoreObjects` every :class:`VersionStore` holds (not inherits, so the store's public
-face stays small); the writer and prune use it. Outside ``deltastore.storage`` only
+The protocol's objects are a :class:`StoreObjects` every :class:`VersionStore` holds (not
+inherits, so the store's public face stays small); outside ``deltastore.storage`` only
 :func:`~deltastore.storage.store.store_objects` reaches it (the conformance suite, fault tests).
 """
 
@@ -133,13 +131,9 @@ class StoreObjects:
         )
 
     def check_exclusive_create(self) -> bool:
-        """Whether create-only writes are exclusive on this backend, probed once (kept as the
-        store's ``supports_exclusive_create``): a probe object under ``_claims/`` is written
-        twice, create-only, and the second write must fail. Where it does not, concurrent
-        writers of one version could both commit: a warning says so. Raises
-        :class:`ConfigError` if the bucket does not exist, :class:`StoreError` if access is
-        denied.
-        """
+        """Whether create-only writes are exclusive on this backend, probed once (a probe
+        object under ``_claims/`` written twice: the second write must fail; where it does
+        not, a warning says so). Raises :class:`ConfigError` if the bucket does not exist."""
         if self.store.supports_exclusive_create is not None:
             return self.store.supports_exclusive_create
         token = uuid.uuid4().hex
@@ -171,7 +165,6 @@ class StoreObjects:
         return posixpath.join(self.root, version_dir_name(version))
 
     def version_url(self, version: int) -> str:
-        """URL of a version's directory (what hooks receive)."""
         if self.backend.is_local:
             return self.version_path(version)
         return posixpath.join(self.url, version_dir_name(version))
@@ -183,7 +176,6 @@ class StoreObjects:
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + CLAIM_SUFFIX)
 
     def abort_path(self, version: int) -> str:
-        """Path of a version's tombstone (written by prune to fence or unpublish it)."""
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + ABORT_SUFFIX)
 
     def successor_path(self, base: int, generation: int) -> str:
@@ -250,7 +242,6 @@ class StoreObjects:
         return bool(self._guard(f"checking {path}", lambda: self.fs.exists(path)))
 
     def read_optional(self, path: str) -> bytes | None:
-        """The bytes of ``path``, or None when it does not exist."""
         try:
             return bytes(self._guard(f"reading {path}", lambda: self.fs.cat_file(path)))
         except FileNotFoundError:
@@ -315,9 +306,10 @@ class VersionWriter:
         self.claimant = claimant  # the writer that took the claim: only it commits or aborts
         self.committed = False
         self.step_hook: StepHook | None = None
+        self._name = f"weight_v{version:06d}"
 
     def __repr__(self) -> str:
-        return f"VersionWriter({self.objects.url!r}, weight_v{self.version:06d})"
+        return f"VersionWriter({self.objects.url!r}, {self._name})"
 
     @property
     def url(self) -> str:
@@ -343,10 +335,6 @@ class VersionWriter:
     def _step(self, name: str) -> None:
         if self.step_hook is not None:
             self.step_hook(name)
-
-    @property
-    def _name(self) -> str:
-        return f"weight_v{self.version:06d}"
 
     @contextlib.contextmanager
     def open_write(self, name: str) -> Iterator[BinaryIO]:
