@@ -266,21 +266,15 @@ class Bench:
         publisher.seed()
         host = os.path.join(self.workdir, f"host-{encoding}")
         shutil.rmtree(host, ignore_errors=True)
-        pull_weights(host, store, 0, base_dir=self.base_dir, workers=self.workers)
+        pull = functools.partial(
+            pull_weights, host, store, base_dir=self.base_dir, workers=self.workers
+        )
+        pull(0)
         publisher.pop_metrics()
         result, publish_s = _timed(lambda: publisher.publish(self.after.items()))
         metrics = publisher.pop_metrics()
         # Timed to the reply (what an engine waits for); the flush and the state after it.
-        _, pull_s = _timed(
-            lambda: pull_weights(
-                host,
-                store,
-                result.version,
-                base_dir=self.base_dir,
-                workers=self.workers,
-                flush_after_reply=True,
-            )
-        )
+        _, pull_s = _timed(lambda: pull(result.version, flush_after_reply=True))
         begun = time.perf_counter()
         wait_durable(host)
         durable_s = time.perf_counter() - begun

@@ -26,7 +26,6 @@ class Emulator:
     """A running emulator: the bucket's URL, fsspec storage options for this process, and
     the environment a shell or subprocess needs to reach it without options."""
 
-    kind: str
     url: str
     endpoint_url: str
     storage_options: dict[str, object] = field(default_factory=dict)
@@ -59,7 +58,7 @@ def running_emulator(kind: str, bucket: str) -> Iterator[Emulator]:
     with server:
         server.make_bucket(bucket)
         url = f"{'s3' if s3 else 'gs'}://{bucket}"
-        yield Emulator(kind, url, server.endpoint_url, server.storage_options, env)
+        yield Emulator(url, server.endpoint_url, server.storage_options, env)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -192,8 +193,6 @@ def read_header(
 
 def read_header_file(path: str) -> SafetensorsHeader:
     """Parse the header of a local safetensors file."""
-    import os
-
     with open(path, "rb") as fh:
         return read_header(fh, file_size=os.fstat(fh.fileno()).st_size, source=path)
 

@@ -84,11 +84,8 @@ class PruneReport:
             lines.append(f"{verb} remove {len(self.stray)} stray internal object(s)")
         if self.chain_kept:
             newer = tuple(v for v in self.keep if v not in self.chain_kept)
-            deltas = (
-                "is a delta whose chain needs"
-                if len(newer) == 1
-                else ("are deltas whose chains need")
-            )
+            one = len(newer) == 1
+            deltas = "is a delta whose chain needs" if one else "are deltas whose chains need"
             lines.append(
                 f"why more than asked: {fmt(newer)} {deltas} "
                 f"{fmt(self.chain_kept)}; only a full version (`deltastore publish --full`, or "
