@@ -91,11 +91,8 @@ def layer_shapes(size_mb: float) -> list[tuple[str, tuple[int, int]]]:
 
 
 class SyntheticTraining:
-    """fp32 master weights of a transformer-like layout and their bf16 cast (the model).
-
-    :meth:`step` is an Adam-like update: every master weight moves by ``±lr``; the bf16 model
-    sees only the elements whose rounding flips, which is what makes RL deltas sparse.
-    """
+    """fp32 master weights of a transformer-like layout and their bf16 cast (the model);
+    :meth:`step` moves every master weight by ``±lr`` (see the module docstring)."""
 
     def __init__(self, size_mb: float, seed: int) -> None:
         import torch

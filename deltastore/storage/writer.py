@@ -405,7 +405,7 @@ class VersionWriter:
         try:
             fenced = self.objects.is_fenced(self.version)
         except Exception as exc:
-            if self._visible_as_ours():
+            if self.landed():
                 log.warning(
                     "checking %s for a tombstone failed (%s), but readers see it: "
                     "the commit stands",
@@ -435,12 +435,6 @@ class VersionWriter:
             return self.objects.index(self.version).commit_token == self.token
         except Exception:
             return None
-
-    def _visible_as_ours(self) -> bool:
-        try:
-            return self.objects.index(self.version).commit_token == self.token
-        except Exception:
-            return False
 
     def _check_fence(self) -> None:
         """Refuse a version with a tombstone, or whose claim is missing or another writer's."""
