@@ -186,10 +186,8 @@ def _pop_lineage(
 def check_shard_names(
     index: VersionIndex, shard: str, names_in_shard: set[str], *, source: str
 ) -> None:
-    """Refuse a shard that holds other names than exactly those the index maps to it.
-
-    A half-visible listing or a foreign file in a version dir must not pass as a smaller update.
-    """
+    """Refuse a shard that holds other names than exactly those the index maps to it: a
+    half-visible listing or a foreign file must not pass as a smaller update."""
     expected = {name for name, target in index.weight_map.items() if target == shard}
     if names_in_shard != expected:
         missing = sorted(expected - names_in_shard)[:5]

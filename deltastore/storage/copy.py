@@ -72,9 +72,9 @@ class FileCopied:
 
 
 class FileCopier:
-    """Copies files from ``src`` into a transaction writing to ``dst`` (where each copied
-    file's size is checked); ``reads`` runs the ranged reads; ``read_back`` makes each copy read
-    the destination's file back and compare its digest with the source's bytes."""
+    """Copies files from ``src`` into a transaction writing to ``dst`` (where each copy's size
+    is checked), the ranged reads on ``reads``; ``read_back``: each copy is read back from the
+    destination and its digest compared with the source's bytes."""
 
     def __init__(
         self,
@@ -96,8 +96,8 @@ class FileCopier:
     def copy(self, writer: WritesFiles, job: CopyJob, cancel: threading.Event) -> FileCopied:
         """Copy one file, retrying transient failures. Raises :class:`IntegrityError` /
         :class:`FormatError` for a corrupt source file, :class:`TransientStoreError` when the
-        destination keeps failing or storing another size or other bytes, and
-        :class:`InterruptedError` at the next chunk once ``cancel`` is set."""
+        destination keeps failing or storing other bytes, :class:`InterruptedError` once
+        ``cancel`` is set."""
         retries = 0
         while True:
             landed = [0]

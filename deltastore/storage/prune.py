@@ -213,7 +213,6 @@ def _fence(store: StoreObjects, versions: tuple[int, ...]) -> list[int]:
 
 
 def _delete(store: StoreObjects, version: int) -> None:
-    """Delete an unpublished or fenced version's data."""
     # Index first: a half-finished delete must never leave an index without its shards. The
     # tombstone stays for good: an index that lands late is never visible.
     store.remove(store.file_path(version, INDEX_NAME))
@@ -223,8 +222,7 @@ def _delete(store: StoreObjects, version: int) -> None:
 
 
 def check_prune_args(keep: int, grace_s: float) -> None:
-    """The checks :func:`prune` makes before it reads the store (for callers that check
-    arguments first)."""
+    """The checks :func:`prune` makes before it reads the store."""
     if keep < 1:
         raise ConfigError(f"prune keep={keep}: at least the latest version must be kept")
     if grace_s < 0:
@@ -234,7 +232,6 @@ def check_prune_args(keep: int, grace_s: float) -> None:
 def prune(
     store: StoreObjects, keep: int, grace_s: float, dry_run: bool, progress: ProgressCallback | None
 ) -> PruneReport:
-    """:meth:`VersionStore.prune <deltastore.storage.store.VersionStore.prune>`."""
     check_prune_args(keep, grace_s)
     store.refresh()
     listing = store.listing()

@@ -189,9 +189,8 @@ class StoreObjects:
         self.backend.create_only(path, data)
 
     def create_or_read(self, path: str, data: bytes) -> bytes | None:
-        """Create-only write of ``path``: None if written now, else the existing object's bytes
-        (the caller decides whether it is its own, written earlier with a lost acknowledgement).
-        Retried as one unit."""
+        """Create-only write of ``path``, retried as one unit: None if written now, else the
+        existing object's bytes (perhaps the caller's own, after a lost acknowledgement)."""
 
         def attempt() -> bytes | None:
             try:
@@ -293,9 +292,8 @@ StepHook = Callable[[str], object]
 
 
 class VersionWriter:
-    """Writes the files of one claimed version and commits it; a context manager that aborts
-    on an exception unless committed. Obtain one from :meth:`VersionStore.begin` or (non-zero
-    ranks) :meth:`VersionStore.join`."""
+    """Writes the files of one claimed version and commits it (:meth:`VersionStore.begin`, or
+    :meth:`VersionStore.join`); a context manager that aborts on an exception unless committed."""
 
     def __init__(
         self, objects: StoreObjects, version: int, token: str, *, claimant: bool = True
@@ -352,13 +350,11 @@ class VersionWriter:
             self.objects.store.post_write(self.url)
 
     def commit(self, index: VersionIndex) -> VersionIndex:
-        """Publish this version by creating its index; returns the committed index.
-
-        Stamps ``commit_token`` with this writer's token. Raises :class:`ConfigError` for an
-        index of another version or a writer that did not claim, :class:`StoreError` if a
-        shard named by the index is not written, :class:`VersionConflictError` if another
-        writer committed this version or already extended its base, or prune fenced it.
-        """
+        """Publish this version by creating its index stamped with this writer's token; returns
+        the committed index. Raises :class:`ConfigError` for an index of another version or a
+        writer that did not claim, :class:`StoreError` if a shard it names is not written,
+        :class:`VersionConflictError` if another writer committed this version or already
+        extended its base, or prune fenced it."""
         if not self.claimant:
             raise ConfigError(
                 f"{self._name}: only the writer that claimed it (rank 0) commits; this writer "
@@ -395,13 +391,10 @@ class VersionWriter:
         return index
 
     def _recheck(self, index_path: str) -> None:
-        """Does the commit stand: the index is ours and no tombstone was written meanwhile.
-
-        Only the tombstone matters now (a claim is removed or replaced only after one). A
-        fenced commit withdraws its index. If the check itself fails, the index is left in
-        place, which is safe: readers never see a version with a tombstone, and prune deletes
-        data only after writing one; the readers' view then decides.
-        """
+        """Does the commit stand: no tombstone was written meanwhile (a claim is removed or
+        replaced only after one). A fenced commit withdraws its index. If the check itself
+        fails, the index is left in place, which is safe: readers never see a version with a
+        tombstone, and prune deletes data only after writing one; the readers' view decides."""
         try:
             fenced = self.objects.is_fenced(self.version)
         except Exception as exc:
@@ -491,9 +484,7 @@ class VersionWriter:
 
         A version whose index exists or cannot be checked is left alone (after a lost
         acknowledgement its commit may have landed; prune fences it later if it is garbage).
-        Removing the claim also voids a successor object this writer took: the next writer
-        that extends the same base moves past it.
-        """
+        Removing the claim voids a successor object this writer took."""
         if self.committed or not self.claimant:
             return
         store = self.objects
@@ -516,8 +507,7 @@ class VersionWriter:
 
 
 def _try_claim(store: StoreObjects, version: int, token: str) -> str | None:
-    """Take ``version``'s claim: None on success, else why not (``committed``, ``fenced``,
-    ``claimed``)."""
+    """Take ``version``'s claim: None on success, else why not (a key of ``_REFUSED``)."""
     store.check_exclusive_create()
     if store.exists(store.file_path(version, INDEX_NAME)):
         return "fenced" if store.is_fenced(version) else "committed"
