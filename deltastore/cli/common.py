@@ -267,9 +267,8 @@ def step_progress(args: argparse.Namespace, what: str, total: int) -> Iterator[C
 
 @contextlib.contextmanager
 def byte_progress(args: argparse.Namespace, what: str) -> Iterator[ProgressCallback | None]:
-    """A bar of the bytes the library reports (on a TTY, stderr): phase, bytes done of the
-    total, rate and ETA; a pulsing bar until a total is known. Yields the callback to pass as
-    ``progress=``, or None when progress is off (no TTY, ``--quiet``, ``--json``)."""
+    """A bar of the bytes the library reports: phase, bytes done of the total, rate and ETA (a
+    pulsing bar until a total is known); yields the ``progress=`` callback, or None when off."""
 
     def columns(r: Any) -> tuple[Any, ...]:
         return _description(r), r.BarColumn(), r.DownloadColumn(), r.TransferSpeedColumn(), *_eta(r)

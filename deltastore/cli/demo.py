@@ -62,11 +62,8 @@ def _layout_bytes(hidden: int) -> tuple[int, int, int, int]:
 
 
 def layer_shapes(size_mb: float) -> list[tuple[str, tuple[int, int]]]:
-    """A transformer-like layout of bf16 tensors adding up to about ``size_mb`` MB.
-
-    The widest hidden size (1024 down to 64) whose layer count brings the total within 10 %
-    of ``size_mb`` is used (else the closest): small sizes give a narrow model, not a big one.
-    """
+    """A transformer-like layout of bf16 tensors adding up to about ``size_mb`` MB: the widest
+    hidden size (1024 down to 64) whose layer count comes within 10 % (else the closest)."""
     target = size_mb * 1e6
 
     def fit(hidden: int) -> tuple[int, float]:

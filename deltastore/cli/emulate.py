@@ -35,12 +35,9 @@ class Emulator:
 @contextlib.contextmanager
 def running_emulator(kind: str, bucket: str) -> Iterator[Emulator]:
     """Start the ``kind`` ("s3" or "gcs") emulator with ``bucket`` created; stop it on exit.
-    :class:`ConfigError` names the extra to install when the emulator is missing.
-
-    For GCS this sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` in this process (before
-    gcsfs is imported): else gcsfs asks each bucket for a hierarchical namespace, which the
-    emulator cannot answer, and warns on every call.
-    """
+    :class:`ConfigError` names the extra to install when the emulator is missing. For GCS this
+    sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` here (before gcsfs is imported): else
+    gcsfs asks each bucket for a hierarchical namespace the emulator cannot answer."""
     from deltastore.testing import servers
 
     if kind not in ("s3", "gcs"):

@@ -107,10 +107,8 @@ def _write_shard(path: str, frames: list[Frame]) -> int:
 
 
 def reference_pull(shard: str, host_file: str, workers: int, *, flush: bool = True) -> Phases:
-    """Apply the delta shard at ``shard`` in place to the safetensors file ``host_file``.
-
-    ``flush=False`` skips the final msync, as the upstream engine readers do (the engine
-    reloads from the page cache; a host that loses it rebuilds from the base)."""
+    """Apply the delta shard at ``shard`` in place to the safetensors file ``host_file``;
+    ``flush=False`` skips the final msync, as the upstream engine readers do."""
     phases = Phases()
     t0 = time.perf_counter()
     with open(shard, "rb") as shard_file:

@@ -1,10 +1,7 @@
 """``deltastore ls``, ``inspect`` and ``prune``: the committed versions of a store; one
-version's index metadata and per-tensor payloads, or the history of the whole run
-(``--history``), which ``--plot FILE.png`` draws (matplotlib: the ``plot`` extra); unpublishing
-old versions and deleting garbage (a dry run by default).
-
-A path that holds no store is an error (a typo must not read as an empty store). A version
-whose index cannot be read is listed as ``corrupt`` with the reason, beside the healthy ones.
+version's tensors or the history of the run (drawn with ``--plot``); unpublishing old versions
+and deleting garbage. A path that holds no store is an error (a typo must not read as an empty
+store); a version whose index cannot be read is listed as ``corrupt``, beside the healthy ones.
 """
 
 from __future__ import annotations
@@ -107,8 +104,7 @@ def version_row(store: VersionStore, version: int) -> dict[str, object]:
 
 
 def list_versions(store: VersionStore) -> list[dict[str, object]]:
-    """One row per committed version (see :func:`version_row`); raises :class:`ConfigError`
-    when the URL holds no store."""
+    """One row per committed version; :class:`ConfigError` when the URL holds no store."""
     listing = store.listing()
     require_store(store, listing)
     return [version_row(store, version) for version in listing.committed]
