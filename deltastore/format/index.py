@@ -81,19 +81,17 @@ class VersionIndex:
     def _body(self) -> dict[str, Any]:
         metadata: dict[str, Any] = dict(self.extra)
         metadata["version"] = format_version(self.version)
-        if self.base_version is not None:
-            metadata["base_version"] = format_version(self.base_version)
-        if self.encoding is not None:
-            metadata["delta_encoding"] = self.encoding
-        if self.compression is not None:
-            metadata["compression_format"] = self.compression
-        if self.checksum is not None:
-            metadata["checksum_format"] = self.checksum
-        metadata["format"] = metadata.get("format", FORMAT_NAME)
-        if self.stream_id is not None:
-            metadata["stream_id"] = self.stream_id
-        if self.commit_token is not None:
-            metadata["commit_token"] = self.commit_token
+        base = None if self.base_version is None else format_version(self.base_version)
+        keys = {  # in this order: it is the published bytes' key order
+            "base_version": base,
+            "delta_encoding": self.encoding,
+            "compression_format": self.compression,
+            "checksum_format": self.checksum,
+            "format": metadata.get("format", FORMAT_NAME),
+            "stream_id": self.stream_id,
+            "commit_token": self.commit_token,
+        }
+        metadata.update((key, value) for key, value in keys.items() if value is not None)
         metadata.update(self.totals)
         return {"metadata": metadata, "weight_map": dict(sorted(self.weight_map.items()))}
 

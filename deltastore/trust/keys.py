@@ -104,11 +104,9 @@ def generate_keypair(prefix: str | os.PathLike[str]) -> KeyPairFiles:
     ed25519, serialization = require_cryptography()
     base = os.fspath(prefix)
     parent = os.path.dirname(base)
-    if parent and not os.path.isdir(parent):
+    if parent:
         try:
-            os.makedirs(parent)
-        except FileExistsError:
-            pass  # made meanwhile; _write_new refuses what is not a directory
+            os.makedirs(parent, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create the key directory {parent}: {exc}") from None
     private_path, public_path = base + PRIVATE_SUFFIX, base + PUBLIC_SUFFIX
