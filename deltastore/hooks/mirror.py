@@ -10,10 +10,10 @@ the copier replication uses (:class:`~deltastore.storage.copy.FileCopier`).
 
 Configuration, the same on both sides (see docs/hooks.md): ``DELTASTORE_REMOTE_URL`` (the
 trainer's ``args.update_weight_remote_url`` takes precedence), ``DELTASTORE_STORAGE_OPTIONS``
-(a JSON object of fsspec options) and ``DELTASTORE_HOOK_TIMEOUT_S`` (how long a rank that does
-not upload waits for the uploading rank's commit; default 600). Only one rank uploads (the
-publishing group's rank, else ``args.rank``, ``torch.distributed``'s rank, ``$RANK``, 0). A
-version is identified by its commit token, so re-running a hook resumes or is a no-op.
+(a JSON object of fsspec options) and ``DELTASTORE_HOOK_TIMEOUT_S`` (how long the other ranks
+wait for the uploading rank's commit; default 600). Only one rank uploads (rank 0 of the
+publishing group, else of ``args.rank``, ``torch.distributed`` or ``$RANK``). A version is
+identified by its commit token, so re-running a hook resumes or is a no-op.
 """
 
 from __future__ import annotations

@@ -3,11 +3,9 @@ replication (``deltastore.replicate``) and the mirror hooks (``deltastore.hooks`
 
 A file is cut into chunks; up to ``window`` chunks are read at once (ranged reads on a shared
 pool) while the chunk at the head is written to the destination's stream (the transaction's
-``open_write``: a temp file renamed into place, or a multipart / resumable upload that
-completes only when the file is whole), so at most ``window`` chunks per file are held. A failed
-try is discarded and repeated for transient errors. What the bytes mean is the caller's: a job
-may carry a streamed check fed every byte, and a whole-file hasher may compare a read-back of
-the destination with what the source gave.
+``open_write``, which completes only when the file is whole), so at most ``window`` chunks per
+file are held. A failed try is discarded and repeated for transient errors. What the bytes
+mean is the caller's (a job's streamed check, a read-back hasher).
 """
 
 from __future__ import annotations
