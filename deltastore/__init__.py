@@ -58,9 +58,8 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# The verbs and the objects they work on, what they return, what users configure or extend,
-# the root of the error tree and the categories worth catching (every error class, these
-# included, lives in deltastore.errors).
+# The verbs, their objects and results, what users configure or extend, and the error
+# categories worth catching (every error class lives in deltastore.errors).
 __all__ = [
     "ApplyError",
     "ConfigError",

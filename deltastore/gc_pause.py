@@ -1,13 +1,9 @@
 """The cyclic garbage collector paused for the length of a publish or a pull.
 
-A publish of many tensors makes a few long-lived objects per tensor (results, placements,
-index entries); every few thousand of them the collector runs a full collection, which walks
-every tracked object of the process (a trainer holds millions). A pull makes as many per tensor
-(header entries, payload references, histories, frames and undo records); on a model of
-thousands of small tensors both spent a large share of their time in full collections
-(docs/benchmarks.md, *Batched apply and the paused collector*). Neither makes garbage cycles
-worth collecting meanwhile, so the collector is paused while they run and resumed after
-(reference counting still frees everything else). One module for both sides, so a publish
+Both make a few long-lived objects per tensor; every few thousand of them the collector runs a
+full collection, which walks every tracked object of the process (a trainer holds millions).
+Neither makes garbage cycles worth collecting meanwhile, so the collector is paused while they
+run (reference counting still frees everything else). One module for both sides, so a publish
 and a pull in one process share the pause and only the last resumes it.
 """
 

@@ -23,21 +23,15 @@ REPORT_INTERVAL_S = 0.02
 
 
 class ProgressCallback(Protocol):
-    """``progress(phase, done_bytes, total_bytes)``: what a long operation reports.
-
-    ``phase`` names the step (e.g. ``"diff"``, ``"write"``, ``"apply"``); ``done_bytes`` is
-    the bytes done so far in that phase; ``total_bytes`` the bytes the phase will do, or None
-    when unknown.
-    """
+    """``progress(phase, done_bytes, total_bytes)`` (see the module docstring); ``phase``
+    names the step, e.g. ``"diff"``, ``"write"``, ``"apply"``."""
 
     def __call__(self, phase: str, done_bytes: int, total_bytes: int | None, /) -> None: ...
 
 
 class ProgressMeter:
-    """Counts the bytes of one phase and reports them to a callback, coalesced, thread-safe.
-
-    Use :meth:`start` (None when there is no callback, so a caller without one pays nothing).
-    """
+    """Counts the bytes of one phase and reports them to a callback, coalesced, thread-safe;
+    made by :meth:`start` (None without a callback, so a caller without one pays nothing)."""
 
     def __init__(self, callback: ProgressCallback, phase: str, total: int | None) -> None:
         self.callback = callback

@@ -1,10 +1,8 @@
 """The ``deltastore`` command.
 
 Each module in :data:`COMMAND_MODULES` has ``register(subparsers)``, which adds the parsers of
-its subcommands through :func:`deltastore.cli.common.add_command` (its flags, exit codes, JSON
-output and progress display). Errors print one line and exit non-zero; ``--debug`` shows the
-traceback. The common flags (``--debug``, ``-v``, ``--quiet``) work before or after the
-subcommand.
+its subcommands through :func:`deltastore.cli.common.add_command`. Errors print one line and
+exit non-zero; ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import glob
 import os
 import platform
 import shutil
@@ -30,7 +29,8 @@ from deltastore.cli.demo import backend_store, layer_shapes
 from deltastore.cli.reference import reference_publish, reference_pull
 from deltastore.codecs import ENCODINGS
 from deltastore.errors import ConfigError
-from deltastore.progress import ProgressCallback
+from deltastore.format.checkpoint import checkpoint_files, read_tensor, scan_checkpoint
+from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.publish import DeltaPublisher
 from deltastore.publish.config import default_workers
 from deltastore.publish.device import host_bytes
@@ -131,14 +131,11 @@ def moe_model(tensors: int, seed: int) -> Model:
 
 
 def checkpoint_model(directory: str) -> Model:
-    """Every tensor of the safetensors files in ``directory``."""
+    """Every tensor of the checkpoint in ``directory``."""
     from safetensors.torch import load_file
 
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise ConfigError(f"--checkpoint {directory} holds no *.safetensors file")
     model: Model = {}
-    for path in files:
+    for path in checkpoint_files(directory):
         model.update(load_file(path))
     return model
 
@@ -208,7 +205,15 @@ class Path:
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the fastest publish / pull."""
 
-    def keep(self, publish_s: float, pull_s: float, phases: dict[str, float]) -> None:
+    def keep(
+        self,
+        wire_bytes: int,
+        publish_s: float,
+        pull_s: float,
+        phases: dict[str, float] | None = None,
+    ) -> None:
+        self.wire_bytes = wire_bytes
+        phases = phases or {}
         if publish_s < self.publish_s:
             self.phases = {**self.phases, **{k: v for k, v in phases.items() if "pull" not in k}}
         self.publish_s = min(self.publish_s, publish_s)
@@ -230,38 +235,27 @@ class Bench:
     paths: dict[str, Path] = field(default_factory=dict)
     runs: int = 0
 
-    def base_files(self) -> list[str]:
-        return sorted(glob.glob(os.path.join(self.base_dir, "*.safetensors")))
-
     def measure_reference(self) -> None:
         """One reference-style publish and in-place pull (best kept)."""
-        from safetensors import safe_open
-
-        snapshot: dict[str, np.ndarray] = {}
-        for file in self.base_files():
-            with safe_open(file, "pt") as fh:
-                for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    snapshot[name] = host_bytes(name, fh.get_tensor(name)).copy()
+        snapshot = {n: read_tensor(t, n) for n, t in scan_checkpoint(self.base_dir).items()}
         shard = os.path.join(self.workdir, "reference-delta.safetensors")
         news = [(n, host_bytes(n, t)) for n, t in self.after.items()]
         publish = functools.partial(reference_publish, snapshot, news, shard, self.workers)
         (wire, phases), publish_s = _timed(publish)
         del snapshot, publish
-        (base_file,) = self.base_files()[:1]
+        (base_file,) = checkpoint_files(self.base_dir)[:1]
         host_file = os.path.join(self.workdir, "reference-host.safetensors")
         shutil.copyfile(base_file, host_file)
         pulled, pull_s = _timed(lambda: reference_pull(shard, host_file, self.workers))
-        path = self.paths.setdefault("reference", Path())
-        path.wire_bytes = wire
         pull_phases = {f"pull_{k}": v for k, v in pulled.seconds.items()}
-        path.keep(publish_s, pull_s, {**phases.seconds, **pull_phases})
+        self.paths.setdefault("reference", Path()).keep(
+            wire, publish_s, pull_s, {**phases.seconds, **pull_phases}
+        )
         # The same pull without the final msync, as the upstream engine readers apply a
         # version (the engine reloads from the page cache).
         shutil.copyfile(base_file, host_file)
         _, upstream_s = _timed(lambda: reference_pull(shard, host_file, self.workers, flush=False))
-        upstream = self.paths.setdefault("upstream", Path())
-        upstream.wire_bytes = wire
-        upstream.keep(publish_s, upstream_s, {})
+        self.paths.setdefault("upstream", Path()).keep(wire, publish_s, upstream_s)
 
     def measure_deltastore(self, encoding: str) -> None:
         """Seed a fresh store, publish the step with ``encoding``, pull it onto a host at v0."""
@@ -272,28 +266,21 @@ class Bench:
         publisher.seed()
         host = os.path.join(self.workdir, f"host-{encoding}")
         shutil.rmtree(host, ignore_errors=True)
-        pull_weights(host, store, 0, base_dir=self.base_dir, workers=self.workers)
+        pull = functools.partial(
+            pull_weights, host, store, base_dir=self.base_dir, workers=self.workers
+        )
+        pull(0)
         publisher.pop_metrics()
         result, publish_s = _timed(lambda: publisher.publish(self.after.items()))
         metrics = publisher.pop_metrics()
         # Timed to the reply (what an engine waits for); the flush and the state after it.
-        _, pull_s = _timed(
-            lambda: pull_weights(
-                host,
-                store,
-                result.version,
-                base_dir=self.base_dir,
-                workers=self.workers,
-                flush_after_reply=True,
-            )
-        )
+        _, pull_s = _timed(lambda: pull(result.version, flush_after_reply=True))
         begun = time.perf_counter()
         wait_durable(host)
         durable_s = time.perf_counter() - begun
-        path = self.paths.setdefault(encoding, Path())
-        path.wire_bytes = result.wire_bytes
         phases = {k: float(metrics[k]) for k in PUBLISH_PHASES if k in metrics}
-        path.keep(publish_s, pull_s, {**phases, "pull_durable_after_reply_s": durable_s})
+        phases["pull_durable_after_reply_s"] = durable_s
+        self.paths.setdefault(encoding, Path()).keep(result.wire_bytes, publish_s, pull_s, phases)
         if "://" not in root:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -302,7 +289,7 @@ class Bench:
 
         def copy() -> int:
             total = 0
-            for source in self.base_files():
+            for source in checkpoint_files(self.base_dir):
                 target = os.path.join(self.workdir, "full-copy-" + os.path.basename(source))
                 shutil.copyfile(source, target)
                 with open(target, "rb+") as fh:
@@ -311,9 +298,7 @@ class Bench:
             return total
 
         total, seconds = _timed(copy)
-        path = self.paths.setdefault("full", Path())
-        path.wire_bytes = total
-        path.keep(seconds, seconds, {})
+        self.paths.setdefault("full", Path()).keep(total, seconds, seconds)
 
     def run_all(self, encodings: list[str], repeat: int, advance: Callable[[], None]) -> None:
         """Every path ``repeat`` times, interleaved so drift on a shared machine hits all alike."""
@@ -333,16 +318,8 @@ def _runs_progress(
     """``advance()`` for each finished run of one path: the bar counts the model bytes synced,
     one model per run (the runs are measured without a callback, so it costs them nothing)."""
     size = sum(t.numel() * t.element_size() for t in model.values())
-    done = [0]
-    if progress is not None:
-        progress("runs", 0, runs * size)
-
-    def advance() -> None:
-        done[0] += size
-        if progress is not None:
-            progress("runs", done[0], runs * size)
-
-    return advance
+    meter = ProgressMeter.start(progress, "runs", runs * size)
+    return (lambda: None) if meter is None else functools.partial(meter.advance, size)
 
 
 def _ratio(a: float, b: float) -> float | None:

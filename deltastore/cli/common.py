@@ -62,9 +62,8 @@ def add_command(
     json: str | None = "print exactly one JSON object on stdout",
     storage: bool = True,
 ) -> argparse.ArgumentParser:
-    """The parser of subcommand ``name`` (``summary`` in ``deltastore --help``), run by
-    ``run``, with ``--json`` (``json`` is its help; None: none), ``--storage-option`` and
-    the common flags (after the subcommand too: ``deltastore pull --debug ...``)."""
+    """The parser of subcommand ``name``, with ``--json`` (``json``: its help; None: no flag),
+    ``--storage-option`` and the common flags (after the subcommand too)."""
     parents = [common_flags(top_level=False)]
     p = sub.add_parser(name, help=summary, description=description, parents=parents)
     p.set_defaults(func=run)
@@ -128,10 +127,8 @@ def open_store(args: argparse.Namespace, url: str | list[str]) -> VersionStore:
 
 
 def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, object]:
-    """``--storage-option KEY=VALUE`` pairs → fsspec storage options (JSON values allowed).
-
-    Dotted keys nest: ``client_kwargs.endpoint_url=http://...``.
-    """
+    """``--storage-option KEY=VALUE`` pairs → fsspec storage options (JSON values; dotted keys
+    nest: ``client_kwargs.endpoint_url=http://...``)."""
     options: dict[str, object] = {}
     for pair in pairs or ():
         key, sep, raw = pair.partition("=")
@@ -185,7 +182,6 @@ def report_error(args: argparse.Namespace, message: str) -> int:
 
 
 def print_json(payload: dict[str, object]) -> None:
-    """The one JSON object a ``--json`` subcommand prints on stdout."""
     print(json.dumps({"ok": True, **payload}, default=str))
 
 
@@ -199,7 +195,7 @@ def emit(args: argparse.Namespace, payload: dict[str, object], text: str) -> int
 
 
 def fields(result: object, names: str) -> dict[str, object]:
-    """The attributes of ``result`` that ``names`` lists (space-separated), for a JSON object."""
+    """The attributes of ``result`` that ``names`` lists (space-separated)."""
     return {name: getattr(result, name) for name in names.split()}
 
 
@@ -241,11 +237,7 @@ def _display(
 
 @contextlib.contextmanager
 def phase(args: argparse.Namespace, what: str) -> Iterator[None]:
-    """A spinner with ``what`` and the time elapsed while the block runs (on a TTY, stderr).
-
-    Used where no total is known (listing, reading indexes); long byte work uses
-    :func:`byte_progress`.
-    """
+    """A spinner with ``what`` and the time elapsed while the block runs (no total known)."""
     with _display(
         args, what, lambda r: (r.SpinnerColumn(), _description(r), r.TimeElapsedColumn())
     ):
@@ -254,8 +246,7 @@ def phase(args: argparse.Namespace, what: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def step_progress(args: argparse.Namespace, what: str, total: int) -> Iterator[Callable[[], None]]:
-    """A bar over ``total`` steps with elapsed time and ETA (on a TTY, stderr); yields
-    ``advance()``."""
+    """A bar over ``total`` steps with elapsed time and ETA; yields ``advance()``."""
 
     def columns(r: Any) -> tuple[Any, ...]:
         return (
@@ -276,9 +267,8 @@ def step_progress(args: argparse.Namespace, what: str, total: int) -> Iterator[C
 
 @contextlib.contextmanager
 def byte_progress(args: argparse.Namespace, what: str) -> Iterator[ProgressCallback | None]:
-    """A bar of the bytes the library reports (on a TTY, stderr): phase, bytes done of the
-    total, rate and ETA; a pulsing bar until a total is known. Yields the callback to pass as
-    ``progress=``, or None when progress is off (no TTY, ``--quiet``, ``--json``)."""
+    """A bar of the bytes the library reports: phase, bytes done of the total, rate and ETA (a
+    pulsing bar until a total is known); yields the ``progress=`` callback, or None when off."""
 
     def columns(r: Any) -> tuple[Any, ...]:
         return _description(r), r.BarColumn(), r.DownloadColumn(), r.TransferSpeedColumn(), *_eta(r)

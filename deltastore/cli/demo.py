@@ -62,11 +62,8 @@ def _layout_bytes(hidden: int) -> tuple[int, int, int, int]:
 
 
 def layer_shapes(size_mb: float) -> list[tuple[str, tuple[int, int]]]:
-    """A transformer-like layout of bf16 tensors adding up to about ``size_mb`` MB.
-
-    The widest hidden size (1024 down to 64) whose layer count brings the total within 10 %
-    of ``size_mb`` is used (else the closest): small sizes give a narrow model, not a big one.
-    """
+    """A transformer-like layout of bf16 tensors adding up to about ``size_mb`` MB: the widest
+    hidden size (1024 down to 64) whose layer count comes within 10 % (else the closest)."""
     target = size_mb * 1e6
 
     def fit(hidden: int) -> tuple[int, float]:
@@ -91,11 +88,8 @@ def layer_shapes(size_mb: float) -> list[tuple[str, tuple[int, int]]]:
 
 
 class SyntheticTraining:
-    """fp32 master weights of a transformer-like layout and their bf16 cast (the model).
-
-    :meth:`step` is an Adam-like update: every master weight moves by ``±lr``; the bf16 model
-    sees only the elements whose rounding flips, which is what makes RL deltas sparse.
-    """
+    """fp32 master weights of a transformer-like layout and their bf16 cast (the model);
+    :meth:`step` moves every master weight by ``±lr`` (see the module docstring)."""
 
     def __init__(self, size_mb: float, seed: int) -> None:
         import torch

@@ -26,7 +26,6 @@ class Emulator:
     """A running emulator: the bucket's URL, fsspec storage options for this process, and
     the environment a shell or subprocess needs to reach it without options."""
 
-    kind: str
     url: str
     endpoint_url: str
     storage_options: dict[str, object] = field(default_factory=dict)
@@ -36,12 +35,9 @@ class Emulator:
 @contextlib.contextmanager
 def running_emulator(kind: str, bucket: str) -> Iterator[Emulator]:
     """Start the ``kind`` ("s3" or "gcs") emulator with ``bucket`` created; stop it on exit.
-    :class:`ConfigError` names the extra to install when the emulator is missing.
-
-    For GCS this sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` in this process (before
-    gcsfs is imported): else gcsfs asks each bucket for a hierarchical namespace, which the
-    emulator cannot answer, and warns on every call.
-    """
+    :class:`ConfigError` names the extra to install when the emulator is missing. For GCS this
+    sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` here (before gcsfs is imported): else
+    gcsfs asks each bucket for a hierarchical namespace the emulator cannot answer."""
     from deltastore.testing import servers
 
     if kind not in ("s3", "gcs"):
@@ -59,7 +55,7 @@ def running_emulator(kind: str, bucket: str) -> Iterator[Emulator]:
     with server:
         server.make_bucket(bucket)
         url = f"{'s3' if s3 else 'gs'}://{bucket}"
-        yield Emulator(kind, url, server.endpoint_url, server.storage_options, env)
+        yield Emulator(url, server.endpoint_url, server.storage_options, env)
 
 
 @contextlib.contextmanager

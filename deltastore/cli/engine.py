@@ -122,11 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
         trusted_keys=tuple(as_trusted_keys(args.trust)) if args.trust else None,
     )
     config.check()
-
-    def ready(url: str) -> None:
-        print(f"deltastore serve: listening on {url}", flush=True)
-
-    serve(config, ready)
+    serve(config, lambda url: print(f"deltastore serve: listening on {url}", flush=True))
     print("deltastore serve: stopped", file=sys.stderr)
     return 0
 

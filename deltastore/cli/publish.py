@@ -55,12 +55,8 @@ def register(sub: Subparsers) -> None:
 
 
 def check_prev_against_chain(store: VersionStore, prev_dir: str, latest: int) -> int:
-    """Refuse a PREV whose tensors contradict a digest recorded on the latest version's chain.
-
-    Returns the number of tensors checked. A wrong PREV would silently corrupt every later
-    version, so every digest the chain records (full version metadata, then newer deltas) is
-    compared with PREV's bytes.
-    """
+    """Refuse a PREV whose tensors contradict a digest recorded on the latest version's chain
+    (a wrong PREV would silently corrupt every later version); the number of tensors checked."""
     if latest == 0:
         return 0
     start, deltas = walk_chain(store, latest)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
-import zstandard
 
 from deltastore.codecs import ByteArray
+from deltastore.codecs.compression import compress, decompress
 
 Frame = tuple[str, bytes, str]
 """(tensor name, zstd-1 frame of new XOR old, xxh3-128 hex of new)."""
@@ -43,19 +43,6 @@ class Phases:
                 self.seconds[key] = self.seconds.get(key, 0.0) + value
 
 
-_local = threading.local()
-
-
-def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
-    pair = getattr(_local, "zstd", None)
-    if pair is None:
-        pair = _local.zstd = (
-            zstandard.ZstdCompressor(level=1, write_content_size=True),
-            zstandard.ZstdDecompressor(),
-        )
-    return pair
-
-
 def _encode_one(name: str, old: ByteArray, new: ByteArray, phases: Phases) -> Frame | None:
     t0 = time.perf_counter()
     delta = np.bitwise_xor(old, new)
@@ -64,7 +51,7 @@ def _encode_one(name: str, old: ByteArray, new: ByteArray, phases: Phases) -> Fr
     if not changed:
         phases.add(diff_s=t1 - t0)
         return None
-    frame = _zstd()[0].compress(memoryview(delta))
+    frame = compress(memoryview(delta))
     t2 = time.perf_counter()
     digest = xxhash.xxh3_128_hexdigest(memoryview(new))
     t3 = time.perf_counter()
@@ -83,21 +70,16 @@ def reference_publish(
 ) -> tuple[int, Phases]:
     """Write one delta shard of ``tensors`` against ``snapshot`` to ``path``; (bytes, phases)."""
     phases = Phases()
-    frames: list[Frame] = []
+    frames: list[Frame | None] = []
     pending: deque[cf.Future[Frame | None]] = deque()
     with cf.ThreadPoolExecutor(workers) as pool:
         for name, new in tensors:
             pending.append(pool.submit(_encode_one, name, snapshot[name], new, phases))
             if len(pending) >= 2 * workers:
-                done = pending.popleft().result()
-                if done is not None:
-                    frames.append(done)
-        for future in pending:
-            done = future.result()
-            if done is not None:
-                frames.append(done)
+                frames.append(pending.popleft().result())
+        frames += [future.result() for future in pending]
     t0 = time.perf_counter()
-    size = _write_shard(path, frames)
+    size = _write_shard(path, [frame for frame in frames if frame is not None])
     phases.add(write_s=time.perf_counter() - t0)
     return size, phases
 
@@ -125,10 +107,8 @@ def _write_shard(path: str, frames: list[Frame]) -> int:
 
 
 def reference_pull(shard: str, host_file: str, workers: int, *, flush: bool = True) -> Phases:
-    """Apply the delta shard at ``shard`` in place to the safetensors file ``host_file``.
-
-    ``flush=False`` skips the final msync, as the upstream engine readers do (the engine
-    reloads from the page cache; a host that loses it rebuilds from the base)."""
+    """Apply the delta shard at ``shard`` in place to the safetensors file ``host_file``;
+    ``flush=False`` skips the final msync, as the upstream engine readers do."""
     phases = Phases()
     t0 = time.perf_counter()
     with open(shard, "rb") as shard_file:
@@ -145,10 +125,11 @@ def reference_pull(shard: str, host_file: str, workers: int, *, flush: bool = Tr
 
     def apply(name: str) -> None:
         a, b = header[name]["data_offsets"]
-        t1 = time.perf_counter()
-        delta = np.frombuffer(_zstd()[1].decompress(data[8 + hlen + a : 8 + hlen + b]), np.uint8)
-        t2 = time.perf_counter()
         lo, hi = host_header[name]["data_offsets"]
+        t1 = time.perf_counter()
+        frame = data[8 + hlen + a : 8 + hlen + b]
+        delta = np.frombuffer(decompress(frame, max_size=hi - lo, what=name), np.uint8)
+        t2 = time.perf_counter()
         target = host_body[lo:hi]
         np.bitwise_xor(target, delta, out=target)
         t3 = time.perf_counter()

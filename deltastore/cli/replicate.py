@@ -80,13 +80,6 @@ def register(sub: Subparsers) -> None:
         )
 
 
-class _JsonLines(Observer):
-    """``--json``: a line per version as it is committed."""
-
-    def version_done(self, record: VersionCopy) -> None:
-        print(json.dumps(record.as_dict()), flush=True)
-
-
 def _line(record: VersionCopy) -> str:
     return (
         f"weight_v{record.version:06d} {record.kind} {record.outcome}: "
@@ -95,11 +88,14 @@ def _line(record: VersionCopy) -> str:
     )
 
 
-class _Plain(Observer):
-    """No TTY, no ``--json``: a line per version."""
+class _Lines(Observer):
+    """No TTY, or ``--json`` (then a JSON object): a line per version as it is committed."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
 
     def version_done(self, record: VersionCopy) -> None:
-        print(_line(record), flush=True)
+        print(json.dumps(record.as_dict()) if self.as_json else _line(record), flush=True)
 
 
 class _Bar(Observer):
@@ -169,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     if args.json:
-        print(json.dumps(copy(_JsonLines()).as_dict()), flush=True)
+        print(json.dumps(copy(_Lines(as_json=True)).as_dict()), flush=True)
         return 0
     if sys.stdout.isatty():
         import rich.progress as rp
@@ -178,6 +174,6 @@ def run(args: argparse.Namespace) -> int:
         with rp.Progress(*columns, rp.TransferSpeedColumn(), transient=True) as progress:
             report = copy(_Bar(progress))
     else:
-        report = copy(_Plain())
+        report = copy(_Lines(as_json=False))
     print(_summary(report))
     return 0

@@ -1,10 +1,7 @@
 """``deltastore ls``, ``inspect`` and ``prune``: the committed versions of a store; one
-version's index metadata and per-tensor payloads, or the history of the whole run
-(``--history``), which ``--plot FILE.png`` draws (matplotlib: the ``plot`` extra); unpublishing
-old versions and deleting garbage (a dry run by default).
-
-A path that holds no store is an error (a typo must not read as an empty store). A version
-whose index cannot be read is listed as ``corrupt`` with the reason, beside the healthy ones.
+version's tensors or the history of the run (drawn with ``--plot``); unpublishing old versions
+and deleting garbage. A path that holds no store is an error (a typo must not read as an empty
+store); a version whose index cannot be read is listed as ``corrupt``, beside the healthy ones.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from deltastore.codecs import get_encoding
 from deltastore.codecs.compression import decompress
 from deltastore.errors import ConfigError, DeltastoreError, VersionNotFoundError
 from deltastore.format.checkpoint import scan_checkpoint
+from deltastore.format.safetensors_io import TensorEntry
 from deltastore.pull.source import PullSource
 from deltastore.storage import VersionStore
 from deltastore.storage.listing import require_store
@@ -106,8 +104,7 @@ def version_row(store: VersionStore, version: int) -> dict[str, object]:
 
 
 def list_versions(store: VersionStore) -> list[dict[str, object]]:
-    """One row per committed version (see :func:`version_row`); raises :class:`ConfigError`
-    when the URL holds no store."""
+    """One row per committed version; :class:`ConfigError` when the URL holds no store."""
     listing = store.listing()
     require_store(store, listing)
     return [version_row(store, version) for version in listing.committed]
@@ -151,15 +148,12 @@ def tensor_density(
     store: VersionStore,
     version: int,
     shard: str,
-    entry: object,
+    entry: TensorEntry,
     encoding: str | None,
     size: int | None,
 ) -> float | None:
     """Changed bytes / tensor bytes of one payload (None when the tensor size is unknown:
     a payload other than ``xor`` without --base, or a full version)."""
-    from deltastore.format.safetensors_io import TensorEntry
-
-    assert isinstance(entry, TensorEntry)
     if encoding is None or (encoding not in ("xor", "overwrite") and size is None):
         return None
     frame = store.read_range(version, shard, entry.start, entry.end)
@@ -276,9 +270,11 @@ def run_inspect(args: argparse.Namespace) -> int:
         title = f"{store.url} weight_v{version:06d}"
     if args.plot:
         if args.history:
-            plot_history(rows, args.plot, title=title)
+            figure = history_figure(rows, title=title)
         else:
-            plot_version(info, args.plot, title=title)
+            figure = version_figure(info, title=title)
+        figure.savefig(args.plot, dpi=100)
+        _pyplot().close(figure)
         print(f"wrote {args.plot}", file=sys.stderr)  # stderr: --json keeps stdout clean
     if args.json:
         print_json(info)
@@ -319,7 +315,7 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
-def plot_version(info: dict[str, object], path: str, *, title: str) -> None:
+def version_figure(info: dict[str, object], *, title: str):  # type: ignore[no-untyped-def]
     """Per tensor of one version: density (%) and wire bytes, as two bar charts."""
     plt = _pyplot()
     names, density, wire = [], [], []
@@ -337,19 +333,11 @@ def plot_version(info: dict[str, object], path: str, *, title: str) -> None:
     ax_wire.set_xlabel("wire bytes (compressed payload)")
     fig.suptitle(f"{title}: {info['kind']}, {info['encoding']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def plot_history(rows: Sequence[dict[str, object]], path: str, *, title: str) -> None:
-    """Per version: wire bytes (bars; full versions marked) and density (line)."""
-    fig = history_figure(rows, title=title)
-    fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
+    return fig
 
 
 def history_figure(rows: Sequence[dict[str, object]], *, title: str):  # type: ignore[no-untyped-def]
-    """The figure :func:`plot_history` saves."""
+    """Per version: wire bytes (bars; full versions marked) and density (line)."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 

@@ -24,11 +24,8 @@ class CheckpointTensor:
 
 
 def checkpoint_files(directory: str) -> list[str]:
-    """The safetensors files of a checkpoint directory, sorted by name.
-
-    When the directory has an HF index, only the files it maps are used (stray files are
-    ignored); otherwise every ``*.safetensors`` file is.
-    """
+    """The safetensors files of a checkpoint directory, sorted by name: those its HF index
+    maps when it has one (stray files are ignored), else every ``*.safetensors`` file."""
     if not os.path.isdir(directory):
         raise ConfigError(f"checkpoint directory {directory!r} does not exist")
     index_path = os.path.join(directory, INDEX_NAME)
@@ -55,10 +52,8 @@ def checkpoint_files(directory: str) -> list[str]:
 
 
 def scan_checkpoint(directory: str) -> dict[str, CheckpointTensor]:
-    """Tensor name → file and byte range for every tensor of a checkpoint directory.
-
-    Raises :class:`FormatError` when a name appears in two files.
-    """
+    """Tensor name → file and byte range for every tensor of a checkpoint directory;
+    :class:`FormatError` when a name appears in two files."""
     tensors: dict[str, CheckpointTensor] = {}
     for path in checkpoint_files(directory):
         header = read_header_file(path)
@@ -73,10 +68,8 @@ def scan_checkpoint(directory: str) -> dict[str, CheckpointTensor]:
 
 
 def read_file_range(path: str, offset: int, nbytes: int, *, what: str) -> npt.NDArray[np.uint8]:
-    """``nbytes`` bytes of ``path`` from ``offset``, as a fresh writable 1-D uint8 array.
-
-    Raises :class:`FormatError` naming ``what`` when the file ends first.
-    """
+    """``nbytes`` bytes of ``path`` from ``offset``, as a fresh writable 1-D uint8 array;
+    :class:`FormatError` naming ``what`` when the file ends first."""
     data = np.empty(nbytes, dtype=np.uint8)
     with open(path, "rb") as fh:
         fh.seek(offset)

@@ -81,19 +81,17 @@ class VersionIndex:
     def _body(self) -> dict[str, Any]:
         metadata: dict[str, Any] = dict(self.extra)
         metadata["version"] = format_version(self.version)
-        if self.base_version is not None:
-            metadata["base_version"] = format_version(self.base_version)
-        if self.encoding is not None:
-            metadata["delta_encoding"] = self.encoding
-        if self.compression is not None:
-            metadata["compression_format"] = self.compression
-        if self.checksum is not None:
-            metadata["checksum_format"] = self.checksum
-        metadata["format"] = metadata.get("format", FORMAT_NAME)
-        if self.stream_id is not None:
-            metadata["stream_id"] = self.stream_id
-        if self.commit_token is not None:
-            metadata["commit_token"] = self.commit_token
+        base = None if self.base_version is None else format_version(self.base_version)
+        keys = {  # in this order: it is the published bytes' key order
+            "base_version": base,
+            "delta_encoding": self.encoding,
+            "compression_format": self.compression,
+            "checksum_format": self.checksum,
+            "format": metadata.get("format", FORMAT_NAME),
+            "stream_id": self.stream_id,
+            "commit_token": self.commit_token,
+        }
+        metadata.update((key, value) for key, value in keys.items() if value is not None)
         metadata.update(self.totals)
         return {"metadata": metadata, "weight_map": dict(sorted(self.weight_map.items()))}
 
@@ -186,10 +184,8 @@ def _pop_lineage(
 def check_shard_names(
     index: VersionIndex, shard: str, names_in_shard: set[str], *, source: str
 ) -> None:
-    """Refuse a shard that holds other names than exactly those the index maps to it.
-
-    A half-visible listing or a foreign file in a version dir must not pass as a smaller update.
-    """
+    """Refuse a shard that holds other names than exactly those the index maps to it: a
+    half-visible listing or a foreign file must not pass as a smaller update."""
     expected = {name for name, target in index.weight_map.items() if target == shard}
     if names_in_shard != expected:
         missing = sorted(expected - names_in_shard)[:5]

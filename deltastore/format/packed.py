@@ -55,11 +55,9 @@ def build_packed_header(
 
 
 def unpack_header(header: SafetensorsHeader, *, source: str) -> SafetensorsHeader:
-    """``header`` as a plain delta shard's: one ``U8`` entry and one digest per tensor.
-
-    A header without :data:`PACK_KEY` is returned as it is. Raises :class:`FormatError` naming
-    ``source`` for a table that is unreadable or does not cover the packed entry exactly.
-    """
+    """``header`` as a plain delta shard's: one ``U8`` entry and one digest per tensor (one
+    without :data:`PACK_KEY` as it is); :class:`FormatError` for a table that is unreadable or
+    does not cover the packed entry exactly."""
     packed = header.metadata.get(PACK_KEY)
     if packed is None:
         return header

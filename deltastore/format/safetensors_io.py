@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -137,11 +138,9 @@ def _tensor_entry(name: str, spec: Any, data_start: int, source: str) -> TensorE
 def parse_header(
     header_json: bytes, *, file_size: int | None = None, source: str = "safetensors file"
 ) -> SafetensorsHeader:
-    """Parse the JSON header (without its 8-byte prefix) into absolute byte ranges.
-
-    ``file_size``, when known, is checked so a truncated shard is reported here rather than as
-    a short read later. Raises :class:`FormatError` on anything malformed.
-    """
+    """Parse the JSON header (without its 8-byte prefix) into absolute byte ranges;
+    :class:`FormatError` on anything malformed, or past ``file_size`` when known (a truncated
+    shard is reported here rather than as a short read later)."""
     try:
         raw = json.loads(header_json.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
@@ -192,8 +191,6 @@ def read_header(
 
 def read_header_file(path: str) -> SafetensorsHeader:
     """Parse the header of a local safetensors file."""
-    import os
-
     with open(path, "rb") as fh:
         return read_header(fh, file_size=os.fstat(fh.fileno()).st_size, source=path)
 

@@ -46,11 +46,11 @@ class _Span:
 class StreamedShardCheck:
     """Follows one shard's bytes in file order and checks each tensor as its bytes pass.
 
-    Feed consecutive pieces with :meth:`update` (a download sink: :meth:`restart` forgets what
-    was fed). The header is parsed once whole (packed or plain); ``size``, when known, bounds
-    it. A whole tensor that hashes to another digest than ``expected`` gives it goes to
-    ``on_mismatch`` (which may raise) and to :meth:`mismatched`. Raises :class:`FormatError`
-    for a malformed header, and from :meth:`finish` for a shard cut short.
+    Feed consecutive pieces with :meth:`update` (a download sink). The header is parsed once
+    whole (packed or plain); ``size``, when known, bounds it. A whole tensor that hashes to
+    another digest than ``expected`` gives it goes to ``on_mismatch`` (which may raise) and to
+    :meth:`mismatched`. :class:`FormatError` for a malformed header, and from :meth:`finish`
+    for a shard cut short.
     """
 
     def __init__(

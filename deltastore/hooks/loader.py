@@ -20,12 +20,9 @@ _PARAMETERS = {
 
 
 def load(path: str, kind: str | None = None) -> Callable[..., Any]:
-    """Import the callable named by ``path`` (``pkg.module.func`` or ``pkg.module:func``).
-
-    With ``kind`` (``"post_write"`` or ``"pre_read"``) the callable must accept the reference
-    hook's arguments. Raises :class:`HookError` naming the path and the problem: malformed
-    path, missing module, missing attribute, not callable, or wrong arity.
-    """
+    """Import the callable named by ``path`` (``pkg.module.func`` or ``pkg.module:func``);
+    with ``kind`` (``"post_write"`` or ``"pre_read"``) it must accept the reference hook's
+    arguments. :class:`HookError` names the path and the problem."""
     if kind is not None and kind not in _PARAMETERS:
         raise HookError(f"unknown hook kind {kind!r}; expected one of {sorted(_PARAMETERS)}")
     if not isinstance(path, str) or not path.strip():

@@ -10,10 +10,10 @@ the copier replication uses (:class:`~deltastore.storage.copy.FileCopier`).
 
 Configuration, the same on both sides (see docs/hooks.md): ``DELTASTORE_REMOTE_URL`` (the
 trainer's ``args.update_weight_remote_url`` takes precedence), ``DELTASTORE_STORAGE_OPTIONS``
-(a JSON object of fsspec options) and ``DELTASTORE_HOOK_TIMEOUT_S`` (how long a rank that does
-not upload waits for the uploading rank's commit; default 600). Only one rank uploads (the
-publishing group's rank, else ``args.rank``, ``torch.distributed``'s rank, ``$RANK``, 0). A
-version is identified by its commit token, so re-running a hook resumes or is a no-op.
+(a JSON object of fsspec options) and ``DELTASTORE_HOOK_TIMEOUT_S`` (how long the other ranks
+wait for the uploading rank's commit; default 600). Only one rank uploads (rank 0 of the
+publishing group, else of ``args.rank``, ``torch.distributed`` or ``$RANK``). A version is
+identified by its commit token, so re-running a hook resumes or is a no-op.
 """
 
 from __future__ import annotations
@@ -224,8 +224,8 @@ def _upload(
 
 def mirror_to_store(version_dir: str, remote: VersionStore, *, upload: bool = True) -> int:
     """Copy the committed local version in ``version_dir`` into ``remote``, index last (with
-    ``upload=False`` only wait for another caller's upload); the version. Raises
-    :class:`HookError` on a conflict, a size mismatch or a timeout."""
+    ``upload=False`` only wait for another caller's upload); the version. :class:`HookError`
+    on a conflict, a size mismatch or a timeout."""
     version_dir = os.fspath(version_dir)
     remote.refresh()
     if not upload:
@@ -318,8 +318,8 @@ def _same_index(path: str, raw: bytes, what: str) -> None:
 def _remote_chain(
     remote: VersionStore, delta_dir: str, target: int
 ) -> list[tuple[VersionIndex, bytes]]:
-    """(index, raw bytes) of the chain to ``target`` not yet complete locally,
-    oldest first; the walk stops at a version held locally (whose index must match)."""
+    """(index, raw bytes) of the chain to ``target`` not yet complete locally, oldest first;
+    the walk stops at a version held locally (whose index must match)."""
     todo: list[tuple[VersionIndex, bytes]] = []
 
     def read(version: int) -> VersionIndex | None:
@@ -349,8 +349,8 @@ def _remote_chain(
 
 def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int) -> list[int]:
     """Download the chain of committed versions leading to ``target_version`` into
-    ``delta_dir``, oldest first, each index last (see :func:`_remote_chain`); the versions
-    downloaded. :class:`HookError` if a link of the chain is not committed in ``remote``."""
+    ``delta_dir``, oldest first, each index last; the versions downloaded. :class:`HookError`
+    if a link of the chain is not committed in ``remote``."""
     delta_dir = os.path.abspath(os.fspath(delta_dir))
     if target_version <= 0:
         return []

@@ -44,9 +44,8 @@ def posix_refresh(delta_dir: str, target_version: int) -> bool:
 
     Lists ``delta_dir``, reads the target's index (close-to-open consistency revalidates it),
     and only then lists the version directory and stats its shards: a mount that caches "not
-    found" (s3fs-fuse, gcsfuse) caches nothing wrong. Waits up to
-    ``DELTASTORE_REFRESH_WAIT_S`` for the index; returns whether it is visible (the pull that
-    follows reports a missing version).
+    found" (s3fs-fuse, gcsfuse) caches nothing wrong. Waits up to ``DELTASTORE_REFRESH_WAIT_S``
+    for the index; returns whether it is visible.
     """
     delta_dir = os.fspath(delta_dir)
     if target_version <= 0:

@@ -47,13 +47,10 @@ def _open(store: StoreLike, options: dict[str, Any] | None, side: str) -> Versio
 
 
 def start_version(src: VersionStore, src_versions: list[int], from_version: int | None) -> int:
-    """The first source version a replica needs so that it can serve ``from_version`` on.
-
-    None: the oldest the source lists. Otherwise the start of the chain of the newest source
-    version at or below ``from_version`` (the full version it builds on, or its first delta on
-    the base when the chain goes back to version 0), so older deltas are skipped and every
-    copied delta finds its base in the replica or on the engines (version 0).
-    """
+    """The first source version a replica needs so that it can serve ``from_version`` on
+    (None: the oldest the source lists): the start of the chain of the newest source version at
+    or below it (its full version, or its first delta on the base), so older deltas are skipped
+    and every copied delta finds its base in the replica or on the engines (version 0)."""
     if not src_versions:
         return 1
     if from_version is None:
@@ -91,12 +88,9 @@ def chain_holds(index: VersionIndex, dst_versions: set[int]) -> bool:
 
 
 def prune_keep(dst: VersionStore, src_versions: set[int], dst_versions: list[int]) -> int | None:
-    """``keep`` for the destination's own prune so that it mirrors the source's pruning.
-
-    Destination versions older than the oldest the source still lists are the candidates;
-    prune keeps every newer one and every chain they need, so only versions the source no
-    longer lists AND that no kept chain needs are dropped. None: nothing to drop.
-    """
+    """``keep`` for the destination's own prune so that it mirrors the source's pruning: only
+    versions older than the oldest the source still lists, that no kept chain needs, are
+    dropped. None: nothing to drop."""
     listed = [v for v in dst_versions if v in src_versions]
     if not listed:
         return None  # the source lists none of ours: mirroring would empty the replica

@@ -60,13 +60,11 @@ def new_file_hasher() -> Hasher:
 def shard_checker(
     source: str, size: int, checksum: str | None, *, check_digests: bool, hash_tensors: bool
 ) -> StreamedShardCheck:
-    """A check of one shard of ``size`` bytes fed in file order (``source`` names it).
-
-    With ``check_digests`` (and a registered ``checksum``) every tensor must carry a well-formed
-    digest in the header's metadata; with ``hash_tensors`` (a full version: a delta's digests
-    describe the tensor after applying, which only an engine holds) each tensor's bytes are
-    hashed and compared (:class:`IntegrityError` at the first that differs).
-    """
+    """A check of one shard of ``size`` bytes fed in file order. With ``check_digests`` (and a
+    registered ``checksum``) every tensor must carry a well-formed digest in its metadata; with
+    ``hash_tensors`` (a full version: a delta's digests describe the tensor after applying)
+    each tensor's bytes are hashed and compared (:class:`IntegrityError` at the first that
+    differs)."""
     algorithm = get_checksum(checksum) if checksum in CHECKSUMS else None
 
     def expected(header: SafetensorsHeader) -> dict[str, str]:

@@ -1,7 +1,6 @@
 """How a store talks to its filesystem: one small class per kind of store (local directory,
-``memory://``, S3/GCS: how it writes and reads whole files, its capability flags, its endpoint,
-its errors translated to the error tree), and retries. The store holds one backend and never
-branches on the kind itself; everything protocol-shaped lives above it.
+``memory://``, S3/GCS: writes, whole-file reads, capability flags, endpoint, error
+translation), and retries. The store never branches on the kind itself.
 
 s3fs and gcsfs already retry single HTTP calls underneath, so deltastore retries a whole
 idempotent step (read an index, write a shard) a few times with jittered exponential backoff,

@@ -35,12 +35,9 @@ def iter_chain(
 
 
 def walk_chain(store: IndexSource, target: int) -> tuple[VersionIndex | None, list[VersionIndex]]:
-    """The full version ``target`` builds on (None: the base) and the deltas after it, in order.
-
-    Raises :class:`VersionNotFoundError` when the target or a link is not committed (pruned: a
-    partial chain must never be replayed onto the wrong start) and :class:`FormatError` when the
-    chain mixes streams.
-    """
+    """The full version ``target`` builds on (None: the base) and the deltas after it, in order;
+    :class:`VersionNotFoundError` when the target or a link is not committed (a partial chain
+    must never be replayed onto the wrong start), :class:`FormatError` when it mixes streams."""
 
     def read(version: int) -> VersionIndex:
         try:

@@ -3,11 +3,9 @@ replication (``deltastore.replicate``) and the mirror hooks (``deltastore.hooks`
 
 A file is cut into chunks; up to ``window`` chunks are read at once (ranged reads on a shared
 pool) while the chunk at the head is written to the destination's stream (the transaction's
-``open_write``: a temp file renamed into place, or a multipart / resumable upload that
-completes only when the file is whole), so at most ``window`` chunks per file are held. A failed
-try is discarded and repeated for transient errors. What the bytes mean is the caller's: a job
-may carry a streamed check fed every byte, and a whole-file hasher may compare a read-back of
-the destination with what the source gave.
+``open_write``, which completes only when the file is whole), so at most ``window`` chunks per
+file are held. A failed try is discarded and repeated for transient errors. What the bytes
+mean is the caller's (a job's streamed check, a read-back hasher).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from deltastore.errors import (
     VersionNotFoundError,
 )
 from deltastore.format.names import version_dir_name
-from deltastore.format.shard_stream import StreamHasher
+from deltastore.format.shard_stream import StreamedShardCheck, StreamHasher
 
 if TYPE_CHECKING:
     from deltastore.storage.store import VersionStore
@@ -52,26 +50,16 @@ class RangeSource(Protocol):
     def read_range(self, version: int, name: str, start: int, end: int) -> bytes: ...
 
 
-class StreamCheck(Protocol):
-    """What follows a file's bytes as they are copied (e.g. a
-    :class:`~deltastore.format.shard_stream.StreamedShardCheck`); it raises to fail the try."""
-
-    checked: int  # tensors checked (reported as ``verified_tensors``)
-
-    def update(self, data: bytes | memoryview) -> None: ...
-
-    def finish(self) -> object: ...
-
-
 @dataclass(frozen=True)
 class CopyJob:
     """One file of a version to copy (``size`` at the source); ``check`` makes a fresh check
-    for each try, fed the file's bytes in order (None: sizes only)."""
+    for each try, fed the file's bytes in order, which raises to fail the try (None: sizes
+    only)."""
 
     version: int
     name: str
     size: int
-    check: Callable[[], StreamCheck] | None = None
+    check: Callable[[], StreamedShardCheck] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,9 +70,9 @@ class FileCopied:
 
 
 class FileCopier:
-    """Copies files from ``src`` into a transaction writing to ``dst`` (where each copied
-    file's size is checked); ``reads`` runs the ranged reads; ``read_back`` makes each copy read
-    the destination's file back and compare its digest with the source's bytes."""
+    """Copies files from ``src`` into a transaction writing to ``dst`` (where each copy's size
+    is checked), the ranged reads on ``reads``; ``read_back``: each copy is read back from the
+    destination and its digest compared with the source's bytes."""
 
     def __init__(
         self,
@@ -106,8 +94,8 @@ class FileCopier:
     def copy(self, writer: WritesFiles, job: CopyJob, cancel: threading.Event) -> FileCopied:
         """Copy one file, retrying transient failures. Raises :class:`IntegrityError` /
         :class:`FormatError` for a corrupt source file, :class:`TransientStoreError` when the
-        destination keeps failing or storing another size or other bytes, and
-        :class:`InterruptedError` at the next chunk once ``cancel`` is set."""
+        destination keeps failing or storing other bytes, :class:`InterruptedError` once
+        ``cancel`` is set."""
         retries = 0
         while True:
             landed = [0]

@@ -101,8 +101,7 @@ class _ListedStore(Protocol):
 
 def require_store(store: _ListedStore, listing: StoreListing | None = None) -> None:
     """Raise :class:`ConfigError` when nothing under ``store``'s root was written by a
-    publisher (a mistyped path, or a model directory passed for a store); ``listing``: the
-    store's, when the caller has it."""
+    publisher (a mistyped path, or a model directory passed for a store)."""
     listing = store.listing() if listing is None else listing
     if not listing.holds_nothing:
         return
@@ -118,7 +117,6 @@ def require_store(store: _ListedStore, listing: StoreListing | None = None) -> N
 
 
 def _internal(rel: str, path: str, entry: FileEntry, listing: StoreListing) -> None:
-    """File one object under ``_claims/`` (``rel`` is the part after it)."""
     if rel.endswith(".lock") or SUCCESSOR_SUFFIX in rel:
         return  # a local mirror's lock file, or a successor: never garbage
     for suffix, bucket in ((CLAIM_SUFFIX, listing.claims), (ABORT_SUFFIX, listing.aborted)):

@@ -84,11 +84,8 @@ class PruneReport:
             lines.append(f"{verb} remove {len(self.stray)} stray internal object(s)")
         if self.chain_kept:
             newer = tuple(v for v in self.keep if v not in self.chain_kept)
-            deltas = (
-                "is a delta whose chain needs"
-                if len(newer) == 1
-                else ("are deltas whose chains need")
-            )
+            one = len(newer) == 1
+            deltas = "is a delta whose chain needs" if one else "are deltas whose chains need"
             lines.append(
                 f"why more than asked: {fmt(newer)} {deltas} "
                 f"{fmt(self.chain_kept)}; only a full version (`deltastore publish --full`, or "
@@ -216,7 +213,6 @@ def _fence(store: StoreObjects, versions: tuple[int, ...]) -> list[int]:
 
 
 def _delete(store: StoreObjects, version: int) -> None:
-    """Delete an unpublished or fenced version's data."""
     # Index first: a half-finished delete must never leave an index without its shards. The
     # tombstone stays for good: an index that lands late is never visible.
     store.remove(store.file_path(version, INDEX_NAME))
@@ -226,8 +222,7 @@ def _delete(store: StoreObjects, version: int) -> None:
 
 
 def check_prune_args(keep: int, grace_s: float) -> None:
-    """The checks :func:`prune` makes before it reads the store (for callers that check
-    arguments first)."""
+    """The checks :func:`prune` makes before it reads the store."""
     if keep < 1:
         raise ConfigError(f"prune keep={keep}: at least the latest version must be kept")
     if grace_s < 0:
@@ -237,7 +232,6 @@ def check_prune_args(keep: int, grace_s: float) -> None:
 def prune(
     store: StoreObjects, keep: int, grace_s: float, dry_run: bool, progress: ProgressCallback | None
 ) -> PruneReport:
-    """:meth:`VersionStore.prune <deltastore.storage.store.VersionStore.prune>`."""
     check_prune_args(keep, grace_s)
     store.refresh()
     listing = store.listing()

@@ -2,15 +2,10 @@
 
 The store moves opaque bytes: it knows version directories, indexes and byte ranges, never
 codecs. Versions are written only through :class:`~deltastore.storage.writer.VersionWriter`
-(:meth:`VersionStore.begin`), whose module docstring is the commit protocol. Versions are
-listed by their indexes (shards without one, and versions with a tombstone, are invisible).
-Remote stores are opened without fsspec's listing cache, so another host's commit is visible at
-once. Each idempotent step is retried as a unit under one deadline for transient errors;
-permanent errors fail at once as :class:`StoreError` / :class:`ConfigError` naming the URL.
-What differs between kinds of store is one :class:`~deltastore.storage.backends.Backend`; the
-commit protocol's objects (claims, tombstones, successors, file writes) are a
-:class:`~deltastore.storage.writer.StoreObjects` the store holds, for the writer and prune
-(and, through :func:`store_objects`, the conformance suite and fault tests).
+(:meth:`VersionStore.begin`), whose module docstring is the commit protocol, and listed by
+their indexes (shards without one, and versions with a tombstone, are invisible). Remote
+stores are opened without fsspec's listing cache, so another host's commit is visible at once.
+What differs between kinds of store is one :class:`~deltastore.storage.backends.Backend`.
 """
 
 from __future__ import annotations
@@ -181,8 +176,7 @@ class VersionStore:
             self.pre_read(self.url, version)
 
     def listing(self) -> StoreListing:
-        """Everything under the root, from one listing; :class:`ConfigError` for a missing
-        bucket."""
+        """Everything under the root, from one listing; ConfigError for a missing bucket."""
 
         def find() -> dict[str, dict[str, Any]]:
             found = self.fs.find(self.root, detail=True)
@@ -250,10 +244,9 @@ class VersionStore:
         """Claim ``version`` (or, with ``after``, the first claimable version above it) and
         return its :class:`VersionWriter`; ``token`` lets a writer that crashed resume its own
         claim. With ``after``, versions claimed by another writer (live or crashed: a store
-        cannot tell) or fenced are skipped for good; safe, because a delta's commit must also
-        take its base's one successor object. Raises :class:`VersionConflictError` if
-        ``version`` is taken, or (``after``) a later version is already committed or
-        ``max_skip`` in a row are taken."""
+        cannot tell) or fenced are skipped for good, which is safe because a delta's commit
+        must also take its base's one successor object. :class:`VersionConflictError` if
+        ``version`` is taken, or a later one committed, or ``max_skip`` in a row are taken."""
         if (version is None) == (after is None):
             raise ConfigError("begin() takes a version, or after= (the version to follow)")
         if after is not None:
@@ -361,17 +354,15 @@ class VersionStore:
     ) -> PruneReport:
         """Keep the newest ``keep`` committed versions and their chains, unpublish the rest and
         delete the data past ``grace_s`` (see :mod:`deltastore.storage.prune`); ``dry_run``
-        changes nothing. ``progress`` (see :mod:`deltastore.progress`) gets phase ``prune``:
-        the listed bytes of the files removed; a dry run reports nothing. If it raises, the run
-        stops there and the next run finishes the job. Raises :class:`ConfigError` for
-        ``keep < 1`` or a negative grace."""
+        changes nothing. ``progress`` gets phase ``prune``: the listed bytes of the files
+        removed (a dry run reports nothing); if it raises, the next run finishes the job.
+        :class:`ConfigError` for ``keep < 1`` or a negative grace."""
         from deltastore.storage.prune import prune
 
         return prune(self._objects, keep, grace_s, dry_run, progress)
 
 
 def store_objects(store: VersionStore) -> StoreObjects:
-    """The commit protocol's objects of ``store`` (claims, tombstones, successors, create-only
-    and file writes): for the conformance suite, fault tests and tools that inspect the
-    protocol; writers go through :meth:`VersionStore.begin`."""
+    """The commit protocol's objects of ``store``, for the conformance suite, fault tests and
+    tools that inspect the protocol; writers go through :meth:`VersionStore.begin`."""
     return store._objects

@@ -24,10 +24,8 @@ Readers (:meth:`VersionStore.versions`, :meth:`VersionStore.index`) treat a vers
 tombstone as invisible, and tombstones are permanent, so an index that lands late (a writer
 that stalled, or died right after writing it) never makes a pruned version visible again.
 
-The protocol's objects (claims, tombstones, successors, probes under ``_claims/``, the
-create-only write they rely on, the streamed write of a version's files) are a
-:class:`StoreObjects` every :class:`VersionStore` holds (not inherits, so the store's public
-face stays small); the writer and prune use it. Outside ``deltastore.storage`` only
+The protocol's objects are a :class:`StoreObjects` every :class:`VersionStore` holds (not
+inherits, so the store's public face stays small); outside ``deltastore.storage`` only
 :func:`~deltastore.storage.store.store_objects` reaches it (the conformance suite, fault tests).
 """
 
@@ -133,13 +131,9 @@ class StoreObjects:
         )
 
     def check_exclusive_create(self) -> bool:
-        """Whether create-only writes are exclusive on this backend, probed once (kept as the
-        store's ``supports_exclusive_create``): a probe object under ``_claims/`` is written
-        twice, create-only, and the second write must fail. Where it does not, concurrent
-        writers of one version could both commit: a warning says so. Raises
-        :class:`ConfigError` if the bucket does not exist, :class:`StoreError` if access is
-        denied.
-        """
+        """Whether create-only writes are exclusive on this backend, probed once (a probe
+        object under ``_claims/`` written twice: the second write must fail; where it does
+        not, a warning says so). Raises :class:`ConfigError` if the bucket does not exist."""
         if self.store.supports_exclusive_create is not None:
             return self.store.supports_exclusive_create
         token = uuid.uuid4().hex
@@ -171,7 +165,6 @@ class StoreObjects:
         return posixpath.join(self.root, version_dir_name(version))
 
     def version_url(self, version: int) -> str:
-        """URL of a version's directory (what hooks receive)."""
         if self.backend.is_local:
             return self.version_path(version)
         return posixpath.join(self.url, version_dir_name(version))
@@ -183,7 +176,6 @@ class StoreObjects:
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + CLAIM_SUFFIX)
 
     def abort_path(self, version: int) -> str:
-        """Path of a version's tombstone (written by prune to fence or unpublish it)."""
         return posixpath.join(self.root, CLAIMS_DIR, version_dir_name(version) + ABORT_SUFFIX)
 
     def successor_path(self, base: int, generation: int) -> str:
@@ -197,9 +189,8 @@ class StoreObjects:
         self.backend.create_only(path, data)
 
     def create_or_read(self, path: str, data: bytes) -> bytes | None:
-        """Create-only write of ``path``: None if written now, else the existing object's bytes
-        (the caller decides whether it is its own, written earlier with a lost acknowledgement).
-        Retried as one unit."""
+        """Create-only write of ``path``, retried as one unit: None if written now, else the
+        existing object's bytes (perhaps the caller's own, after a lost acknowledgement)."""
 
         def attempt() -> bytes | None:
             try:
@@ -250,7 +241,6 @@ class StoreObjects:
         return bool(self._guard(f"checking {path}", lambda: self.fs.exists(path)))
 
     def read_optional(self, path: str) -> bytes | None:
-        """The bytes of ``path``, or None when it does not exist."""
         try:
             return bytes(self._guard(f"reading {path}", lambda: self.fs.cat_file(path)))
         except FileNotFoundError:
@@ -302,9 +292,8 @@ StepHook = Callable[[str], object]
 
 
 class VersionWriter:
-    """Writes the files of one claimed version and commits it; a context manager that aborts
-    on an exception unless committed. Obtain one from :meth:`VersionStore.begin` or (non-zero
-    ranks) :meth:`VersionStore.join`."""
+    """Writes the files of one claimed version and commits it (:meth:`VersionStore.begin`, or
+    :meth:`VersionStore.join`); a context manager that aborts on an exception unless committed."""
 
     def __init__(
         self, objects: StoreObjects, version: int, token: str, *, claimant: bool = True
@@ -315,9 +304,10 @@ class VersionWriter:
         self.claimant = claimant  # the writer that took the claim: only it commits or aborts
         self.committed = False
         self.step_hook: StepHook | None = None
+        self._name = f"weight_v{version:06d}"
 
     def __repr__(self) -> str:
-        return f"VersionWriter({self.objects.url!r}, weight_v{self.version:06d})"
+        return f"VersionWriter({self.objects.url!r}, {self._name})"
 
     @property
     def url(self) -> str:
@@ -344,10 +334,6 @@ class VersionWriter:
         if self.step_hook is not None:
             self.step_hook(name)
 
-    @property
-    def _name(self) -> str:
-        return f"weight_v{self.version:06d}"
-
     @contextlib.contextmanager
     def open_write(self, name: str) -> Iterator[BinaryIO]:
         """A writable stream for one non-index file (see :meth:`StoreObjects.open_write`)."""
@@ -364,13 +350,11 @@ class VersionWriter:
             self.objects.store.post_write(self.url)
 
     def commit(self, index: VersionIndex) -> VersionIndex:
-        """Publish this version by creating its index; returns the committed index.
-
-        Stamps ``commit_token`` with this writer's token. Raises :class:`ConfigError` for an
-        index of another version or a writer that did not claim, :class:`StoreError` if a
-        shard named by the index is not written, :class:`VersionConflictError` if another
-        writer committed this version or already extended its base, or prune fenced it.
-        """
+        """Publish this version by creating its index stamped with this writer's token; returns
+        the committed index. Raises :class:`ConfigError` for an index of another version or a
+        writer that did not claim, :class:`StoreError` if a shard it names is not written,
+        :class:`VersionConflictError` if another writer committed this version or already
+        extended its base, or prune fenced it."""
         if not self.claimant:
             raise ConfigError(
                 f"{self._name}: only the writer that claimed it (rank 0) commits; this writer "
@@ -407,17 +391,14 @@ class VersionWriter:
         return index
 
     def _recheck(self, index_path: str) -> None:
-        """Does the commit stand: the index is ours and no tombstone was written meanwhile.
-
-        Only the tombstone matters now (a claim is removed or replaced only after one). A
-        fenced commit withdraws its index. If the check itself fails, the index is left in
-        place, which is safe: readers never see a version with a tombstone, and prune deletes
-        data only after writing one; the readers' view then decides.
-        """
+        """Does the commit stand: no tombstone was written meanwhile (a claim is removed or
+        replaced only after one). A fenced commit withdraws its index. If the check itself
+        fails, the index is left in place, which is safe: readers never see a version with a
+        tombstone, and prune deletes data only after writing one; the readers' view decides."""
         try:
             fenced = self.objects.is_fenced(self.version)
         except Exception as exc:
-            if self._visible_as_ours():
+            if self.landed():
                 log.warning(
                     "checking %s for a tombstone failed (%s), but readers see it: "
                     "the commit stands",
@@ -447,12 +428,6 @@ class VersionWriter:
             return self.objects.index(self.version).commit_token == self.token
         except Exception:
             return None
-
-    def _visible_as_ours(self) -> bool:
-        try:
-            return self.objects.index(self.version).commit_token == self.token
-        except Exception:
-            return False
 
     def _check_fence(self) -> None:
         """Refuse a version with a tombstone, or whose claim is missing or another writer's."""
@@ -509,9 +484,7 @@ class VersionWriter:
 
         A version whose index exists or cannot be checked is left alone (after a lost
         acknowledgement its commit may have landed; prune fences it later if it is garbage).
-        Removing the claim also voids a successor object this writer took: the next writer
-        that extends the same base moves past it.
-        """
+        Removing the claim voids a successor object this writer took."""
         if self.committed or not self.claimant:
             return
         store = self.objects
@@ -534,8 +507,7 @@ class VersionWriter:
 
 
 def _try_claim(store: StoreObjects, version: int, token: str) -> str | None:
-    """Take ``version``'s claim: None on success, else why not (``committed``, ``fenced``,
-    ``claimed``)."""
+    """Take ``version``'s claim: None on success, else why not (a key of ``_REFUSED``)."""
     store.check_exclusive_create()
     if store.exists(store.file_path(version, INDEX_NAME)):
         return "fenced" if store.is_fenced(version) else "committed"

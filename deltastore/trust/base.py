@@ -46,12 +46,9 @@ def hash_tensor(tensor: CheckpointTensor, checksum: Checksum) -> str:
 def hash_tensors(
     tensors: Sequence[CheckpointTensor], checksum: Checksum, *, workers: int = 4
 ) -> list[str]:
-    """Digest of each tensor's bytes, in order, on ``workers`` threads.
-
-    Each file is mapped once (read-only; no copy of a tensor is held) and the tensors are
-    hashed in tasks of about 64 MB, so a model of thousands of small tensors costs a few maps
-    and a few dozen tasks, not one of each per tensor.
-    """
+    """Digest of each tensor's bytes, in order, on ``workers`` threads: each file mapped once
+    (no copy of a tensor is held), the tensors hashed in tasks of about 64 MB, so thousands of
+    small tensors cost a few maps and a few dozen tasks, not one of each per tensor."""
     digests = [""] * len(tensors)
     order = sorted(range(len(tensors)), key=lambda i: (tensors[i].file, tensors[i].entry.start))
     tasks: list[list[int]] = [[]]
@@ -145,11 +142,9 @@ def check_base(
     """Refuse a base that is not the one the stream was published from, by the record in
     ``first_delta`` (the delta on version 0 a seed from the base applies first); False when it
     carries none. ``tensors``: ``scan_checkpoint(base_dir)`` when the caller has it. ``covered``:
-    tensors the caller checks against a published digest after writing them anyway (a catch-up
-    puts back every changed tensor that does not match): not hashed here. Raises
-    :class:`IntegrityError` naming the first differing tensors, :class:`NameMismatchError` when
-    the base lacks or adds tensors.
-    """
+    tensors the caller checks against a published digest after writing them anyway (not hashed
+    here). :class:`IntegrityError` naming the first differing tensors, :class:`NameMismatchError`
+    when the base lacks or adds tensors."""
     local = tensors if tensors is not None else scan_checkpoint(base_dir)
     if not check_base_names(base_dir, first_delta, local):
         return False

@@ -99,19 +99,14 @@ def _write_new(path: str, data: bytes, mode: int) -> None:
 
 
 def generate_keypair(prefix: str | os.PathLike[str]) -> KeyPairFiles:
-    """Write a new Ed25519 key pair to ``PREFIX.key`` (mode 0600) and ``PREFIX.pub`` (0644).
-
-    A missing directory of ``PREFIX`` is created (the private key file itself is 0600).
-    Raises :class:`ConfigError` when either file exists or ``cryptography`` is missing.
-    """
+    """Write a new Ed25519 key pair to ``PREFIX.key`` (mode 0600) and ``PREFIX.pub`` (0644),
+    creating a missing directory; :class:`ConfigError` when either file exists."""
     ed25519, serialization = require_cryptography()
     base = os.fspath(prefix)
     parent = os.path.dirname(base)
-    if parent and not os.path.isdir(parent):
+    if parent:
         try:
-            os.makedirs(parent)
-        except FileExistsError:
-            pass  # made meanwhile; _write_new refuses what is not a directory
+            os.makedirs(parent, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create the key directory {parent}: {exc}") from None
     private_path, public_path = base + PRIVATE_SUFFIX, base + PUBLIC_SUFFIX
@@ -197,10 +192,8 @@ def load_public_key(path: str | os.PathLike[str]) -> TrustedKey:
 
 
 def as_trusted_keys(keys: Iterable[str | os.PathLike[str] | TrustedKey]) -> tuple[TrustedKey, ...]:
-    """Public key files (or already loaded keys) → :class:`TrustedKey` values, in order.
-
-    Raises :class:`ConfigError` when none is given: an empty trust list would accept nothing.
-    """
+    """Public key files (or already loaded keys) → :class:`TrustedKey` values, in order;
+    :class:`ConfigError` when none is given (an empty trust list would accept nothing)."""
     loaded = tuple(k if isinstance(k, TrustedKey) else load_public_key(k) for k in keys)
     if not loaded:
         raise ConfigError("trusted_keys is empty; pass at least one PREFIX.pub (--trust FILE)")
