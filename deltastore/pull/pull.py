@@ -63,7 +63,7 @@ from deltastore.pull.source import (
     require_committed,
     source_of,
 )
-from deltastore.pull.verify import CheckedPlan, preflight, verify_checkpoint
+from deltastore.pull.verify import CheckedPlan, preflight, verify_checkpoint, verify_signatures
 from deltastore.trust import TrustedKey
 from deltastore.trust.keys import TrustedKeys, load_trusted
 
@@ -333,12 +333,17 @@ class _PullRun(PullContext):
             local.finish(state)
             return state, None
         to, summary, why = pending.to_version, None, None
-        repaired = AppliedState(to, pending.stream_id, self.store.url)
+        repaired = self.applied(to, pending.stream_id)
         if pending.from_version is None:
             why = "an interrupted reseed was found"
         elif plan_pull(self.store, chain, repaired).action == "reseed":
             why = f"an interrupted transition to v{to:06d} does not lead to v{chain.target:06d}"
         else:
+            if self.options.keys is not None:
+                # The repair verifies each tensor by the digests in the chain's shard headers:
+                # only versions the keys vouch for, as a catch-up would (SignatureError).
+                signed = [chain.start_index] if chain.start_index is not None else []
+                verify_signatures(self.store, [*signed, *chain.deltas], self.options.keys)
             try:
                 summary = repair_pending(self, pending)
             except DeltastoreError as exc:
