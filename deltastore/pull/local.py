@@ -30,7 +30,6 @@ import functools
 import logging
 import mmap
 import os
-import shutil
 import stat
 import sys
 import threading
@@ -86,19 +85,25 @@ def copy_verified(src: str, dst: str, on_read: Callable[[int], None] | None = No
     :class:`IntegrityError` on a mismatch."""
     tmp = f"{dst}.{uuid.uuid4().hex[:12]}.tmp"  # as atomic_replace names its temp files
     source_hash = xxhash.xxh3_128()
-    cloned = _reflink(src, tmp)
-    with open(src, "rb") as fin, contextlib.ExitStack() as stack:
-        fout = None if cloned else stack.enter_context(open(tmp, "wb"))
-        while chunk := fin.read(COPY_CHUNK):
-            source_hash.update(chunk)
-            if fout is not None:
-                fout.write(chunk)
-            if on_read is not None:
-                on_read(len(chunk))
-    if synced_digest(tmp) != source_hash.digest():
-        os.unlink(tmp)
-        raise IntegrityError(f"copy of {src} to {dst} does not match its source; check the disk")
-    os.replace(tmp, dst)
+    try:
+        cloned = _reflink(src, tmp)
+        with open(src, "rb") as fin, contextlib.ExitStack() as stack:
+            fout = None if cloned else stack.enter_context(open(tmp, "wb"))
+            while chunk := fin.read(COPY_CHUNK):
+                source_hash.update(chunk)
+                if fout is not None:
+                    fout.write(chunk)
+                if on_read is not None:
+                    on_read(len(chunk))
+        if synced_digest(tmp) != source_hash.digest():
+            raise IntegrityError(
+                f"copy of {src} to {dst} does not match its source; check the disk"
+            )
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def same_dir(a: str, b: str) -> bool:
@@ -162,7 +167,11 @@ class MappedFiles(contextlib.AbstractContextManager["MappedFiles"]):
                 own_regular_file(path)
                 # O_NOFOLLOW: never write through a link, even one that appeared since.
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-                self._maps[path] = (fd, mmap.mmap(fd, 0))
+                try:
+                    self._maps[path] = (fd, mmap.mmap(fd, 0))
+                except BaseException:
+                    os.close(fd)
+                    raise
             return self._maps[path][1]
 
     def view(self, tensor: CheckpointTensor) -> ByteArray:
@@ -368,7 +377,7 @@ class LocalCheckpoint:
             src, dst = os.path.join(base_dir, name), os.path.join(self.dir, name)
             weights = name.endswith(".safetensors") or name in (INDEX_NAME, STATE_DIR)
             if not weights and os.path.isfile(src) and not os.path.exists(dst):
-                shutil.copyfile(src, dst)
+                copy_verified(src, dst)  # durable once the caller fsyncs the dir
 
 
 # This process's last completion of each local dir (a forked child waits for none of its

@@ -275,8 +275,8 @@ class _PullRun(PullContext):
                 discard_staging(self.local)
                 raise
             self.local.begin(pending)
+            self.local.copy_missing_extras(self.base)  # (swap_in's dir fsync covers them)
             tensors = swap_in(staging, self.local)
-            self.local.copy_missing_extras(self.base)
             self.stats.add(tensors=tensors)
             self.stats.versions.append(chain.start)
         self.local.finish(self.applied(chain.start, stream))
