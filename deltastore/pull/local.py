@@ -1,22 +1,19 @@
 """The host-local checkpoint: per-host lock, applied state, pending record, seeding copies,
 and a catch-up's durability completed after the pull replies.
 
-The tensors a catch-up writes in place are verified in the mapped files (the page cache the
-engine reloads from) before :func:`~deltastore.pull.pull_weights` returns. Making them durable
-(msync and fsync of each patched file), then writing the new state and clearing the pending
-record, runs after the reply on one kept thread that holds the host's lock until all three are
-done (:func:`complete_behind`). Until then the pending record stays and no state names either
-version, so a crash in between (process or power) is repaired by the next pull from that
-record, as for a crash mid-apply. In this process, the next pull of the dir,
-:func:`~deltastore.pull.verify_local` and :class:`LocalCheckpoint`'s state reads wait for the
-completion first (another process waits on the host lock); a process that exits waits for
-its queued completions first.
+A catch-up's tensors are verified in the mapped files (the page cache the engine reloads
+from) before :func:`~deltastore.pull.pull_weights` returns. Flushing them, then writing the
+new state and clearing the pending record, may run after the reply on one kept thread that
+holds the host's lock until all three are done (:func:`complete_behind`): until then the
+pending record stays and no state names either version, so a crash in between is repaired by
+the next pull, as for a crash mid-apply. In this process the next pull of the dir,
+:func:`~deltastore.pull.verify_local` and the state reads wait for the completion first
+(another process waits on the lock); a process that exits waits for its completions.
 
 In-place writes go through ``mmap`` (:class:`MappedFiles`); a file that is a symbolic link or
-shares its inode with another path (a dir cloned with ``cp -as`` or ``cp -al``, links into the
-base) is first replaced by a verified private copy, so a write never reaches another host's
-dir or the base. :func:`msync` is the one place mapped pages are flushed (tests wrap it to see
-the order of flushes and state writes).
+has other hard links (``cp -as``, ``cp -al``, links into the base) is first replaced by a
+verified private copy, so a write never reaches another dir. :func:`msync` is the one place
+mapped pages are flushed (tests wrap it to see the order of flushes and state writes).
 """
 
 from __future__ import annotations
@@ -113,21 +110,9 @@ def same_dir(a: str, b: str) -> bool:
     return False
 
 
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform == "linux" else None
+_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 """madvise option that maps a range's pages writable in one call (Linux ≥ 5.14)."""
-_populate = {"works": _POPULATE_WRITE is not None}
-
-
-def prefault(mm: mmap.mmap, start: int, end: int) -> None:
-    """Map bytes ``[start, end)`` of ``mm`` writable in one call where the OS allows it (else
-    a write takes two page faults per page); only pages about to be written: each is dirty."""
-    if _POPULATE_WRITE is None or not _populate["works"] or end <= start:
-        return
-    begin = start - start % mmap.PAGESIZE
-    try:
-        mm.madvise(_POPULATE_WRITE, begin, end - begin)
-    except (OSError, ValueError):
-        _populate["works"] = False  # an older kernel: plain faults from now on
+_populate = {"works": sys.platform == "linux"}
 
 
 def msync(mm: mmap.mmap, path: str) -> None:
@@ -176,20 +161,16 @@ class MappedFiles(contextlib.AbstractContextManager["MappedFiles"]):
 
     def view(self, tensor: CheckpointTensor) -> ByteArray:
         """A writable view of ``tensor``'s bytes in its file (made private first)."""
-        return np.frombuffer(
-            self._map(tensor.file),
-            dtype=np.uint8,
-            count=tensor.entry.nbytes,
-            offset=tensor.entry.start,
-        )
+        return self.array(tensor.file)[tensor.entry.start : tensor.entry.end]
 
     def array(self, path: str) -> ByteArray:
         """A writable view of the whole file (codecs applying a batch take offsets into it)."""
         return np.frombuffer(self._map(path), dtype=np.uint8)
 
     def prepare_writes(self, tensors: Sequence[CheckpointTensor]) -> None:
-        """Map the pages of ``tensors`` (about to be written whole) writable, one call per run
-        of adjacent tensors in a file (see :func:`prefault`)."""
+        """Map the pages of ``tensors`` (about to be written whole: each page is dirtied)
+        writable, one madvise per run of adjacent tensors in a file where the OS allows it,
+        instead of two page faults per page."""
         runs: list[tuple[str, int, int]] = []
         for tensor in sorted(tensors, key=lambda t: (t.file, t.entry.start)):
             start, end = tensor.entry.start, tensor.entry.end
@@ -198,7 +179,13 @@ class MappedFiles(contextlib.AbstractContextManager["MappedFiles"]):
             else:
                 runs.append((tensor.file, start, end))
         for path, start, end in runs:
-            prefault(self._map(path), start, end)
+            if not _populate["works"]:
+                return
+            begin = start - start % mmap.PAGESIZE
+            try:
+                self._map(path).madvise(_POPULATE_WRITE, begin, end - begin)
+            except (OSError, ValueError):
+                _populate["works"] = False  # an older kernel: plain faults from now on
 
     def flush(self) -> None:
         """msync, then fsync, every mapped file: the data is durable before any state names it."""
@@ -297,11 +284,6 @@ class LocalCheckpoint:
         infos = {name: os.stat(os.path.join(self.dir, name)) for name in self.weight_files()}
         return {name: (info.st_size, info.st_mtime_ns) for name, info in infos.items()}
 
-    def unchanged_since(self, state: AppliedState) -> bool:
-        """True when the state recorded fingerprints and every weight file still matches them
-        (a ``stat`` per file: a rewrite of the same size within the mtime granularity passes)."""
-        return state.files is not None and state.files == self.fingerprints()
-
     def invalidate_state(self) -> None:
         """Remove the state so a reference reader sees no version (it then reseeds)."""
         with contextlib.suppress(FileNotFoundError):
@@ -348,8 +330,7 @@ class LocalCheckpoint:
 
     def clear_weights(self) -> None:
         """Remove the weight files, and copies a crash left half-written (``*.tmp``)."""
-        names = os.listdir(self.dir) if os.path.isdir(self.dir) else []
-        partial = [n for n in names if n.endswith((".tmp", ".partial"))]
+        partial = [n for n in os.listdir(self.dir) if n.endswith((".tmp", ".partial"))]
         for name in self.weight_files() + partial:
             os.unlink(os.path.join(self.dir, name))
 

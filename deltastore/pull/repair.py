@@ -97,7 +97,7 @@ def _repair_tensor(
     tensor: TensorHistory,
     view: ByteArray,
     start_version: int,
-    stats: ApplyStats | None,
+    stats: ApplyStats,
 ) -> tuple[str, ByteArray | None]:
     """``(kind, verified bytes to write)`` of one touched tensor: ``kept`` (None: nothing to
     write), ``applied`` or ``restored``; :class:`IntegrityError` if the result does not verify."""
