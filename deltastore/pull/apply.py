@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import itertools
 import logging
 import threading
 from collections import deque
@@ -64,45 +65,35 @@ def fold_apply(
     """``current`` with ``payloads`` applied in order (consecutive ones of a foldable encoding
     folded into one), as a new array, or into ``current`` itself when ``in_place``;
     :class:`FormatError` naming the version whose payload does not fit."""
-    nbytes = current.size
     result = current if in_place else current.copy()
-    folded: ByteArray | None = None
-    owned = False  # whether `folded` is a private copy (a frame's bytes are read-only)
-    folding: Encoding | None = None
-    last_version = 0
 
-    def apply_folded() -> None:
-        nonlocal folded, folding
-        if folded is not None and folding is not None:
-            _apply(folding, result, folded, name, last_version)
-        folded, folding = None, None
-
-    for payload, frame in zip(payloads, frames, strict=True):
-        encoding = get_encoding(payload.encoding)
-        raw = decompress(  # its declared size checked before allocating
+    def raw(payload: PayloadRef, frame: bytes | memoryview, encoding: Encoding) -> bytes:
+        return decompress(  # its declared size checked before allocating
             frame,
-            max_size=encoding.max_payload_size(nbytes),
-            exact_size=nbytes if encoding.exact_payload_size else None,
+            max_size=encoding.max_payload_size(result.size),
+            exact_size=result.size if encoding.exact_payload_size else None,
             what=f"{payload.where} payload of tensor {name!r}",
         )
-        if folding is not None and encoding is not folding:
-            apply_folded()
+
+    pairs = zip(payloads, frames, strict=True)
+    for encoding, same in itertools.groupby(pairs, key=lambda pair: get_encoding(pair[0].encoding)):
+        run = list(same)
         if not encoding.foldable:
-            _apply(encoding, result, raw, name, payload.version)
+            for payload, frame in run:
+                _apply(encoding, result, raw(payload, frame, encoding), name, payload.version)
             continue
-        try:
-            if folded is None:
-                # One payload (the common case) is applied straight from its decompressed
-                # bytes; a private copy is made only when a second one folds into it.
-                folded, folding, owned = np.frombuffer(raw, dtype=np.uint8), encoding, False
-            else:
-                if not owned:
-                    folded, owned = folded.copy(), True
-                folded = encoding.fold(folded, raw, tensor=name)
-        except FormatError as exc:
-            raise FormatError(f"{payload.where}: {exc}") from None
-        last_version = payload.version
-    apply_folded()
+        # One payload (the common case) is applied straight from its decompressed bytes; a
+        # private copy is made only when others fold into it (a frame's bytes are read-only).
+        folded = np.frombuffer(raw(*run[0], encoding), dtype=np.uint8)
+        if len(run) > 1:
+            folded = folded.copy()
+        for payload, frame in run[1:]:
+            later = raw(payload, frame, encoding)
+            try:
+                folded = encoding.fold(folded, later, tensor=name)
+            except FormatError as exc:
+                raise FormatError(f"{payload.where}: {exc}") from None
+        _apply(encoding, result, folded, name, run[-1][0].version)
     return result
 
 
