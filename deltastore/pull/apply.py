@@ -46,11 +46,12 @@ log = logging.getLogger("deltastore.pull")
 
 
 def read_payloads(
-    store: VersionStore, payloads: Sequence[PayloadRef], stats: ApplyStats
+    store: VersionStore, payloads: Sequence[PayloadRef], stats: ApplyStats | None
 ) -> list[bytes]:
     """The compressed frames of ``payloads``, one ranged read each."""
     frames = [store.read_range(p.version, p.shard, p.start, p.end) for p in payloads]
-    stats.add(payloads=len(frames), bytes_read=sum(len(f) for f in frames))
+    if stats is not None:
+        stats.add(payloads=len(frames), bytes_read=sum(len(f) for f in frames))
     return frames
 
 

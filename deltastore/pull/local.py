@@ -34,6 +34,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import xxhash
@@ -49,6 +50,7 @@ from deltastore.storage import VersionStore
 from deltastore.storage.durable import atomic_replace, fsync_path
 
 log = logging.getLogger("deltastore.pull")
+_Record = TypeVar("_Record", AppliedState, PendingTransition)
 
 COPY_CHUNK = 16 * 1024**2
 
@@ -260,18 +262,26 @@ class LocalCheckpoint:
 
     def read_state(self) -> AppliedState | None:
         """The applied state, or None when there is none (or it is unreadable)."""
+        return self._read(self.state_path, AppliedState.from_json, None)
+
+    def read_pending(self) -> PendingTransition | None:
+        """The record of a transition in progress or interrupted, or None; an unreadable one
+        reads as an interrupted reseed."""
+        unreadable = PendingTransition(None, 0)
+        return self._read(self.pending_path, PendingTransition.from_json, unreadable)
+
+    def _read(
+        self, path: str, parse: Callable[..., _Record], unreadable: _Record | None
+    ) -> _Record | None:
+        wait_recorded(self.dir)
         try:
-            return AppliedState.from_json(self._read(self.state_path), source=self.state_path)
+            with open(path, "rb") as fh:
+                return parse(fh.read(), source=path)
         except FileNotFoundError:
             return None
         except FormatError as exc:
-            log.warning("%s; treating %s as holding nothing", exc, self.dir)
-            return None
-
-    def _read(self, path: str) -> bytes:
-        wait_recorded(self.dir)
-        with open(path, "rb") as fh:
-            return fh.read()
+            log.warning("%s; the checkpoint in %s is taken to hold nothing", exc, self.dir)
+            return unreadable
 
     def write_state(self, state: AppliedState, *, sync_dir: bool = True) -> None:
         """Record ``state`` with the weight files' fingerprints as they are now."""
@@ -289,17 +299,6 @@ class LocalCheckpoint:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.state_path)
             fsync_path(self.state_dir)
-
-    def read_pending(self) -> PendingTransition | None:
-        """The record of a transition in progress or interrupted, or None."""
-        try:
-            data = self._read(self.pending_path)
-            return PendingTransition.from_json(data, source=self.pending_path)
-        except FileNotFoundError:
-            return None
-        except FormatError as exc:
-            log.warning("%s; the checkpoint will be reseeded", exc)
-            return PendingTransition(None, 0)
 
     def begin(self, pending: PendingTransition) -> None:
         """Before the first in-place write: rename the pending record in and remove the state
