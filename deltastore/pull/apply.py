@@ -109,9 +109,8 @@ def applies_in_place(payloads: Sequence[PayloadRef]) -> bool:
 def batches_in_place(payloads: Sequence[PayloadRef]) -> bool:
     """True when a tensor's ``payloads`` may go into a batch applied straight into the map:
     one payload of a self-inverse encoding that checks a payload whole before it writes (a
-    refused one leaves the tensor untouched, a written one that does not verify is put back
-    by applying it again) and applies in batches (``xor`` does not: its payloads are the
-    tensor's size, and joining them costs more than the calls it saves)."""
+    refused one leaves the tensor untouched, a written one is put back by applying it again)
+    and applies in batches."""
     if len(payloads) != 1:
         return False
     encoding = get_encoding(payloads[0].encoding)
