@@ -386,8 +386,13 @@ def complete_behind(local_dir: str, steps: Callable[[], None], release: Callable
         finally:
             release()
 
+    try:
+        completion = kept_pool(_DURABLE, 1).submit(run)
+    except RuntimeError:  # the interpreter is shutting down: no new thread; complete here
+        run()
+        return
     with _guard:
-        _completions[local_dir] = kept_pool(_DURABLE, 1).submit(run)
+        _completions[local_dir] = completion
 
 
 def wait_recorded(local_dir: str, timeout_s: float | None = None) -> BaseException | None:
