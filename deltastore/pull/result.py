@@ -159,12 +159,10 @@ class PullResult:
     bytes_reconstructed: int = 0
     """Bytes of local tensors written (patched, restored or copied in by a reseed)."""
     tensors_skipped: int = 0
-    """Tensors of the local checkpoint no version this pull applied changed."""
     reseeds: int = 0
-    """1 when the pull reseeded (from the base or a full version), else 0."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    """Where the time went: ``prepare`` (repair, checks, plan, preflight), ``reseed`` and
-    ``apply`` (the deltas); phases that did not run are absent."""
+    """``prepare`` (repair, checks, plan, preflight), ``reseed`` and ``apply``: the phases that
+    ran (docs/api.md)."""
 
     @property
     def wire_bytes(self) -> int:
