@@ -1,10 +1,5 @@
-"""Engine side: the local checkpoint, applying versions, repair, fan-out, the HTTP server.
-
-Modules: ``pull`` (``pull_weights``, group pulls), ``source`` (stores, nearest first),
-``chain`` (resolving, planning, per-tensor history), ``apply`` (deltas in place), ``full``
-(staged full versions), ``verify`` (digests, signatures first), ``repair``, ``local`` (lock,
-state, maps, durability after the reply), ``result``, ``server`` and ``client`` (HTTP).
-"""
+"""Engine side: the local checkpoint, applying versions, repair, group pulls, the HTTP server
+and its client (the modules: docs/architecture.md)."""
 
 from deltastore.errors import GroupPullError
 from deltastore.pull.client import EndpointReply, PullReply, PullRequest, fetch_state, pull_all

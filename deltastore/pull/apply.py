@@ -1,24 +1,21 @@
-"""Applying a run of deltas to a local checkpoint in place, verified before writing.
+"""Applying a run of deltas to a local checkpoint in place, one pass per tensor.
 
-A run is applied in **one pass per tensor** (catch-up). Its payloads are read in windows of
-about :data:`WINDOW_BYTES`, one ranged request per run of nearby payloads of a shard, and each
-window is cut into tasks of about :data:`TASK_BYTES` of model bytes for a thread pool.
-Payloads of one foldable encoding are folded and applied once. A tensor whose payloads may be
-applied in place (:func:`applies_in_place`, :func:`batches_in_place`; a batch is one codec
-call per encoding and file, as the Python calls around a compiled decode cost more than the
-decode on small tensors) is written straight into the map, verified there, and put back by
-applying the same payloads again if it does not verify; any other is applied on a copy,
-verified *before* it is written. So each tensor on disk is at the version the run starts
-from, at the version it ends at, or (a write torn by a crash) neither:
-:mod:`deltastore.pull.repair` relies on that. Everything here asks the encoding what it
-allows (``foldable``, ``self_inverse``, ...); nothing compares encoding names.
+Payloads are read in windows (one ranged request per run of nearby payloads of a shard) and
+applied in tasks on a thread pool; payloads of one foldable encoding are folded and applied
+once. A tensor whose payloads may be applied in place (:func:`applies_in_place`,
+:func:`batches_in_place`: one codec call per encoding and file) is written straight into the
+map, verified there, and put back by applying them again if it does not verify; any other is
+applied on a copy and verified *before* it is written. So each tensor on disk is at the
+version the run starts from, at the one it ends at, or (a write torn by a crash) neither:
+:mod:`deltastore.pull.repair` relies on that. The encoding says what it allows
+(``foldable``, ``self_inverse``, ...); nothing compares encoding names.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import functools
+import itertools
 import logging
 import threading
 from collections import deque
@@ -69,45 +66,35 @@ def fold_apply(
     """``current`` with ``payloads`` applied in order (consecutive ones of a foldable encoding
     folded into one), as a new array, or into ``current`` itself when ``in_place``;
     :class:`FormatError` naming the version whose payload does not fit."""
-    nbytes = current.size
     result = current if in_place else current.copy()
-    folded: ByteArray | None = None
-    owned = False  # whether `folded` is a private copy (a frame's bytes are read-only)
-    folding: Encoding | None = None
-    last_version = 0
 
-    def apply_folded() -> None:
-        nonlocal folded, folding
-        if folded is not None and folding is not None:
-            _apply(folding, result, folded, name, last_version)
-        folded, folding = None, None
-
-    for payload, frame in zip(payloads, frames, strict=True):
-        encoding = get_encoding(payload.encoding)
-        raw = decompress(  # its declared size checked before allocating
+    def raw(payload: PayloadRef, frame: bytes | memoryview, encoding: Encoding) -> bytes:
+        return decompress(  # its declared size checked before allocating
             frame,
-            max_size=encoding.max_payload_size(nbytes),
-            exact_size=nbytes if encoding.exact_payload_size else None,
+            max_size=encoding.max_payload_size(result.size),
+            exact_size=result.size if encoding.exact_payload_size else None,
             what=f"{payload.where} payload of tensor {name!r}",
         )
-        if folding is not None and encoding is not folding:
-            apply_folded()
+
+    pairs = zip(payloads, frames, strict=True)
+    for encoding, same in itertools.groupby(pairs, key=lambda pair: get_encoding(pair[0].encoding)):
+        run = list(same)
         if not encoding.foldable:
-            _apply(encoding, result, raw, name, payload.version)
+            for payload, frame in run:
+                _apply(encoding, result, raw(payload, frame, encoding), name, payload.version)
             continue
-        try:
-            if folded is None:
-                # One payload (the common case) is applied straight from its decompressed
-                # bytes; a private copy is made only when a second one folds into it.
-                folded, folding, owned = np.frombuffer(raw, dtype=np.uint8), encoding, False
-            else:
-                if not owned:
-                    folded, owned = folded.copy(), True
-                folded = encoding.fold(folded, raw, tensor=name)
-        except FormatError as exc:
-            raise FormatError(f"{payload.where}: {exc}") from None
-        last_version = payload.version
-    apply_folded()
+        # One payload (the common case) is applied straight from its decompressed bytes; a
+        # private copy is made only when others fold into it (a frame's bytes are read-only).
+        folded = np.frombuffer(raw(*run[0], encoding), dtype=np.uint8)
+        if len(run) > 1:
+            folded = folded.copy()
+        for payload, frame in run[1:]:
+            later = raw(payload, frame, encoding)
+            try:
+                folded = encoding.fold(folded, later, tensor=name)
+            except FormatError as exc:
+                raise FormatError(f"{payload.where}: {exc}") from None
+        _apply(encoding, result, folded, name, run[-1][0].version)
     return result
 
 
@@ -116,18 +103,14 @@ def applies_in_place(payloads: Sequence[PayloadRef]) -> bool:
     encoding, foldable (every payload is decompressed, size-checked and folded before the
     tensor is touched) and self-inverse (applying them again puts the old bytes back)."""
     encodings = {get_encoding(p.encoding) for p in payloads}
-    if len(encodings) != 1:
-        return False
-    (encoding,) = encodings
-    return encoding.foldable and encoding.self_inverse
+    return len(encodings) == 1 and all(e.foldable and e.self_inverse for e in encodings)
 
 
 def batches_in_place(payloads: Sequence[PayloadRef]) -> bool:
     """True when a tensor's ``payloads`` may go into a batch applied straight into the map:
     one payload of a self-inverse encoding that checks a payload whole before it writes (a
-    refused one leaves the tensor untouched, a written one that does not verify is put back
-    by applying it again) and applies in batches (``xor`` does not: its payloads are the
-    tensor's size, and joining them costs more than the calls it saves)."""
+    refused one leaves the tensor untouched, a written one is put back by applying it again)
+    and applies in batches."""
     if len(payloads) != 1:
         return False
     encoding = get_encoding(payloads[0].encoding)
@@ -202,10 +185,6 @@ class Window:
     tensors: tuple[TensorHistory, ...]
     spans: tuple[Span, ...]
     where: tuple[tuple[tuple[int, int, int], ...], ...]
-
-    @property
-    def wire_bytes(self) -> int:
-        return sum(s.end - s.start for s in self.spans)
 
     def frames(self, data: Sequence[bytes]) -> list[list[memoryview]]:
         """Each tensor's compressed frames, as views into the spans' bytes (``data``)."""
@@ -337,7 +316,7 @@ class _ChainApplier:
     ) -> None:
         """Apply the one payload of each tensor ``batch`` indexes (one encoding, one file) in
         one codec call, then verify each; each is recorded in ``written`` as soon as the codec
-        has written it, so the caller's put-back covers the ones after a failure too."""
+        has written it, so the caller's put-back restores every one after a failure."""
         targets = [self.local_tensors[tensors[i].name] for i in batch]
         names = [tensors[i].name for i in batch]
         refs = [tensors[i].payloads[0] for i in batch]
@@ -352,18 +331,14 @@ class _ChainApplier:
         array = self.files.array(targets[0].file)
         starts = np.array([t.entry.start for t in targets], np.int64)
         applied, error = encoding.apply_batch(array, starts, sizes, payloads, names)
-        first = len(written)
         written.extend(
             (names[j], UndoRecord((refs[j],), (frames[batch[j]][0],))) for j in range(applied)
         )
         if error is not None:
             raise FormatError(f"weight_v{refs[applied].version:06d}: {error}") from None
         for j in range(applied):
-            tensor, view = tensors[batch[j]], array[starts[j] : starts[j] + sizes[j]]
-            if not tensor.final.matches(view):
-                fold_apply(view, tensor.payloads, frames[batch[j]], tensor.name, in_place=True)
-                del written[first + j]  # put back (if that raised, the caller's put-back does)
-                raise self._mismatch(tensor, "The tensor was put back as it was")
+            if not tensors[batch[j]].final.matches(array[starts[j] : starts[j] + sizes[j]]):
+                raise self._mismatch(tensors[batch[j]], "The tensor was put back as it was")
 
     def _apply_one(
         self,
@@ -372,17 +347,16 @@ class _ChainApplier:
         frames: list[memoryview],
         written: list[tuple[str, UndoRecord]],
     ) -> None:
-        """Fold, apply, verify one tensor and record it in ``written`` before its bytes change;
-        a tensor that does not verify is left (or put back) as it was, and raises."""
+        """Fold, apply, verify one tensor and record it in ``written`` once it is written; one
+        that does not verify raises, left as it was or put back by the caller's put-back."""
         view = self.files.view(target)
         if applies_in_place(tensor.payloads):
             # XOR-like payloads go straight into the map (one pass instead of copy, apply,
             # copy back); a result that does not verify is put back by applying them again.
             fold_apply(view, tensor.payloads, frames, tensor.name, in_place=True)
-            if not tensor.final.matches(view):
-                fold_apply(view, tensor.payloads[::-1], frames[::-1], tensor.name, in_place=True)
-                raise self._mismatch(tensor, "The tensor was put back as it was")
             written.append((tensor.name, UndoRecord(tuple(tensor.payloads), tuple(frames))))
+            if not tensor.final.matches(view):
+                raise self._mismatch(tensor, "The tensor was put back as it was")
             return
         result = fold_apply(view, tensor.payloads, frames, tensor.name)
         if not tensor.final.matches(result):
@@ -448,20 +422,17 @@ def apply_chain(
     deltas: Sequence[VersionIndex],
     local: LocalCheckpoint,
     applied_version: int,
-    workers: int = 4,
-    tensors: dict[str, CheckpointTensor] | None = None,
-    stats: ApplyStats | None = None,
-    files: MappedFiles | None = None,
+    workers: int,
+    tensors: dict[str, CheckpointTensor] | None,
+    stats: ApplyStats,
+    files: MappedFiles,
 ) -> None:
-    """Apply a run of deltas in place, building link by link on ``applied_version`` (else
-    :class:`OutOfOrderError`) onto tensors that exist locally (else :class:`NameMismatchError`).
-    On any failure what was written is put back and flushed (:class:`PutBackError` if that
-    fails). Without ``files`` the data is flushed before returning; given ``files`` (maps the
-    caller owns), the caller flushes them (:func:`flush_applied`) before it records the state.
+    """Apply a run of deltas in place through ``files`` (maps the caller owns and flushes with
+    :func:`flush_applied` before it records the state), building link by link on
+    ``applied_version`` (else :class:`OutOfOrderError`) onto tensors that exist locally (else
+    :class:`NameMismatchError`; ``tensors``: the checkpoint as scanned, None to scan it). On
+    any failure what was written is put back and flushed (:class:`PutBackError` if that fails).
     """
-    if not deltas:
-        return
-    stats = stats if stats is not None else ApplyStats()
     check_contiguous(deltas, applied_version)
     history = collect_history(store, deltas)
     local_tensors = tensors if tensors is not None else scan_checkpoint(local.dir)
@@ -469,17 +440,12 @@ def apply_chain(
     if stats.progress is not None:
         stats.report("apply", sum(p.end - p.start for t in history.values() for p in t.payloads))
     last = version_dir_name(deltas[-1].version)
-    with contextlib.ExitStack() as stack:
-        owned = files is None
-        maps = stack.enter_context(MappedFiles()) if files is None else files
-        applier = _ChainApplier(store, maps, local_tensors, applied_version, last, stats)
-        try:
-            _run_windows(applier, plan_windows(list(history.values())), workers)
-        except BaseException as exc:
-            applier.put_back(exc, local.dir)
-            raise
-        if owned:
-            flush_applied(maps, last, local.dir)
+    applier = _ChainApplier(store, files, local_tensors, applied_version, last, stats)
+    try:
+        _run_windows(applier, plan_windows(list(history.values())), workers)
+    except BaseException as exc:
+        applier.put_back(exc, local.dir)
+        raise
     stats.versions.extend(d.version for d in deltas)
 
 

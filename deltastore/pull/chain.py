@@ -1,11 +1,6 @@
-"""What a run of published versions is: which versions lead to a target, how to get there,
-and what the run does to each tensor.
-
-:func:`resolve_chain` follows ``base_version`` links back from the target to a full version or
-the base; :func:`plan_pull` decides, from what the local checkpoint holds, whether to do
-nothing, catch up along the chain, or reseed from the chain's start (and how many bytes each
-would move); :func:`collect_history` reads each changed tensor's payloads and its digest after
-each version.
+"""Which versions lead to a target (:func:`resolve_chain`), how to get there from what the
+host holds (:func:`plan_pull`: nothing, catch up, or reseed from the chain's start, by bytes
+moved), and what a run of deltas does to each tensor (:func:`collect_history`).
 """
 
 from __future__ import annotations
@@ -41,17 +36,15 @@ class Chain:
     start: int
     start_index: VersionIndex | None
     deltas: list[VersionIndex]
-    start_stream: str | None = None
+    start_stream: str | None
     partial: bool = False
-    """True when resolved only back to the host's applied version ``start`` (whose stream is
-    ``start_stream``), not to a full version or the base: good for a catch-up, not a reseed."""
+    """True when resolved only back to the host's applied version ``start``, not to a full
+    version or the base: good for a catch-up, not a reseed."""
 
     @property
     def stream_id(self) -> str | None:
-        """Stream of the target (that of its newest delta, else of the full version)."""
-        if self.deltas:
-            return self.deltas[-1].stream_id
-        return self.start_index.stream_id if self.start_index else None
+        """Stream of the target."""
+        return self.deltas[-1].stream_id if self.deltas else self.start_stream
 
     def suffix_after(self, version: int) -> list[VersionIndex] | None:
         """The deltas still to apply on a checkpoint at ``version`` of this chain, or None."""
@@ -64,9 +57,7 @@ class Chain:
 
     def stream_at(self, version: int) -> str | None:
         if version == self.start:
-            if self.partial:
-                return self.start_stream
-            return self.start_index.stream_id if self.start_index else None
+            return self.start_stream
         for delta in self.deltas:
             if delta.version == version:
                 return delta.stream_id
@@ -78,7 +69,9 @@ def resolve_chain(store: IndexSource, target: int) -> Chain:
     :class:`VersionNotFoundError` if the target or a link is not committed (a partial chain
     must never be replayed onto the wrong start), :class:`FormatError` if streams mix."""
     start, deltas = walk_chain(store, target)
-    return Chain(target, start.version if start else 0, start, deltas)
+    if start is None:
+        return Chain(target, 0, None, deltas, None)
+    return Chain(target, start.version, start, deltas, start.stream_id)
 
 
 def resolve_onto(store: VersionStore, target: int, state: AppliedState | None) -> Chain:

@@ -1,20 +1,18 @@
 """The ``/pull_weights`` wire types, the client of ``deltastore serve`` (or any reference
-``/pull_weights`` endpoint), and the one small JSON-over-HTTP call (:func:`call`) every other
-deltastore client uses (the engine sync).
+endpoint), and the one JSON-over-HTTP call (:func:`call`) the engine sync uses too.
 
-The request and reply are the reference engine endpoint's: ``POST /pull_weights
-{local_checkpoint_dir, source_dir, target_version}`` answered by ``{success, message}`` with
-HTTP 200 on success, 400 on failure, parsed strictly: a reply without ``success`` and
-``message`` is a :class:`FormatError` naming what was received, never an "unknown error".
-:func:`pull_all` asks many hosts to pull one version concurrently and returns each host's typed
-reply; an unreachable host or a reply that is not ``{success, message}`` becomes a failed
-:class:`PullReply` saying so, never an exception that hides the other hosts' outcomes.
+``POST /pull_weights {local_checkpoint_dir, source_dir, target_version}`` is answered by
+``{success, message}`` (HTTP 200, or 400 on failure), parsed strictly: anything else is a
+:class:`FormatError` naming what was received. :func:`pull_all` asks many hosts at once; an
+unreachable host or a malformed reply becomes a failed :class:`PullReply` saying so, never an
+exception that hides the other hosts' outcomes.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import http.client as http_client
 import json
 import time
@@ -58,8 +56,6 @@ def _load_object(data: bytes | str | Mapping[str, Any], what: str) -> Mapping[st
 
 @dataclass(frozen=True)
 class PullRequest:
-    """``POST /pull_weights`` body."""
-
     local_checkpoint_dir: str
     source_dir: str | tuple[str, ...]
     """A local directory or a store URL (``s3://``, ``gs://``, ...), or several copies of one
@@ -135,8 +131,6 @@ def _target_version(raw: object) -> int | str:
 
 @dataclass(frozen=True)
 class PullReply:
-    """``{success, message}``: the reply of ``POST /pull_weights``."""
-
     success: bool
     message: str
 
@@ -155,7 +149,7 @@ class PullReply:
 
 @dataclass(frozen=True)
 class CheckpointStatus:
-    """``GET /state``: what a host's local checkpoint records."""
+    """``GET /state``."""
 
     local_checkpoint_dir: str
     version: int | None
@@ -184,8 +178,6 @@ class CheckpointStatus:
 
 @dataclass(frozen=True)
 class EndpointReply:
-    """One host's answer to a pull request."""
-
     endpoint: str
     reply: PullReply
     status: int | None
@@ -198,7 +190,6 @@ class EndpointReply:
 
     @property
     def message(self) -> str:
-        """The host's ``message`` (or why it could not be reached)."""
         return self.reply.message
 
     def describe(self) -> str:
@@ -218,8 +209,6 @@ def normalize_endpoint(endpoint: str) -> str:
 
 @dataclass(frozen=True)
 class HttpReply:
-    """What one HTTP call to an engine or a ``deltastore serve`` answered."""
-
     url: str
     """The URL called (without the query)."""
     status: int | None
@@ -298,7 +287,7 @@ def call(
 def pull_one(
     endpoint: str, request: PullRequest, *, token: str | None = None, timeout_s: float = 3600.0
 ) -> EndpointReply:
-    """POST one pull request; never raises for a failed or unreachable host."""
+    """Never raises for a failed or unreachable host."""
     url = normalize_endpoint(endpoint)
     answer = call(url, "/pull_weights", request.to_dict(), token=token, timeout_s=timeout_s)
     status, body = answer.status, answer.body
@@ -327,7 +316,6 @@ def pull_all(
     ``local_checkpoint_dir`` is one path for every host, or a mapping endpoint → path."""
     if not endpoints:
         raise ConfigError("pull_all needs at least one endpoint")
-
     dirs = local_checkpoint_dir
     if isinstance(dirs, str):
         dirs = dict.fromkeys(endpoints, dirs)
@@ -336,12 +324,9 @@ def pull_all(
             raise ConfigError(f"no local_checkpoint_dir given for {endpoint}")
     sources = source_dir if isinstance(source_dir, str) else tuple(source_dir)
     requests = [PullRequest(dirs[e], sources, target_version) for e in endpoints]
+    ask = functools.partial(pull_one, token=token, timeout_s=timeout_s)
     with cf.ThreadPoolExecutor(max_parallel or len(endpoints)) as pool:
-        futures = [
-            pool.submit(pull_one, e, r, token=token, timeout_s=timeout_s)
-            for e, r in zip(endpoints, requests)
-        ]
-        return [f.result() for f in futures]
+        return list(pool.map(ask, endpoints, requests))
 
 
 def fetch_state(

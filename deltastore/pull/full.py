@@ -64,12 +64,8 @@ class _WholeFile:
 
     def __init__(self) -> None:
         self.hasher = xxhash.xxh3_128()
-
-    def restart(self) -> None:
-        self.hasher = xxhash.xxh3_128()
-
-    def update(self, data: bytes) -> None:
-        self.hasher.update(data)
+        self.update = self.hasher.update
+        self.restart = self.hasher.reset  # a retry sends the file again from its first byte
 
 
 def _download(
@@ -81,10 +77,8 @@ def _download(
     with flushed_behind(dst):
         size = store.download(version, shard, dst, sink or whole)
     if whole is None:
-        with open(dst, "rb+") as fh:
-            os.fsync(fh.fileno())
-        return size
-    if synced_digest(dst) != whole.hasher.digest():
+        fsync_path(dst)
+    elif synced_digest(dst) != whole.hasher.digest():
         raise IntegrityError(
             f"{version_dir_name(version)}/{shard}: the local copy {dst} differs from what was "
             "read; check the local disk"

@@ -1,22 +1,19 @@
 """The host-local checkpoint: per-host lock, applied state, pending record, seeding copies,
 and a catch-up's durability completed after the pull replies.
 
-The tensors a catch-up writes in place are verified in the mapped files (the page cache the
-engine reloads from) before :func:`~deltastore.pull.pull_weights` returns. Making them durable
-(msync and fsync of each patched file), then writing the new state and clearing the pending
-record, runs after the reply on one kept thread that holds the host's lock until all three are
-done (:func:`complete_behind`). Until then the pending record stays and no state names either
-version, so a crash in between (process or power) is repaired by the next pull from that
-record, as for a crash mid-apply. In this process, the next pull of the dir,
-:func:`~deltastore.pull.verify_local` and :class:`LocalCheckpoint`'s state reads wait for the
-completion first (another process waits on the host lock); a process that exits waits for
-its queued completions first.
+A catch-up's tensors are verified in the mapped files (the page cache the engine reloads
+from) before :func:`~deltastore.pull.pull_weights` returns. Flushing them, then writing the
+new state and clearing the pending record, may run after the reply on one kept thread that
+holds the host's lock until all three are done (:func:`complete_behind`): until then the
+pending record stays and no state names either version, so a crash in between is repaired by
+the next pull, as for a crash mid-apply. In this process the next pull of the dir,
+:func:`~deltastore.pull.verify_local` and the state reads wait for the completion first
+(another process waits on the lock); a process that exits waits for its completions.
 
 In-place writes go through ``mmap`` (:class:`MappedFiles`); a file that is a symbolic link or
-shares its inode with another path (a dir cloned with ``cp -as`` or ``cp -al``, links into the
-base) is first replaced by a verified private copy, so a write never reaches another host's
-dir or the base. :func:`msync` is the one place mapped pages are flushed (tests wrap it to see
-the order of flushes and state writes).
+has other hard links (``cp -as``, ``cp -al``, links into the base) is first replaced by a
+verified private copy, so a write never reaches another dir. :func:`msync` is the one place
+mapped pages are flushed (tests wrap it to see the order of flushes and state writes).
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ import functools
 import logging
 import mmap
 import os
-import shutil
 import stat
 import sys
 import threading
@@ -38,6 +34,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import xxhash
@@ -53,6 +50,7 @@ from deltastore.storage import VersionStore
 from deltastore.storage.durable import atomic_replace, fsync_path
 
 log = logging.getLogger("deltastore.pull")
+_Record = TypeVar("_Record", AppliedState, PendingTransition)
 
 COPY_CHUNK = 16 * 1024**2
 
@@ -86,19 +84,25 @@ def copy_verified(src: str, dst: str, on_read: Callable[[int], None] | None = No
     :class:`IntegrityError` on a mismatch."""
     tmp = f"{dst}.{uuid.uuid4().hex[:12]}.tmp"  # as atomic_replace names its temp files
     source_hash = xxhash.xxh3_128()
-    cloned = _reflink(src, tmp)
-    with open(src, "rb") as fin, contextlib.ExitStack() as stack:
-        fout = None if cloned else stack.enter_context(open(tmp, "wb"))
-        while chunk := fin.read(COPY_CHUNK):
-            source_hash.update(chunk)
-            if fout is not None:
-                fout.write(chunk)
-            if on_read is not None:
-                on_read(len(chunk))
-    if synced_digest(tmp) != source_hash.digest():
-        os.unlink(tmp)
-        raise IntegrityError(f"copy of {src} to {dst} does not match its source; check the disk")
-    os.replace(tmp, dst)
+    try:
+        cloned = _reflink(src, tmp)
+        with open(src, "rb") as fin, contextlib.ExitStack() as stack:
+            fout = None if cloned else stack.enter_context(open(tmp, "wb"))
+            while chunk := fin.read(COPY_CHUNK):
+                source_hash.update(chunk)
+                if fout is not None:
+                    fout.write(chunk)
+                if on_read is not None:
+                    on_read(len(chunk))
+        if synced_digest(tmp) != source_hash.digest():
+            raise IntegrityError(
+                f"copy of {src} to {dst} does not match its source; check the disk"
+            )
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def same_dir(a: str, b: str) -> bool:
@@ -108,21 +112,9 @@ def same_dir(a: str, b: str) -> bool:
     return False
 
 
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform == "linux" else None
+_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 """madvise option that maps a range's pages writable in one call (Linux ≥ 5.14)."""
-_populate = {"works": _POPULATE_WRITE is not None}
-
-
-def prefault(mm: mmap.mmap, start: int, end: int) -> None:
-    """Map bytes ``[start, end)`` of ``mm`` writable in one call where the OS allows it (else
-    a write takes two page faults per page); only pages about to be written: each is dirty."""
-    if _POPULATE_WRITE is None or not _populate["works"] or end <= start:
-        return
-    begin = start - start % mmap.PAGESIZE
-    try:
-        mm.madvise(_POPULATE_WRITE, begin, end - begin)
-    except (OSError, ValueError):
-        _populate["works"] = False  # an older kernel: plain faults from now on
+_populate = {"works": sys.platform == "linux"}
 
 
 def msync(mm: mmap.mmap, path: str) -> None:
@@ -162,25 +154,25 @@ class MappedFiles(contextlib.AbstractContextManager["MappedFiles"]):
                 own_regular_file(path)
                 # O_NOFOLLOW: never write through a link, even one that appeared since.
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-                self._maps[path] = (fd, mmap.mmap(fd, 0))
+                try:
+                    self._maps[path] = (fd, mmap.mmap(fd, 0))
+                except BaseException:
+                    os.close(fd)
+                    raise
             return self._maps[path][1]
 
     def view(self, tensor: CheckpointTensor) -> ByteArray:
         """A writable view of ``tensor``'s bytes in its file (made private first)."""
-        return np.frombuffer(
-            self._map(tensor.file),
-            dtype=np.uint8,
-            count=tensor.entry.nbytes,
-            offset=tensor.entry.start,
-        )
+        return self.array(tensor.file)[tensor.entry.start : tensor.entry.end]
 
     def array(self, path: str) -> ByteArray:
         """A writable view of the whole file (codecs applying a batch take offsets into it)."""
         return np.frombuffer(self._map(path), dtype=np.uint8)
 
     def prepare_writes(self, tensors: Sequence[CheckpointTensor]) -> None:
-        """Map the pages of ``tensors`` (about to be written whole) writable, one call per run
-        of adjacent tensors in a file (see :func:`prefault`)."""
+        """Map the pages of ``tensors`` (about to be written whole: each page is dirtied)
+        writable, one madvise per run of adjacent tensors in a file where the OS allows it,
+        instead of two page faults per page."""
         runs: list[tuple[str, int, int]] = []
         for tensor in sorted(tensors, key=lambda t: (t.file, t.entry.start)):
             start, end = tensor.entry.start, tensor.entry.end
@@ -189,7 +181,13 @@ class MappedFiles(contextlib.AbstractContextManager["MappedFiles"]):
             else:
                 runs.append((tensor.file, start, end))
         for path, start, end in runs:
-            prefault(self._map(path), start, end)
+            if not _populate["works"]:
+                return
+            begin = start - start % mmap.PAGESIZE
+            try:
+                self._map(path).madvise(_POPULATE_WRITE, begin, end - begin)
+            except (OSError, ValueError):
+                _populate["works"] = False  # an older kernel: plain faults from now on
 
     def flush(self) -> None:
         """msync, then fsync, every mapped file: the data is durable before any state names it."""
@@ -264,18 +262,26 @@ class LocalCheckpoint:
 
     def read_state(self) -> AppliedState | None:
         """The applied state, or None when there is none (or it is unreadable)."""
+        return self._read(self.state_path, AppliedState.from_json, None)
+
+    def read_pending(self) -> PendingTransition | None:
+        """The record of a transition in progress or interrupted, or None; an unreadable one
+        reads as an interrupted reseed."""
+        unreadable = PendingTransition(None, 0)
+        return self._read(self.pending_path, PendingTransition.from_json, unreadable)
+
+    def _read(
+        self, path: str, parse: Callable[..., _Record], unreadable: _Record | None
+    ) -> _Record | None:
+        wait_recorded(self.dir)
         try:
-            return AppliedState.from_json(self._read(self.state_path), source=self.state_path)
+            with open(path, "rb") as fh:
+                return parse(fh.read(), source=path)
         except FileNotFoundError:
             return None
         except FormatError as exc:
-            log.warning("%s; treating %s as holding nothing", exc, self.dir)
-            return None
-
-    def _read(self, path: str) -> bytes:
-        wait_recorded(self.dir)
-        with open(path, "rb") as fh:
-            return fh.read()
+            log.warning("%s; the checkpoint in %s is taken to hold nothing", exc, self.dir)
+            return unreadable
 
     def write_state(self, state: AppliedState, *, sync_dir: bool = True) -> None:
         """Record ``state`` with the weight files' fingerprints as they are now."""
@@ -288,27 +294,11 @@ class LocalCheckpoint:
         infos = {name: os.stat(os.path.join(self.dir, name)) for name in self.weight_files()}
         return {name: (info.st_size, info.st_mtime_ns) for name, info in infos.items()}
 
-    def unchanged_since(self, state: AppliedState) -> bool:
-        """True when the state recorded fingerprints and every weight file still matches them
-        (a ``stat`` per file: a rewrite of the same size within the mtime granularity passes)."""
-        return state.files is not None and state.files == self.fingerprints()
-
     def invalidate_state(self) -> None:
         """Remove the state so a reference reader sees no version (it then reseeds)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.state_path)
             fsync_path(self.state_dir)
-
-    def read_pending(self) -> PendingTransition | None:
-        """The record of a transition in progress or interrupted, or None."""
-        try:
-            data = self._read(self.pending_path)
-            return PendingTransition.from_json(data, source=self.pending_path)
-        except FileNotFoundError:
-            return None
-        except FormatError as exc:
-            log.warning("%s; the checkpoint will be reseeded", exc)
-            return PendingTransition(None, 0)
 
     def begin(self, pending: PendingTransition) -> None:
         """Before the first in-place write: rename the pending record in and remove the state
@@ -339,8 +329,7 @@ class LocalCheckpoint:
 
     def clear_weights(self) -> None:
         """Remove the weight files, and copies a crash left half-written (``*.tmp``)."""
-        names = os.listdir(self.dir) if os.path.isdir(self.dir) else []
-        partial = [n for n in names if n.endswith((".tmp", ".partial"))]
+        partial = [n for n in os.listdir(self.dir) if n.endswith((".tmp", ".partial"))]
         for name in self.weight_files() + partial:
             os.unlink(os.path.join(self.dir, name))
 
@@ -368,7 +357,7 @@ class LocalCheckpoint:
             src, dst = os.path.join(base_dir, name), os.path.join(self.dir, name)
             weights = name.endswith(".safetensors") or name in (INDEX_NAME, STATE_DIR)
             if not weights and os.path.isfile(src) and not os.path.exists(dst):
-                shutil.copyfile(src, dst)
+                copy_verified(src, dst)  # durable once the caller fsyncs the dir
 
 
 # This process's last completion of each local dir (a forked child waits for none of its
@@ -397,8 +386,13 @@ def complete_behind(local_dir: str, steps: Callable[[], None], release: Callable
         finally:
             release()
 
+    try:
+        completion = kept_pool(_DURABLE, 1).submit(run)
+    except RuntimeError:  # the interpreter is shutting down: no new thread; complete here
+        run()
+        return
     with _guard:
-        _completions[local_dir] = kept_pool(_DURABLE, 1).submit(run)
+        _completions[local_dir] = completion
 
 
 def wait_recorded(local_dir: str, timeout_s: float | None = None) -> BaseException | None:

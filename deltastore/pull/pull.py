@@ -1,17 +1,14 @@
 """``pull_weights``: bring a host-local checkpoint to a published version, verified.
 
 Under the per-host lock: an interrupted transition (a pending record) is repaired tensor by
-tensor (:mod:`deltastore.pull.repair`), or the checkpoint reseeds when the repair cannot be
-proven; a checkpoint whose files changed since its state was written (or after a repair, or
-with a state written by another tool) is verified in full first; then the plan
-(:mod:`deltastore.pull.chain`) catches up, reseeds or does nothing.
+tensor, or the checkpoint reseeds when the repair cannot be proven; a checkpoint whose files
+changed since its state was written (or after a repair, or with a foreign state) is verified
+in full first; then the plan catches up, reseeds or does nothing.
 
-With a process group, every rank calls :func:`pull_weights` with its own host's local dir.
-Ranks on one host share that dir, so the per-host ``flock`` collapses them to one apply (the
-others find the state at the target: a no-op). Each rank's outcome is then gathered over the
-group (``all_gather_object``): the pull succeeds on every rank only if every host verified its
-checkpoint, and otherwise raises :class:`GroupPullError` on every rank, naming each failed
-rank, its host and its dir.
+With a process group every rank pulls into its own host's dir (ranks sharing a host collapse
+to one apply on the ``flock``; the others find the target: a no-op), then the outcomes are
+gathered: the pull succeeds on every rank only if every host verified its checkpoint, else
+:class:`GroupPullError` on every rank names each failed rank, its host and its dir.
 """
 
 from __future__ import annotations
@@ -63,7 +60,7 @@ from deltastore.pull.source import (
     require_committed,
     source_of,
 )
-from deltastore.pull.verify import CheckedPlan, preflight, verify_checkpoint
+from deltastore.pull.verify import CheckedPlan, preflight, verify_checkpoint, verify_signatures
 from deltastore.trust import TrustedKey
 from deltastore.trust.keys import TrustedKeys, load_trusted
 
@@ -91,14 +88,12 @@ def pull_weights(
     Version 0 resets to ``base_dir`` (copied and content-verified, never modified); a host on
     the target's chain catches up in one pass per tensor; anything else reseeds from the base
     or the newest full version on the chain (staged and verified first) and replays. The state
-    file never names a version whose bytes were not verified and flushed; a store passed in is
-    not modified. ``process_group`` makes this a collective (see the module docstring);
-    ``trusted_keys`` applies only versions signed by one of them (docs/signing.md);
+    file never names a version whose bytes were not verified and flushed. ``process_group``
+    makes this a collective; ``trusted_keys`` applies only versions signed by one of them;
     ``progress`` gets phases ``seed``, ``download`` and ``apply``; ``flush_after_reply=True``
     returns once a catch-up's tensors are verified in the mapped files, the flush and the state
-    following (:mod:`deltastore.pull.local`). See docs/api.md.
-
-    Raises a :class:`DeltastoreError` subclass naming the version and tensor at fault.
+    following (:mod:`deltastore.pull.local`). See docs/api.md. Raises a
+    :class:`DeltastoreError` subclass naming the version and tensor at fault.
     """
     group = resolve_group(process_group)
     options = _Options(workers, lock_timeout_s, load_trusted(trusted_keys), flush_after_reply)
@@ -199,8 +194,6 @@ class _Options:
 
 @dataclass
 class _PullRun(PullContext):
-    """One pull on this host, under its lock, and what it has done so far."""
-
     source: PullSource
     options: _Options
     started: float = field(default_factory=time.perf_counter)
@@ -241,7 +234,6 @@ class _PullRun(PullContext):
         )
 
     def applied(self, version: int, stream: str | None) -> AppliedState:
-        """The state recording ``version`` and the store (or stores) it came from."""
         sources = None
         if len(each_store(self.store)) > 1:
             read = [*self.stats.versions, version]
@@ -275,8 +267,8 @@ class _PullRun(PullContext):
                 discard_staging(self.local)
                 raise
             self.local.begin(pending)
+            self.local.copy_missing_extras(self.base)  # (swap_in's dir fsync covers them)
             tensors = swap_in(staging, self.local)
-            self.local.copy_missing_extras(self.base)
             self.stats.add(tensors=tensors)
             self.stats.versions.append(chain.start)
         self.local.finish(self.applied(chain.start, stream))
@@ -325,7 +317,7 @@ class _PullRun(PullContext):
     def recover(
         self, pending: PendingTransition, state: AppliedState | None, chain: Chain
     ) -> tuple[AppliedState | None, RepairSummary | None]:
-        """Deal with an interrupted transition: the state to plan from (None: reseed)."""
+        """The state to plan from after an interrupted transition (None: reseed)."""
         local = self.local
         if state is not None and state.version == pending.to_version:
             # The crash fell between writing the new state and clearing the record: the data
@@ -333,12 +325,17 @@ class _PullRun(PullContext):
             local.finish(state)
             return state, None
         to, summary, why = pending.to_version, None, None
-        repaired = AppliedState(to, pending.stream_id, self.store.url)
+        repaired = self.applied(to, pending.stream_id)
         if pending.from_version is None:
             why = "an interrupted reseed was found"
         elif plan_pull(self.store, chain, repaired).action == "reseed":
             why = f"an interrupted transition to v{to:06d} does not lead to v{chain.target:06d}"
         else:
+            if self.options.keys is not None:
+                # The repair verifies each tensor by the digests in the chain's shard headers:
+                # only versions the keys vouch for, as a catch-up would (SignatureError).
+                signed = [chain.start_index] if chain.start_index is not None else []
+                verify_signatures(self.store, [*signed, *chain.deltas], self.options.keys)
             try:
                 summary = repair_pending(self, pending)
             except DeltastoreError as exc:
@@ -358,7 +355,8 @@ class _PullRun(PullContext):
         local = self.local
         if state is None or chain.suffix_after(state.version) is None:
             return state
-        if not suspect and local.unchanged_since(state):
+        # A stat per file: a rewrite of the same size within the mtime granularity passes.
+        if not suspect and state.files == local.fingerprints():
             return state
         why = (
             "an interrupted pull was found"
@@ -385,11 +383,7 @@ class _PullRun(PullContext):
         self.source.refresh(target if target > 0 else None)
         # A host holding a version of the target's stream resolves only what is new; the
         # whole chain is walked only for a repair or a reseed.
-        chain = (
-            resolve_onto(self.store, target, state)
-            if pending is None
-            else resolve_chain(self.store, target)
-        )
+        chain = resolve_onto(self.store, target, state if pending is None else None)
         repair: RepairSummary | None = None
         if pending is not None:
             state, repair = self.recover(pending, state, chain)

@@ -1,19 +1,15 @@
 """Repairing a transition a crash interrupted (``.weight_sync/pending.json``).
 
-An in-place apply writes each changed tensor at most once, with bytes verified beforehand, so
-after a crash each tensor the transition touches is at the version the transition started from,
-at the version it was going to, or (a write torn mid-tensor) neither. Blindly re-applying would
-revert the tensors already written under a self-inverse encoding (XOR); instead each touched
-tensor is hashed and
+After a crash each tensor the transition touches is at the version it started from, at the
+one it was going to, or (a torn write) neither (:mod:`deltastore.pull.apply`). Re-applying
+blindly would revert the tensors already written under a self-inverse encoding (XOR); instead
+each touched tensor is hashed and **kept** when it matches the target digest, **applied** (the
+transition's payloads, folded) when it matches its previous digest, else **restored**: rebuilt
+from the chain's start plus every delta that changes it, verified, and written.
 
-* **kept** when it already matches the target digest,
-* **applied** (the transition's payloads, folded) when it matches its previous digest,
-* **restored** otherwise: rebuilt from the chain's start (the base or a full version) plus every
-  delta of the chain that changes it, verified, and written — for that tensor alone.
-
-The previous digest of a tensor at version ``from`` is that of the newest delta ≤ ``from`` on the
-chain that changed it, else the one in the full version's shard metadata, else the hash of the
-base's bytes. Anything that cannot be proven this way raises, and the caller reseeds.
+The previous digest at ``from`` is that of the newest delta ≤ ``from`` that changed the tensor,
+else the full version's recorded one, else the hash of the base's bytes. Anything that cannot
+be proven this way raises, and the caller reseeds.
 """
 
 from __future__ import annotations
@@ -97,7 +93,7 @@ def _repair_tensor(
     tensor: TensorHistory,
     view: ByteArray,
     start_version: int,
-    stats: ApplyStats | None,
+    stats: ApplyStats,
 ) -> tuple[str, ByteArray | None]:
     """``(kind, verified bytes to write)`` of one touched tensor: ``kept`` (None: nothing to
     write), ``applied`` or ``restored``; :class:`IntegrityError` if the result does not verify."""

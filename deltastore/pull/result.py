@@ -5,6 +5,7 @@ thread pool the repair, reseed and header reads share."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -90,9 +91,7 @@ def kept_pool(name: str, workers: int) -> cf.ThreadPoolExecutor:
         return pool
 
 
-def run_pool(
-    jobs: Sequence[_T], fn: Callable[[_T], None], workers: int, *, name: str = "deltastore-apply"
-) -> None:
+def run_pool(jobs: Sequence[_T], fn: Callable[[_T], None], workers: int, *, name: str) -> None:
     """Run ``fn`` on every job in a thread pool; stop starting jobs after the first error,
     and re-raise it once every started job has finished."""
     first = FirstError()
@@ -100,8 +99,7 @@ def run_pool(
         for job in jobs:
             first.run(fn, job)
     else:
-        with cf.ThreadPoolExecutor(workers, thread_name_prefix=name) as pool:
-            list(pool.map(lambda job: first.run(fn, job), jobs))
+        list(kept_pool(name, workers).map(functools.partial(first.run, fn), jobs))
     first.raise_first()
 
 
@@ -161,12 +159,10 @@ class PullResult:
     bytes_reconstructed: int = 0
     """Bytes of local tensors written (patched, restored or copied in by a reseed)."""
     tensors_skipped: int = 0
-    """Tensors of the local checkpoint no version this pull applied changed."""
     reseeds: int = 0
-    """1 when the pull reseeded (from the base or a full version), else 0."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    """Where the time went: ``prepare`` (repair, checks, plan, preflight), ``reseed`` and
-    ``apply`` (the deltas); phases that did not run are absent."""
+    """``prepare`` (repair, checks, plan, preflight), ``reseed`` and ``apply``: the phases that
+    ran (docs/api.md)."""
 
     @property
     def wire_bytes(self) -> int:

@@ -1,23 +1,18 @@
 """``deltastore serve``: the reference ``/pull_weights`` endpoint as a small aiohttp server.
 
 One server per engine host: ``POST /pull_weights`` pulls into a host-local dir (the engine's
-model path, ``--base``, is version 0); ``GET /state`` reports what a local dir holds;
-``GET /healthz`` answers while pulls run (in threads); ``GET /metrics`` is the Prometheus text
-format (:class:`PullMetrics`, a registry per server; the names without ``deltastore_`` are
-the keys a trainer reads from ``pop_metrics()`` where the quantity exists there).
+model path, ``--base``, is version 0); ``GET /state``, ``GET /healthz`` (answers while pulls
+run in threads) and ``GET /metrics`` (Prometheus text, :class:`PullMetrics`).
 
-Safety: binds 127.0.0.1 by default, and refuses anything else without ``--allow``; an optional
-bearer token (401); request paths must lie under an ``--allow`` root (403), every file of a
-local source store too (a symlink out is refused); a local dir that is, holds or lies inside
-the base or the source store is refused; requests for one local dir run one at a time.
-Against browsers (:class:`RequestRules`: a page can make a browser send a "simple" cross-site
-POST, and DNS rebinding makes one look same-site): ``Host`` must name this server, any
-``Origin`` must be its own, a POST must be ``Content-Type: application/json`` (which a page
-cannot send cross-site without a preflight this server never grants) and at most
-:data:`MAX_REQUEST_BYTES`. Every refusal and error is a ``{success, message}`` reply.
-
-Logging (``deltastore.serve``): a refused or failed request (status 400 and up) at WARNING
-with its method, target and reason; a pull that succeeded at INFO; the rest at DEBUG.
+Safety: binds 127.0.0.1 by default, anything else only with ``--allow``; an optional bearer
+token (401); request paths must lie under an ``--allow`` root (403), every file of a local
+source store too; a local dir that is, holds or lies inside the base or the source store is
+refused; requests for one local dir run one at a time. Against browsers (a page can make one
+send a "simple" cross-site POST, and DNS rebinding makes it look same-site),
+:class:`RequestRules` wants a ``Host`` naming this server, no foreign ``Origin`` and a JSON
+POST (which a page cannot send cross-site without a preflight this server never grants).
+Every refusal and error is a ``{success, message}`` reply, logged (``deltastore.serve``) at
+WARNING; a pull that succeeded at INFO, the rest at DEBUG.
 """
 
 from __future__ import annotations
@@ -88,18 +83,17 @@ class ServerConfig:
     allow: tuple[str, ...] = ()
     """Roots request paths must lie under: directories, or URL prefixes (``s3://bucket/``)."""
     token: str | None = None
-    """Bearer token every request but ``/healthz`` must carry; None: no token."""
+    """Bearer token every request but ``/healthz`` must carry."""
     allowed_hosts: tuple[str, ...] = ()
     """Extra names a request's ``Host`` may carry (IP literals and ``localhost`` always pass)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     pre_read: PreRead | None = None
     workers: int = 4
-    """Apply threads per pull."""
     max_parallel_pulls: int = 4
     """Pulls of different local dirs that may run at once."""
     trusted_keys: tuple[Any, ...] | None = None
     """Public keys (files or :class:`~deltastore.trust.TrustedKey`) every pull requires a
-    signature from (``--trust``); None: versions need not be signed."""
+    signature from (``--trust``)."""
 
     def check(self) -> None:
         """Refuse unsafe or broken settings before anything binds (:class:`ConfigError`)."""
@@ -160,8 +154,6 @@ class RequestRules:
 
 
 class PathPolicy:
-    """Which request paths the server accepts."""
-
     def __init__(self, config: ServerConfig) -> None:
         self.base = os.path.realpath(config.base_dir)
         self.dirs = tuple(os.path.realpath(_local_path(a)) for a in config.allow if not _is_url(a))
@@ -237,7 +229,6 @@ class PathPolicy:
 PHASE_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 """Upper bounds (seconds) of the phase histograms: a no-op pull to a slow reseed."""
 
-
 _COUNTERS = (
     ("bytes_read", "wire_bytes", "Bytes read from the store by pulls."),
     (
@@ -253,7 +244,8 @@ _COUNTERS = (
 
 
 class PullMetrics:
-    """Counters, histograms and gauges of the pulls one server ran."""
+    """The pulls one server ran (a registry per server; the names without ``deltastore_`` are
+    the keys a trainer reads from ``pop_metrics()`` where the quantity exists there)."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -311,8 +303,6 @@ MESSAGE = web.ResponseKey("message", str)
 
 
 class PullServer:
-    """The request handlers and their shared state (per-dir locks, the pull threads)."""
-
     def __init__(self, config: ServerConfig) -> None:
         config.check()
         self.config = config
@@ -507,5 +497,4 @@ async def serve_async(
 
 
 def serve(config: ServerConfig, ready: Callable[[str], None] | None = None) -> None:
-    """Blocking :func:`serve_async`."""
     asyncio.run(serve_async(config, ready))

@@ -1,14 +1,12 @@
 """The store a pull reads: opened once, its hook bound without touching the caller's store,
 the target resolved ("latest"), and kept apart from the local checkpoint.
 
-``pull_weights(..., source_dir=[near, far])`` reads each version from the first store that has
-it committed, falling back to the next (a replica that has not caught up yet, or is missing or
-unreachable). The stores must be copies of one run (e.g. made by ``deltastore replicate``):
-where a pull can see one version in two stores (a delta read from one store building on a
-version read from another, or a file of a version vanishing from one store mid-read), the two
-indexes must publish the same content (``VersionIndex.content_digest``; their bytes differ,
-since each replica's writer stamps its own commit token), else the pull fails naming both
-stores.
+``source_dir=[near, far]`` reads each version from the first store that has it committed (a
+replica may lag, be missing or unreachable). The stores must be copies of one run: where a
+pull sees one version in two stores (a delta building on a version read from another store,
+or a file vanishing from one mid-read), both indexes must publish the same content
+(``VersionIndex.content_digest``: each replica stamps its own commit token), else the pull
+fails naming both stores.
 """
 
 from __future__ import annotations
@@ -104,8 +102,8 @@ def source_of(store: VersionStore, version: int) -> str:
 
 @dataclass(frozen=True)
 class PullSource:
-    """A store and this pull's own pre-read hook (run beside the store's own ``pre_read``, so
-    the store the caller passed in is not modified)."""
+    """A store and this pull's own pre-read hook (run beside the store's own, so the store the
+    caller passed in is not modified)."""
 
     store: VersionStore
     pre_read: PreRead | None = None
@@ -151,12 +149,10 @@ class PullSource:
         """Refuse a local checkpoint dir that is, is inside, or contains a local store's root
         (it would overwrite published versions); real paths are compared, so links do not
         hide it."""
+        local = os.path.realpath(local_dir)
         for store in each_store(self.store):
-            if not store.is_local:
-                continue
             root = os.path.realpath(store.root)
-            local = os.path.realpath(local_dir)
-            if overlaps(local, root):
+            if store.is_local and overlaps(local, root):
                 raise ConfigError(
                     f"local checkpoint dir {local_dir} ({local}) overlaps the store {store.url} "
                     f"({root}); pulling there would overwrite published versions. Pass a "
@@ -171,9 +167,9 @@ def overlaps(a: str, b: str) -> bool:
 
 @dataclass(frozen=True)
 class _Served:
-    """The index of one version as the store that serves it holds it."""
+    """The index of one version as the store at ``position`` holds it."""
 
-    position: int  # in NearestStores.stores
+    position: int
     data: bytes
     index: VersionIndex
     digest: str
@@ -226,7 +222,6 @@ class NearestStores(VersionStore):
         return found
 
     def _read_index(self, position: int, version: int) -> _Served:
-        """``version``'s index as store ``position`` holds it, parsed and digested once."""
         store = self.stores[position]
         data = store.index_bytes(version)
         source = f"{store.url}/{version_dir_name(version)}/{INDEX_NAME}"
@@ -281,7 +276,6 @@ class NearestStores(VersionStore):
             self._built_on_from.clear()
 
     def versions(self) -> list[int]:
-        """Versions committed in any reachable store, ascending."""
         found: set[int] = set()
         for store in self.stores:
             try:

@@ -2,11 +2,9 @@
 what a pull checks before it writes a byte (:func:`preflight`).
 
 Given trusted keys, :func:`preflight` verifies each version of the plan from its index and
-shard headers, then downloads every delta shard whole into a staging store under the state
-dir, checking its size and BLAKE3 against the signed record as it streams. The deltas are
-applied from that copy, so the bytes applied are exactly the bytes verified, whatever the
-store serves later. A full version is staged by the reseed, and
-:meth:`CheckedPlan.check_staged` checks its files before they replace anything.
+shard headers, then stages every delta shard whole, checked against the signed record as it
+streams: the bytes applied are exactly the bytes verified, whatever the store serves later. A
+staged full version is checked by :meth:`CheckedPlan.check_staged` before it replaces anything.
 """
 
 from __future__ import annotations
@@ -36,10 +34,7 @@ from deltastore.trust.keys import TrustedKeys, load_trusted
 
 
 def expected_digests(
-    store: VersionStore,
-    chain: Chain,
-    base_dir: str | None,
-    progress: ProgressCallback | None = None,
+    store: VersionStore, chain: Chain, base_dir: str | None, progress: ProgressCallback | None
 ) -> dict[str, Digest]:
     """Digest of every tensor at the chain's target; tensors no version changed since the
     base are hashed from the base's bytes (``base_dir``, else :class:`ConfigError`), reported
@@ -185,8 +180,6 @@ _CHUNK = 8 << 20
 
 @dataclass
 class CheckedPlan:
-    """The outcome of :func:`preflight`."""
-
     records: dict[int, SignatureRecord] = field(default_factory=dict)
     delta_store: VersionStore | None = None
     """Read the deltas from here instead of the remote store (None: read the store)."""

@@ -12,6 +12,7 @@ import pytest
 from deltastore import ConfigError, pull_weights, verify_local
 from deltastore.format.state import PendingTransition
 from deltastore.pull import LocalCheckpoint
+from deltastore.pull.local import MappedFiles
 from tests.pull.helpers import (
     changed_between,
     local_bytes,
@@ -131,3 +132,12 @@ def test_in_place_writes_never_reach_another_link_of_a_local_file(encoding: str,
     assert {n: v[3] for n, v in fingerprint(base_dir).items()} == {
         n: v[3] for n, v in before.items()
     }
+
+
+def test_a_file_that_cannot_be_mapped_leaves_no_descriptor_open(tmp_path: Path):
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(b"")
+    before = len(os.listdir("/proc/self/fd"))
+    with MappedFiles() as files, pytest.raises(ValueError):
+        files.array(str(empty))  # (an empty file cannot be mapped)
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -134,12 +134,14 @@ def test_reseed_makes_every_file_durable_before_the_state(
 ):
     store = ds.VersionStore(tmp_path / "store")
     _publish(store, base_dir, small_model, plan)
+    (base_dir / "config.json").write_text("{}")  # copied in beside the weights by a reseed
     host = tmp_path / "host"
     recorder = Recorder(monkeypatch)
     ds.pull_weights(host, store, 2, base_dir=base_dir)
     start = 1 if plan == "fd" else 0
     seeded = recorder.state_write(start)
     files = [*_weight_files(host), str(host / "model.safetensors.index.json")]
+    files.append(str(host / "config.json"))
     recorder.check_durable(files, seeded)
 
 

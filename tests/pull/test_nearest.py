@@ -19,6 +19,8 @@ import torch
 
 import deltastore as ds
 from deltastore.errors import FormatError
+from deltastore.format.state import PendingTransition
+from deltastore.pull import LocalCheckpoint
 from deltastore.testing.servers import free_port
 from tests.conftest import checkpoint_bytes, perturb, raw_bytes
 
@@ -247,3 +249,17 @@ def test_replicas_of_different_runs_are_refused(
         ds.pull_weights(host, stores, 3, base_dir)
     assert near in str(caught.value) and far in str(caught.value)
     assert "weight_v000002" in str(caught.value)
+
+
+def test_a_repaired_transition_records_the_store_it_read(
+    tmp_path: Path, base_dir: Path, run
+) -> None:
+    near, far, states = run
+    host, stores = tmp_path / "host", [str(near), str(far)]
+    ds.pull_weights(host, stores, 2, base_dir)
+    stream = ds.VersionStore(far).index(3).stream_id
+    LocalCheckpoint(host).begin(PendingTransition(2, 3, stream, stream, [3]))  # a crash
+    assert ds.pull_weights(host, stores, 3, base_dir).action == "repaired"
+    assert checkpoint_bytes(host) == states[3]
+    state = _state(host)
+    assert state["source"] == str(far) and state["sources"] == {"000003": str(far)}

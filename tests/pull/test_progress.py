@@ -164,3 +164,14 @@ def test_pull_over_s3_reports_progress(s3_server, s3_url: str, tmp_path: Path) -
     assert totals["download"] == store.index(2).totals["wire_bytes"]
     assert totals["apply"] == result.bytes_read - (totals["download"] or 0)
     _at(host, store, base, states[3], 3)
+
+
+def test_a_callback_raising_mid_seed_leaves_no_partial_copy(chain, tmp_path: Path) -> None:
+    store, base, states = chain
+    host = tmp_path / "host"
+    failing = Recorder(fail_when=lambda call: call[0] == "seed" and call[1] > 0)
+    with pytest.raises(RuntimeError, match="progress callback gave up"):
+        ds.pull_weights(host, store, 1, base_dir=base, progress=failing)
+    assert not [p.name for p in host.iterdir() if p.name.endswith(".tmp")]
+    ds.pull_weights(host, store, 1, base_dir=base)
+    _at(host, store, base, states[1], 1)

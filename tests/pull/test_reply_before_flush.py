@@ -5,6 +5,7 @@ pending record, which stays until the state is written."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import errno
 import fcntl
 import json
@@ -125,6 +126,22 @@ def test_a_flush_failing_after_the_reply_keeps_the_pending_record_for_the_next_p
     assert again.repair.applied == again.repair.restored == 0 and again.repair.kept > 0
     assert ds.verify_local(host, store, None, base_dir) == 3
     assert _on_disk(host) == (True, False)
+
+
+def test_no_thread_left_to_flush_after_the_reply_completes_before_it(
+    tmp_path: Path, base_dir: Path, small_model: Model, monkeypatch: pytest.MonkeyPatch
+):
+    store = ds.VersionStore(tmp_path / "store")
+    _published(store, base_dir, small_model, 2)
+    host = tmp_path / "host"
+    ds.pull_weights(host, store, 1, base_dir=base_dir)
+    closed = cf.ThreadPoolExecutor(1)
+    closed.shutdown()  # as the pools are while the interpreter exits: submit refuses
+    monkeypatch.setattr(pull_local, "kept_pool", lambda name, workers: closed)
+    assert ds.pull_weights(host, store, 2, base_dir=base_dir, flush_after_reply=True).version == 2
+    assert _on_disk(host) == (True, False) and not _lock_is_held(host)
+    state = LocalCheckpoint(host).read_state()
+    assert state is not None and state.version == 2
 
 
 @pytest.fixture(scope="module")
