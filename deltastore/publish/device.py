@@ -194,9 +194,7 @@ class HostStager:
 
         if not isinstance(tensor, torch.Tensor):
             raise not_a_tensor(name, tensor)
-        # detach() makes a new tensor object per call: only where autograd tracks the tensor.
-        t = tensor.detach() if tensor.requires_grad else tensor
-        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        flat = _flat_bytes(torch, tensor)
         nbytes = flat.numel()
         size = _round_up(nbytes)
         self._acquire(size)
@@ -204,14 +202,14 @@ class HostStager:
             buffer = self._take_buffer(size)
             target = buffer[:nbytes]
             event = None
-            if t.device.type == "cpu":
+            if flat.device.type == "cpu":
                 target.copy_(flat)
             else:
                 pinned = buffer.is_pinned()
                 target.copy_(flat, non_blocking=pinned)
                 if pinned:
                     event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(t.device))
+                    event.record(torch.cuda.current_stream(flat.device))
         except BaseException:
             self._release(size, None)
             raise
@@ -276,19 +274,23 @@ def host_bytes(name: str, tensor: Any) -> ByteArray:
     import torch
 
     if isinstance(tensor, torch.Tensor):
-        t = tensor.detach() if tensor.requires_grad else tensor
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        if t.is_conj() or t.is_neg():
-            # A lazily conjugated or negated view: its memory is not its value.
-            t = t.resolve_conj().resolve_neg()
-        t = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
-        # torch calls a 0- or 1-element view with stride != 1 contiguous and keeps its stride,
-        # which .view(uint8) then rejects: copy it into a fresh stride-1 tensor.
-        if t.stride(0) != 1:
-            t = t.clone(memory_format=torch.contiguous_format)
-        return t.view(torch.uint8).numpy()
+        return _flat_bytes(torch, tensor).cpu().numpy()
     raise not_a_tensor(name, tensor)
+
+
+def _flat_bytes(torch: Any, tensor: Any) -> Any:
+    """A torch tensor's logical row-major bytes as a 1-D ``uint8`` tensor on its device: a
+    lazily conjugated or negated view resolved (its memory is not its value), a non-contiguous
+    one made contiguous, and a 0- or 1-element view with stride != 1 (torch calls it contiguous
+    and keeps the stride, which ``.view(uint8)`` rejects) copied into a fresh one."""
+    # detach() makes a new tensor object per call: only where autograd tracks the tensor.
+    t = tensor.detach() if tensor.requires_grad else tensor
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    t = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    if t.stride(0) != 1:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.uint8)
 
 
 def not_a_tensor(name: str, tensor: Any) -> PublishError:

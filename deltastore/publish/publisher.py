@@ -279,7 +279,7 @@ class DeltaPublisher:
                     plan = Plan(failure=failure)
                 else:
                     plan = Plan(None, step.slot.version, step.slot.token, layout)
-        step.plan = plan = self.coordinator.broadcast(plan, what="publish: plan")
+        step.plan = plan = self._before_commit(step, self.coordinator.broadcast, plan, "plan")
         if step.slot is None and plan.failure is None:
             step.slot = self.store.join(plan.version, plan.token)
         step.metrics["coord_s"] += time.perf_counter() - begun
@@ -308,8 +308,8 @@ class DeltaPublisher:
 
     def _commit_phase(self, step: _Step, written: Written) -> Outcome:
         begun, metrics, version = time.perf_counter(), step.metrics, step.plan.version
-        what = f"publish: commit weight_v{version:06d}"
-        writes = self.coordinator.gather(written, what=what)
+        what = f"commit weight_v{version:06d}"
+        writes = self._before_commit(step, self.coordinator.gather, written, what)
         outcome: Outcome | None = None
         if writes is not None:
             assert step.slot is not None
@@ -327,13 +327,26 @@ class DeltaPublisher:
             )
             metrics["commit_s"] = time.perf_counter() - commit_started
         try:
-            outcome = self.coordinator.broadcast(outcome, what=what)
+            outcome = self.coordinator.broadcast(outcome, what=f"publish: {what}")
         except PublishError as exc:
+            self._held = None
             raise SnapshotError(
                 f"{exc}; weight_v{version:06d} may be committed in {self.store.url}"
             ) from exc
         metrics["coord_s"] += time.perf_counter() - begun - metrics["commit_s"]
         return outcome
+
+    def _before_commit(
+        self, step: _Step, collective: Callable[..., Any], obj: Any, what: str
+    ) -> Any:
+        """A collective before the commit; if it fails, rank 0 removes the version's claim and
+        files (nothing was committed: the error is a :class:`PublishError`)."""
+        try:
+            return collective(obj, what=f"publish: {what}")
+        except BaseException:
+            if step.slot is not None:
+                step.slot.abort()  # a no-op on the other ranks (they only joined)
+            raise
 
     def _base_digests(self) -> dict[str, Any]:
         """Rank 0: every base tensor's digest (hashed once per publisher, on first need)."""
