@@ -31,11 +31,9 @@ def _round_up(nbytes: int) -> int:
 
 @dataclass
 class StagerStats:
-    """Counters of one :class:`HostStager`: tensors ``staged`` and ``copied`` through a pool
-    buffer; buffers allocated and their bytes; the largest budget share held at once (buffer
-    sizes for copies, tensor bytes for views); ``pinned`` (True once a pinned buffer was
-    allocated, False once pinning failed, None if never tried); seconds the producer waited
-    for budget (backpressure) and encode workers waited for device copies to land."""
+    """Counters of one :class:`HostStager`. ``peak_in_flight_bytes`` counts buffer sizes for
+    copies, tensor bytes for views; ``pinned`` is None until a pinned buffer is tried; the
+    waits are the producer's for budget and the encode workers' for device copies."""
 
     staged: int = 0
     copied: int = 0
@@ -64,7 +62,8 @@ class Staged:
         if self.event is not None:
             started = time.perf_counter()
             self.event.synchronize()
-            self.stager._add_copy_wait(time.perf_counter() - started)
+            with self.stager._cond:
+                self.stager.stats.copy_wait_s += time.perf_counter() - started
             self.event = None
             self.source = None
         return self.view
@@ -122,10 +121,6 @@ class HostStager:
                 self._idle.append(buffer)
             self._cond.notify_all()
 
-    def _add_copy_wait(self, seconds: float) -> None:
-        with self._cond:
-            self.stats.copy_wait_s += seconds
-
     @property
     def in_flight_bytes(self) -> int:
         with self._cond:
@@ -168,11 +163,7 @@ class HostStager:
     def _pooled(self, tensor: Any) -> bool:
         """Whether :meth:`stage` copies ``tensor`` through a pool buffer: a CUDA tensor, or a
         host one with ``stage_host_tensors`` (everything else is viewed or copied plainly)."""
-        if isinstance(tensor, np.ndarray) or (
-            not self.stage_host_tensors and getattr(tensor, "is_cpu", False)
-        ):
-            return False
-        kind = getattr(getattr(tensor, "device", None), "type", None)
+        kind = getattr(getattr(tensor, "device", None), "type", None)  # numpy's device: a str
         return kind == "cuda" or (kind == "cpu" and self.stage_host_tensors)
 
     def charge_for(self, tensor: Any, nbytes: int) -> int:
@@ -242,7 +233,8 @@ def plain_host_view(tensor: Any) -> ByteArray | None:
         and tensor.is_contiguous()
         and not tensor.is_quantized
         and not tensor.dtype.is_complex  # a conjugate view; is_conj() is a dispatched operator
-        and not _is_negative_view(torch, tensor)
+        # A lazily negated view, read from the dispatch keys: is_neg() is an operator too.
+        and not torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Negative)
     ):
         return None
     nbytes = tensor.numel() * tensor.element_size()
@@ -253,19 +245,9 @@ def plain_host_view(tensor: Any) -> ByteArray | None:
     return np.frombuffer(memory, dtype=np.uint8)
 
 
-def _is_negative_view(torch: Any, tensor: Any) -> bool:
-    """True for a lazily negated view (its memory is minus its value), read from the tensor's
-    dispatch keys: ``is_neg()`` is a dispatched operator (see :func:`plain_host_view`)."""
-    keys = getattr(torch._C, "_dispatch_keys", None)
-    if keys is None:  # pragma: no cover - a torch without it
-        return bool(tensor.is_neg())
-    return bool(keys(tensor).has(torch._C.DispatchKey.Negative))
-
-
 def host_bytes(name: str, tensor: Any) -> ByteArray:
-    """The raw little-endian bytes of a tensor/array as 1-D uint8: a device tensor copied to
-    the host, a non-contiguous one (transposed, sliced) made contiguous, so the bytes are its
-    logical row-major content, as safetensors stores it."""
+    """The raw little-endian bytes of a tensor/array as 1-D uint8 on the host: its logical
+    row-major content, as safetensors stores it, whatever its layout or device."""
     if isinstance(tensor, np.ndarray):
         array = np.ascontiguousarray(tensor)
         if array.dtype.byteorder == ">":

@@ -20,7 +20,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from deltastore.codecs import get_checksum, get_encoding
@@ -30,7 +29,7 @@ from deltastore.progress import ProgressCallback
 from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig, Settings
 from deltastore.publish.device import StagerStats
-from deltastore.publish.diff import DiffResult, NamedTensors, diff_tensors, report_of
+from deltastore.publish.diff import NamedTensors, Step, diff_tensors
 from deltastore.publish.messages import (
     METRIC_KEYS,
     SECONDS_KEYS,
@@ -53,25 +52,10 @@ from deltastore.publish.shards import ShardWriter
 from deltastore.publish.snapshot import Snapshot
 from deltastore.publish.spool import PayloadSpool
 from deltastore.storage import VersionStore
-from deltastore.storage.writer import VersionWriter
 from deltastore.trust import SigningKey, as_signing_key
 from deltastore.trust.base import base_digests_record
 
 log = logging.getLogger("deltastore.publish")
-
-
-@dataclass
-class _Step:
-    """One publish in flight: what its phases share."""
-
-    held: RankSnapshot
-    stream: StreamState
-    spool: PayloadSpool
-    progress: ProgressCallback | None
-    metrics: dict[str, float] = field(default_factory=lambda: dict.fromkeys(METRIC_KEYS, 0.0))
-    diff: DiffResult = field(default_factory=DiffResult)
-    plan: Plan = field(default_factory=lambda: Plan(failure=None))
-    slot: VersionWriter | None = None
 
 
 class DeltaPublisher:
@@ -189,9 +173,9 @@ class DeltaPublisher:
             raise PublishError("publish() before seed(): call seed() once first")
         started = time.perf_counter()
         with gc_paused(), PayloadSpool(self.config.spool_memory_bytes) as spool:
-            step = _Step(self._held, self.stream, spool, progress)
+            step = Step(self._held, self.stream, spool, progress)
             local_error = self._diff_phase(step, named_tensors)
-            self._plan_phase(step, report_of(self.rank, step.diff, local_error, full=full))
+            self._plan_phase(step, step.diff.report(self.rank, local_error, full=full))
             self._raise_failure(step.plan.failure, local_error)
             written, local_error = self._write_phase(step)
             outcome = self._commit_phase(step, written)
@@ -240,23 +224,15 @@ class DeltaPublisher:
             self._held = None
         raise failure.error() from local_error
 
-    def _diff_phase(self, step: _Step, named_tensors: NamedTensors) -> BaseException | None:
+    def _diff_phase(self, step: Step, named_tensors: NamedTensors) -> BaseException | None:
         try:
-            step.diff = diff_tensors(
-                named_tensors,
-                step.held,
-                step.stream,
-                self._settings,
-                step.spool,
-                step.metrics,
-                step.progress,
-            )
+            step.diff = diff_tensors(named_tensors, step, self._settings)
         except Exception as exc:
             return exc
         self.last_staging = step.diff.staging
         return None
 
-    def _plan_phase(self, step: _Step, report: DiffReport) -> None:
+    def _plan_phase(self, step: Step, report: DiffReport) -> None:
         """Rank 0 plans (pure) and claims; every rank gets the plan and a slot to write into."""
         begun = time.perf_counter()
         reports = self.coordinator.gather(report, what="publish: gather diffs")
@@ -284,29 +260,20 @@ class DeltaPublisher:
             step.slot = self.store.join(plan.version, plan.token)
         step.metrics["coord_s"] += time.perf_counter() - begun
 
-    def _write_phase(self, step: _Step) -> tuple[Written, BaseException | None]:
+    def _write_phase(self, step: Step) -> tuple[Written, BaseException | None]:
         layout, slot = step.plan.layout, step.slot
         assert slot is not None and layout is not None
         begun = time.perf_counter()
         try:
-            writer = ShardWriter(
-                slot.open_write,
-                step.diff.encoded,
-                step.spool,
-                self._settings,
-                step.held,
-                step.stream,
-            )
-            entries, wire, facts = writer.write_all(
-                layout.shards[self.rank], full=layout.full, progress=step.progress
-            )
+            writer = ShardWriter(slot.open_write, step, self._settings)
+            entries, wire, facts = writer.write_all(layout.shards[self.rank], full=layout.full)
         except Exception as exc:
             return Written(self.rank, describe(exc)), exc
         finally:
             step.metrics["write_s"] = time.perf_counter() - begun
         return Written(self.rank, None, entries, wire, facts), None
 
-    def _commit_phase(self, step: _Step, written: Written) -> Outcome:
+    def _commit_phase(self, step: Step, written: Written) -> Outcome:
         begun, metrics, version = time.perf_counter(), step.metrics, step.plan.version
         what = f"commit weight_v{version:06d}"
         writes = self._before_commit(step, self.coordinator.gather, written, what)
@@ -337,7 +304,7 @@ class DeltaPublisher:
         return outcome
 
     def _before_commit(
-        self, step: _Step, collective: Callable[..., Any], obj: Any, what: str
+        self, step: Step, collective: Callable[..., Any], obj: Any, what: str
     ) -> Any:
         """A collective before the commit; if it fails, rank 0 removes the version's claim and
         files (nothing was committed: the error is a :class:`PublishError`)."""
