@@ -1,6 +1,5 @@
 """Rank 0's claim and commit of a version, and the post-write hook after it, through the
-store's :class:`~deltastore.storage.VersionWriter` (the one owner of the commit protocol:
-claim, fence checks, successor, index, "does the commit stand"); other ranks ``store.join``.
+store's :class:`~deltastore.storage.VersionWriter` (the one owner of the commit protocol).
 """
 
 from __future__ import annotations
@@ -34,9 +33,9 @@ log = logging.getLogger("deltastore.publish")
 def claim(
     store: VersionStore, stream: StreamState
 ) -> tuple[VersionWriter, None] | tuple[None, Failure]:
-    """Rank 0: claim the stream's next version before any rank writes, or why it cannot;
-    right after a resume (or an abort) the first claimable one after the base (claims left by
-    a crashed writer are skipped by the store, never reused)."""
+    """Rank 0: claim the stream's next version before any rank writes, or why it cannot; after
+    a resume or an abort the first claimable one after the base (the store skips, never
+    reuses, claims a crashed writer left)."""
     try:
         if stream.resumed:
             return store.begin(after=stream.next_version - 1), None
@@ -75,7 +74,6 @@ def commit_version(
         entries = check_written(plan.layout, writes, sizes, version)
         totals = version_totals(plan.layout, writes, stream, sum(sizes.values()), version)
         index = build_index(
-            version,
             plan.token,
             plan.layout,
             entries,

@@ -82,9 +82,9 @@ class Staged:
 
 
 class HostStager:
-    """Stages tensors on the host under a budget of ``limit_bytes`` staged and not yet
-    released, reusing (pinned: ``pin_memory=None`` pins when CUDA is available) copy buffers;
-    ``stage_host_tensors`` is for tests and for callers whose host tensors change meanwhile."""
+    """Stages tensors under a budget of ``limit_bytes`` staged and not released, reusing copy
+    buffers (``pin_memory=None``: pinned when CUDA is available); ``stage_host_tensors`` copies
+    host tensors too (tests, callers whose host tensors change meanwhile)."""
 
     def __init__(
         self,
@@ -167,8 +167,7 @@ class HostStager:
         return kind == "cuda" or (kind == "cpu" and self.stage_host_tensors)
 
     def charge_for(self, tensor: Any, nbytes: int) -> int:
-        """Budget bytes :meth:`stage` will hold for ``tensor`` of ``nbytes`` bytes: the bytes
-        of a host view, or the pooled buffer's size for a copy."""
+        """Budget bytes :meth:`stage` will hold for ``tensor``: a view's bytes, a copy's buffer."""
         return _round_up(nbytes) if self._pooled(tensor) else nbytes
 
     def stage(self, name: str, tensor: Any) -> Staged:
@@ -219,9 +218,8 @@ def plain_host_view(tensor: Any) -> ByteArray | None:
     built from its data pointer (the view keeps the tensor alive); None for anything else.
 
     No torch operator is dispatched: each releases and retakes the GIL, which under a busy
-    encode pool costs the producer far more than the operator (docs/benchmarks.md, *Many small
-    tensors*). Complex tensors (maybe conjugate views), negative views, quantized and sparse
-    tensors and subclasses (their bytes may not be their values) take the general path.
+    encode pool costs the producer far more than the operator. Tensors whose bytes may not be
+    their values (complex, negative views, quantized, sparse, subclasses) take the general path.
     """
     torch = sys.modules.get("torch")
     kind = type(tensor)

@@ -40,8 +40,7 @@ NamedTensors = Iterable[tuple[str, Any]] | Mapping[str, Any]
 
 @dataclass
 class DiffResult:
-    """What one rank's diff produced: the changed tensors, and every passed name (None where
-    unchanged)."""
+    """What one rank's diff produced: the changed tensors, every passed name (None: unchanged)."""
 
     encoded: dict[str, Encoded] = field(default_factory=dict)
     passed: dict[str, Encoded | None] = field(default_factory=dict)
@@ -100,11 +99,9 @@ WORD_CHANGE_BYTES = 16  # memory per changed 8-byte word kept by word_changes (p
 
 
 def word_changes(old: ByteArray, new: ByteArray, changed_bytes: int) -> XorChanges | None:
-    """The change from ``old`` to ``new`` as 8-byte words (``old XOR new`` of each word that
-    differs), or None where it would be large (over 1/8 of the tensor's bytes) or the size is
-    not a whole number of words. Kept until the commit, it lets the snapshot advance by XORing
-    a few words in instead of decoding the payload again; derived from the bytes, not the
-    payload, so it holds for every encoding."""
+    """The change from ``old`` to ``new`` as the XOR of each 8-byte word that differs, or None
+    where it would be large or the size is not whole words. Kept until the commit, it lets the
+    snapshot advance without decoding the payload again, whatever the encoding."""
     if old.size % 8 or WORD_CHANGE_BYTES * changed_bytes > old.size // 8:
         return None
     old_words, new_words = old.view(np.uint64), new.view(np.uint64)
@@ -158,8 +155,8 @@ class _Diff:
             self.submit()
 
     def _check(self, name: str, tensor: Any) -> tuple[int, int]:
-        """Refuse a tensor passed twice, unknown to the base, or of another layout; else its
-        size and the element size of its dtype in the base checkpoint's header."""
+        """Refuse a tensor passed twice, unknown to the base or of another layout; else its size
+        and its base dtype's element size."""
         if name in self.seen:
             raise PublishError(f"tensor {name!r} was passed twice in one publish")
         self.seen.add(name)
@@ -175,8 +172,7 @@ class _Diff:
         return nbytes, itemsize_of_dtype(source.dtype)
 
     def encode(self, batch: list[_Item]) -> list[tuple[str, Encoded | None]]:
-        """Worker: a batch of staged tensors in one encoding call, each changed one's frame
-        straight into the spool."""
+        """Worker: a batch in one encoding call, each changed tensor's frame into the spool."""
         begun = time.perf_counter()
         try:
             news = [item.staged.wait() for item in batch]
@@ -237,11 +233,9 @@ def diff_tensors(named_tensors: NamedTensors, step: Step, settings: Settings) ->
     """Diff every passed tensor against the step's snapshot, in its kept threads.
 
     Host copies are staged under the in-flight byte budget and at most ``2 * workers`` encodes
-    are pending (the producer waits on the oldest), so a slow pool holds the producer back.
-    Adds ``load_s``, ``copy_s``, ``encode_s`` and ``diff_s`` to the step's metrics. Raises
-    :class:`PublishError` naming a tensor passed twice, unknown to the base, or of another
-    size, dtype or shape. Progress (phase ``diff``) counts each tensor once taken, then the
-    rest of the model (unchanged) as done.
+    are pending, so a slow pool holds the producer back. Raises :class:`PublishError` naming a
+    tensor passed twice, unknown to the base, or of another size, dtype or shape. Progress
+    (phase ``diff``) counts each tensor once taken, then the unchanged rest as done.
     """
     started = time.perf_counter()
     diff = _Diff(step, settings)

@@ -1,17 +1,7 @@
 """``DeltaPublisher``: a thin driver over the publish modules, one code path for one process
-and many ranks (alone, every collective is the identity). One publish is five phases
-(docs/publishing.md has the full account):
-
-1. **diff** (every rank, in its kept threads): the tensors it is passed against its snapshot;
-2. **plan** (gather → rank 0 → broadcast): replicas, delta or full, shards (:mod:`.planning`),
-   and the claim of the version (:mod:`.commit`);
-3. **write** (every rank): its shards (:mod:`.shards`);
-4. **commit** (gather → rank 0 → broadcast): completeness, then the index;
-5. **finish** (all-gather): the snapshot advances (:mod:`.rank_state`), the stream state is
-   replaced, the post-write hook runs, metrics are the global totals.
-
-Errors (every rank, any world size): before the commit :class:`PublishError` or
-:class:`VersionConflictError`; at or after it :class:`HookError` or :class:`SnapshotError`.
+and many ranks (alone, every collective is the identity). One publish is five phases, diff,
+plan (and claim), write, commit and finish (docs/publishing.md has the full account); every rank
+takes part in each, whatever failed before, so none is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -137,12 +127,9 @@ class DeltaPublisher:
         self, *, continue_latest: bool = False, progress: ProgressCallback | None = None
     ) -> None:
         """Set up version 0 (the base checkpoint's bytes) or resume; publishes nothing.
-
         ``continue_latest=True`` (``deltastore publish --prev``) continues the latest version's
         stream, taking the base checkpoint as that version's state (the caller checks it).
-        Collective: rank 0 decides, every rank gets the same answer or the same error
-        (:class:`StreamError`, :class:`ConfigError`, :class:`PublishError`, the store's).
-        """
+        Collective: every rank gets rank 0's answer or the same error."""
         self._held, self.stream = seed_rank(
             self.store,
             self.base_checkpoint,

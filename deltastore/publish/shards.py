@@ -1,6 +1,5 @@
-"""Writing a rank's shards of a version: delta shards from spooled payloads, full shards from
-the snapshot plus this publish's payloads. Files are opened through ``open_write(shard)``
-(the version's writer), so this module never decides where or how a version is committed.
+"""Writing a rank's shards of a version (delta shards from spooled payloads, full shards from
+the snapshot plus them) through the version's writer, which decides where and how it commits.
 """
 
 from __future__ import annotations
@@ -80,8 +79,7 @@ class ShardWriter:
     def write_all(
         self, jobs: Sequence[ShardJob], *, full: bool
     ) -> tuple[dict[str, Placement], int, dict[str, ShardFact]]:
-        """Write every job; returns each tensor's placement, the bytes written and each
-        shard's size and whole-file BLAKE3 (hashed as streamed, for the signature)."""
+        """Write every job: each tensor's placement, the bytes written, each shard's fact."""
         if self.step.progress is not None:
             names = [name for job in jobs for name in job.names]
             if full:

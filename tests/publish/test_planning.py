@@ -147,7 +147,7 @@ def test_index_of_a_delta_and_of_a_full_version():
     totals = version_totals(layout, writes, STREAM, 1000, 5)
     assert (totals.changed_bytes, totals.wire_bytes, totals.base_version) == (5, 20, 4)
     index = build_index(
-        5, "tok", layout, writes[0].entries, totals, STREAM, encoding="xor", checksum="xxh3-128"
+        "tok", layout, writes[0].entries, totals, STREAM, encoding="xor", checksum="xxh3-128"
     )
     assert (index.version, index.base_version, index.encoding, index.stream_id) == (
         5,
@@ -159,7 +159,7 @@ def test_index_of_a_delta_and_of_a_full_version():
     full = Layout(full=True, shards=((),), changed={}, owner={})
     full_totals = version_totals(full, writes, STREAM, 1000, 5)
     full_index = build_index(
-        5, "tok", full, {}, full_totals, STREAM, encoding="xor", checksum="xxh3-128"
+        "tok", full, {}, full_totals, STREAM, encoding="xor", checksum="xxh3-128"
     )
     assert full_index.base_version is None and full_index.encoding is None
 
