@@ -86,8 +86,23 @@ def commit_version(
     except Exception as exc:
         writer.abort()
         return Outcome(Failure(f"{reason}: {describe(exc)}; nothing was committed"))
-    failure = _commit_index(writer, index, reason)
-    return Outcome(failure) if failure is not None else Outcome(None, entries, totals)
+    try:
+        writer.commit(index)
+        return Outcome(None, entries, totals)
+    except VersionConflictError as exc:
+        writer.abort()
+        return Outcome(Failure(f"{reason}: {describe(exc)}; nothing was committed", "conflict"))
+    except Exception as exc:
+        reason = f"{reason}: {describe(exc)}"
+        landed = writer.landed()
+    if landed is None:
+        # The index may stand (a check after it failed): never say nothing was committed.
+        return Outcome(Failure(f"{reason}; whether it landed is unknown", "uncertain"))
+    if landed:
+        log.warning("%s, but readers see its index with this token: it stands", reason)
+        return Outcome(None, entries, totals)
+    writer.abort()
+    return Outcome(Failure(f"{reason}; nothing was committed and no snapshot advanced"))
 
 
 def seal_index(
@@ -110,27 +125,6 @@ def seal_index(
             digests.setdefault(placed.shard, {})[name] = placed.digest
     manifest = build_manifest(index, digests, facts)
     return signed_index(index, sign_manifest(signing_key, manifest))
-
-
-def _commit_index(writer: VersionWriter, index: VersionIndex, reason: str) -> Failure | None:
-    """Commit through the writer; a failure says whether anything may have landed."""
-    try:
-        writer.commit(index)
-        return None
-    except VersionConflictError as exc:
-        writer.abort()
-        return Failure(f"{reason}: {describe(exc)}; nothing was committed", "conflict")
-    except Exception as exc:
-        reason = f"{reason}: {describe(exc)}"
-        landed = writer.landed()
-    if landed is None:
-        # The index may stand (a check after it failed): never say nothing was committed.
-        return Failure(f"{reason}; whether it landed is unknown", "uncertain")
-    if landed:
-        log.warning("%s, but readers see its index with this token: it stands", reason)
-        return None
-    writer.abort()
-    return Failure(f"{reason}; nothing was committed and no snapshot advanced")
 
 
 def run_post_write(

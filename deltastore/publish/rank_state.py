@@ -36,7 +36,7 @@ from deltastore.publish.snapshot import (
     apply_lineage,
     rebuild_lineage,
 )
-from deltastore.publish.spool import Encoded, PayloadSpool, apply_payload
+from deltastore.publish.spool import Encoded, PayloadSpool, apply_frame
 from deltastore.storage import VersionStore, new_token
 from deltastore.trust import SIGNATURE_KEY
 
@@ -128,7 +128,9 @@ class RankSnapshot:
                 if entry.changes is not None:
                     apply_changes(target, entry.changes)
                 else:
-                    apply_payload(encoding, entry.name, target, entry, spool)
+                    apply_frame(
+                        encoding, entry.name, target, spool.read(entry.offset, entry.length)
+                    )
 
         sources = self.snapshot.sources
         total = sum(sources[e.name].nbytes for e in entries)

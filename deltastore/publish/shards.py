@@ -17,7 +17,7 @@ from deltastore.progress import ProgressMeter
 from deltastore.publish.config import Settings
 from deltastore.publish.diff import Step
 from deltastore.publish.messages import Placement, ShardJob
-from deltastore.publish.spool import COPY_CHUNK, apply_payload
+from deltastore.publish.spool import COPY_CHUNK, apply_frame
 from deltastore.trust.manifest import ShardFact, ShardHasher
 
 OpenWrite = Callable[[str], AbstractContextManager[BinaryIO]]  # one file of the version
@@ -159,7 +159,8 @@ class ShardWriter:
         if entry is None:
             return current
         result = current.copy()
-        apply_payload(self.settings.encoding, name, result, entry, self.spool)
+        frame = self.spool.read(entry.offset, entry.length)
+        apply_frame(self.settings.encoding, name, result, frame)
         return result
 
 

@@ -17,7 +17,6 @@ import numpy as np
 from deltastore.codecs import (
     ByteArray,
     check_compression,
-    decompress,
     get_checksum,
     get_encoding,
 )
@@ -28,6 +27,7 @@ from deltastore.format.index import VersionIndex, check_shard_names
 from deltastore.format.safetensors_io import read_header_file
 from deltastore.progress import ProgressMeter
 from deltastore.publish.device import host_bytes, not_a_tensor
+from deltastore.publish.spool import apply_frame
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import walk_chain
 
@@ -195,15 +195,9 @@ class Snapshot(Mapping[str, SnapshotTensor]):
                 )
                 data[lo:hi] = np.frombuffer(chunk, dtype=np.uint8)
         for ref in source.deltas:
-            store = self._need_store(name)
-            encoding = get_encoding(ref.encoding)
-            frame = store.read_range(ref.version, ref.shard, ref.start, ref.end)
-            payload = decompress(
-                frame,
-                max_size=encoding.max_payload_size(source.nbytes),
-                what=f"payload of tensor {name!r} in weight_v{ref.version:06d}/{ref.shard}",
-            )
-            encoding.apply(data, payload, tensor=name)
+            frame = self._need_store(name).read_range(ref.version, ref.shard, ref.start, ref.end)
+            where = f" in weight_v{ref.version:06d}/{ref.shard}"
+            apply_frame(get_encoding(ref.encoding), name, data, frame, where)
         if source.digest is not None:
             checksum = get_checksum(source.checksum or "xxh3-128")
             actual = checksum.hexdigest(data)
