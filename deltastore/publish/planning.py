@@ -11,6 +11,7 @@ from deltastore.codecs import COMPRESSION_NAME
 from deltastore.errors import PublishError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import delta_shard_name, full_shard_name
+from deltastore.publish.config import PublisherConfig
 from deltastore.publish.messages import (
     DiffReport,
     Failure,
@@ -125,13 +126,9 @@ def plan_layout(
     reports: Sequence[DiffReport],
     stream: StreamState,
     sizes: Mapping[str, int],
-    *,
-    world_size: int,
-    max_shard_bytes: int,
-    anchor_every: int | None = None,
-    anchor_chain_bytes: float | None = None,
+    config: PublisherConfig,
 ) -> Layout | Failure:
-    """Rank 0's whole decision for the next version from every rank's report."""
+    """Rank 0's whole decision for the next version from every rank's report (one a rank)."""
     version = stream.next_version
     failed = rank_errors(reports)
     if failed:
@@ -151,15 +148,15 @@ def plan_layout(
     full = wants_full(
         reports,
         stream,
-        anchor_every=anchor_every,
-        anchor_chain_bytes=anchor_chain_bytes,
+        anchor_every=config.anchor_every,
+        anchor_chain_bytes=config.anchor_chain_bytes,
         wire_estimate=sum(c.payload_bytes for c in changes.values()),
         total_bytes=sum(sizes.values()),
     )
     if full:
-        shards = assign_full(sizes, owner, stream.holders, world_size, max_shard_bytes)
+        shards = assign_full(sizes, owner, stream.holders, len(reports), config.max_shard_bytes)
     else:
-        shards = assign_delta(owner, list(changes), world_size)
+        shards = assign_delta(owner, list(changes), len(reports))
     changed = {name: change.changed_bytes for name, change in changes.items()}
     return Layout(full=full, shards=shards, changed=changed, owner=owner)
 

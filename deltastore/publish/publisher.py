@@ -184,7 +184,7 @@ class DeltaPublisher:
         )
         hook_error = commit_protocol.run_post_write(step.slot, self._post_write, self.rank, metrics)
         metrics["publish_s"] = time.perf_counter() - started
-        finals = self._finish_phase(plan.version, advance_error, hook_error, metrics)
+        finals = self._finish_phase(step, advance_error, hook_error)
         self._metrics = record(metrics, result, tensors=len(self._sizes), world=self.world_size)
         if not self._warned_density:
             self._warned_density = warn_if_dense(result)
@@ -225,15 +225,7 @@ class DeltaPublisher:
         reports = self.coordinator.gather(report, what="publish: gather diffs")
         plan: Plan | None = None
         if reports is not None:
-            layout = plan_layout(
-                reports,
-                step.stream,
-                self._sizes,
-                world_size=self.world_size,
-                max_shard_bytes=self.config.max_shard_bytes,
-                anchor_every=self.config.anchor_every,
-                anchor_chain_bytes=self.config.anchor_chain_bytes,
-            )
+            layout = plan_layout(reports, step.stream, self._sizes, self.config)
             if isinstance(layout, Failure):
                 plan = Plan(failure=layout)
             else:
@@ -242,7 +234,7 @@ class DeltaPublisher:
                     plan = Plan(failure=failure)
                 else:
                     plan = Plan(None, step.slot.version, step.slot.token, layout)
-        step.plan = plan = self._before_commit(step, self.coordinator.broadcast, plan, "plan")
+        step.plan = plan = self._collective(step, self.coordinator.broadcast, plan, "plan")
         if step.slot is None and plan.failure is None:
             step.slot = self.store.join(plan.version, plan.token)
         step.metrics["coord_s"] += time.perf_counter() - begun
@@ -263,7 +255,7 @@ class DeltaPublisher:
     def _commit_phase(self, step: Step, written: Written) -> Outcome:
         begun, metrics, version = time.perf_counter(), step.metrics, step.plan.version
         what = f"commit weight_v{version:06d}"
-        writes = self._before_commit(step, self.coordinator.gather, written, what)
+        writes = self._collective(step, self.coordinator.gather, written, what)
         outcome: Outcome | None = None
         if writes is not None:
             assert step.slot is not None
@@ -280,27 +272,27 @@ class DeltaPublisher:
                 base_record=self._base_digests if self.config.record_base_digests else None,
             )
             metrics["commit_s"] = time.perf_counter() - commit_started
-        try:
-            outcome = self.coordinator.broadcast(outcome, what=f"publish: {what}")
-        except PublishError as exc:
-            self._held = None
-            raise SnapshotError(
-                f"{exc}; weight_v{version:06d} may be committed in {self.store.url}"
-            ) from exc
+        where = f"weight_v{version:06d} may be committed in {self.store.url}"
+        outcome = self._collective(step, self.coordinator.broadcast, outcome, what, after=where)
         metrics["coord_s"] += time.perf_counter() - begun - metrics["commit_s"]
         return outcome
 
-    def _before_commit(
-        self, step: Step, collective: Callable[..., Any], obj: Any, what: str
+    def _collective(
+        self, step: Step, collective: Callable[..., Any], obj: Any, what: str, after: str = ""
     ) -> Any:
-        """A collective before the commit; if it fails, rank 0 removes the version's claim and
-        files (nothing was committed: the error is a :class:`PublishError`)."""
+        """One collective of a publish. Failing before the commit, rank 0 removes the version's
+        claim and files (nothing was committed: the error stays a :class:`PublishError`);
+        after it (``after`` says what is committed) it is a :class:`SnapshotError`, and this
+        rank keeps no snapshot."""
         try:
             return collective(obj, what=f"publish: {what}")
-        except BaseException:
-            if step.slot is not None:
-                step.slot.abort()  # a no-op on the other ranks (they only joined)
-            raise
+        except Exception as exc:
+            if not after:
+                if step.slot is not None:
+                    step.slot.abort()  # a no-op on the other ranks (they only joined)
+                raise
+            self._held = None
+            raise SnapshotError(f"{after}: {exc}") from exc
 
     def _base_digests(self) -> dict[str, Any]:
         """Rank 0: every base tensor's digest (hashed once per publisher, on first need)."""
@@ -311,22 +303,15 @@ class DeltaPublisher:
         return self._base_record
 
     def _finish_phase(
-        self,
-        version: int,
-        advance_error: BaseException | None,
-        hook_error: BaseException | None,
-        metrics: dict[str, float],
+        self, step: Step, advance_error: BaseException | None, hook_error: BaseException | None
     ) -> list[Final]:
+        metrics, version = step.metrics, step.plan.version
         seconds = {k: metrics[k] for k in SECONDS_KEYS}
         final = Final(self.rank, describe(advance_error), describe(hook_error), seconds)
-        try:
-            finals = self.coordinator.all_gather(final, what=f"finish weight_v{version:06d}")
-        except PublishError as exc:
-            self._held = None
-            raise SnapshotError(
-                f"weight_v{version:06d} is committed in {self.store.url}, but finishing it "
-                f"failed: {exc}"
-            ) from exc
+        where = f"weight_v{version:06d} is committed in {self.store.url}"
+        finals = self._collective(
+            step, self.coordinator.all_gather, final, f"finish weight_v{version:06d}", where
+        )
         for key in SECONDS_KEYS:
             metrics[key] = max(f.seconds[key] for f in finals)
         return finals

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deltastore.errors import PublishError
+from deltastore.publish.config import PublisherConfig
 from deltastore.publish.messages import (
     DiffReport,
     Failure,
@@ -38,10 +39,8 @@ def report(rank: int, passed: dict[str, TensorChange | None], *, full: bool = Fa
     return DiffReport(rank=rank, error=None, passed=passed, full=full)
 
 
-def plan(reports: list[DiffReport], stream: StreamState = STREAM, **kw: object) -> Layout | Failure:
-    options: dict[str, object] = {"world_size": len(reports), "max_shard_bytes": 1 << 30}
-    options.update(kw)
-    return plan_layout(reports, stream, SIZES, **options)  # type: ignore[arg-type]
+def plan(reports: list[DiffReport], stream: StreamState = STREAM) -> Layout | Failure:
+    return plan_layout(reports, stream, SIZES, PublisherConfig(max_shard_bytes=1 << 30))
 
 
 def test_delta_shards_are_numbered_gap_free_across_the_ranks_that_write():
