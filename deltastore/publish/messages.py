@@ -65,18 +65,18 @@ class StreamState:
         """The aborted version may carry a tombstone: the next claim may skip it."""
         return replace(self, resumed=True)
 
-    def committed(
-        self, version: int, *, full: bool, wire_bytes: int, owner: dict[str, int]
-    ) -> StreamState:
+    def committed(self, layout: Layout, result: PublishResult) -> StreamState:
+        """The stream once ``result``'s version, laid out as ``layout``, is committed."""
+        full = layout.full
         return replace(
             self,
-            base_version=version,
-            next_version=version + 1,
-            walk_from_base=True if full else self.walk_from_base,
+            base_version=result.version,
+            next_version=result.version + 1,
+            walk_from_base=full or self.walk_from_base,
             resumed=False,
             chain_deltas=0 if full else self.chain_deltas + 1,
-            chain_wire=0 if full else self.chain_wire + wire_bytes,
-            holders={**self.holders, **owner},
+            chain_wire=0 if full else self.chain_wire + result.wire_bytes,
+            holders={**self.holders, **layout.owner},
         )
 
 

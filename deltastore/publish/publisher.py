@@ -176,12 +176,7 @@ class DeltaPublisher:
                 advance_error = exc
         plan, metrics, result = step.plan, step.metrics, outcome.result
         assert plan.layout is not None and result is not None and step.slot is not None
-        self.stream = step.stream.committed(
-            plan.version,
-            full=plan.layout.full,
-            wire_bytes=result.wire_bytes,
-            owner=plan.layout.owner,
-        )
+        self.stream = step.stream.committed(plan.layout, result)
         hook_error = commit_protocol.run_post_write(step.slot, self._post_write, self.rank, metrics)
         metrics["publish_s"] = time.perf_counter() - started
         finals = self._finish_phase(step, advance_error, hook_error)

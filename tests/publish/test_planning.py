@@ -11,6 +11,7 @@ from deltastore.publish.messages import (
     Failure,
     Layout,
     Placement,
+    PublishResult,
     ShardJob,
     StreamState,
     TensorChange,
@@ -164,7 +165,8 @@ def test_index_of_a_delta_and_of_a_full_version():
 
 
 def test_stream_state_advances_only_through_committed():
-    after_delta = STREAM.committed(5, full=False, wire_bytes=20, owner={"a": 1})
+    delta = Layout(full=False, shards=(), changed={}, owner={"a": 1})
+    after_delta = STREAM.committed(delta, PublishResult(5, "delta", 4, 1, 5, 1000, 20))
     assert (after_delta.base_version, after_delta.next_version) == (5, 6)
     assert (after_delta.chain_deltas, after_delta.chain_wire, after_delta.holders) == (
         1,
@@ -173,6 +175,7 @@ def test_stream_state_advances_only_through_committed():
     )
     assert STREAM.chain_deltas == 0, "a value: the old state is unchanged"
     resumed = StreamState("s", 4, 5, walk_from_base=False, resumed=True, chain_deltas=3)
-    after_full = resumed.committed(5, full=True, wire_bytes=999, owner={})
+    full = Layout(full=True, shards=(), changed={}, owner={})
+    after_full = resumed.committed(full, PublishResult(5, "full", None, 1, 5, 1000, 999))
     assert (after_full.chain_deltas, after_full.chain_wire) == (0, 0)
     assert after_full.walk_from_base and not after_full.resumed
