@@ -7,7 +7,6 @@ import os
 import tempfile
 import threading
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, BinaryIO
 
 from deltastore.codecs import ByteArray, Encoding, XorChanges, decompress
@@ -95,12 +94,7 @@ class PayloadSpool:
     def __enter__(self) -> PayloadSpool:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
