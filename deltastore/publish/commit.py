@@ -1,6 +1,5 @@
 """Rank 0's claim and commit of a version, and the post-write hook after it, through the
-store's :class:`~deltastore.storage.VersionWriter` (the one owner of the commit protocol:
-claim, fence checks, successor, index, "does the commit stand"); other ranks ``store.join``.
+store's :class:`~deltastore.storage.VersionWriter` (the one owner of the commit protocol).
 """
 
 from __future__ import annotations
@@ -34,9 +33,9 @@ log = logging.getLogger("deltastore.publish")
 def claim(
     store: VersionStore, stream: StreamState
 ) -> tuple[VersionWriter, None] | tuple[None, Failure]:
-    """Rank 0: claim the stream's next version before any rank writes, or why it cannot;
-    right after a resume (or an abort) the first claimable one after the base (claims left by
-    a crashed writer are skipped by the store, never reused)."""
+    """Rank 0: claim the stream's next version before any rank writes, or why it cannot; after
+    a resume or an abort the first claimable one after the base (the store skips, never
+    reuses, claims a crashed writer left)."""
     try:
         if stream.resumed:
             return store.begin(after=stream.next_version - 1), None
@@ -75,7 +74,6 @@ def commit_version(
         entries = check_written(plan.layout, writes, sizes, version)
         totals = version_totals(plan.layout, writes, stream, sum(sizes.values()), version)
         index = build_index(
-            version,
             plan.token,
             plan.layout,
             entries,
@@ -88,8 +86,23 @@ def commit_version(
     except Exception as exc:
         writer.abort()
         return Outcome(Failure(f"{reason}: {describe(exc)}; nothing was committed"))
-    failure = _commit_index(writer, index, reason)
-    return Outcome(failure) if failure is not None else Outcome(None, entries, totals)
+    try:
+        writer.commit(index)
+        return Outcome(None, entries, totals)
+    except VersionConflictError as exc:
+        writer.abort()
+        return Outcome(Failure(f"{reason}: {describe(exc)}; nothing was committed", "conflict"))
+    except Exception as exc:
+        reason = f"{reason}: {describe(exc)}"
+        landed = writer.landed()
+    if landed is None:
+        # The index may stand (a check after it failed): never say nothing was committed.
+        return Outcome(Failure(f"{reason}; whether it landed is unknown", "uncertain"))
+    if landed:
+        log.warning("%s, but readers see its index with this token: it stands", reason)
+        return Outcome(None, entries, totals)
+    writer.abort()
+    return Outcome(Failure(f"{reason}; nothing was committed and no snapshot advanced"))
 
 
 def seal_index(
@@ -112,27 +125,6 @@ def seal_index(
             digests.setdefault(placed.shard, {})[name] = placed.digest
     manifest = build_manifest(index, digests, facts)
     return signed_index(index, sign_manifest(signing_key, manifest))
-
-
-def _commit_index(writer: VersionWriter, index: VersionIndex, reason: str) -> Failure | None:
-    """Commit through the writer; a failure says whether anything may have landed."""
-    try:
-        writer.commit(index)
-        return None
-    except VersionConflictError as exc:
-        writer.abort()
-        return Failure(f"{reason}: {describe(exc)}; nothing was committed", "conflict")
-    except Exception as exc:
-        reason = f"{reason}: {describe(exc)}"
-        landed = writer.landed()
-    if landed is None:
-        # The index may stand (a check after it failed): never say nothing was committed.
-        return Failure(f"{reason}; whether it landed is unknown", "uncertain")
-    if landed:
-        log.warning("%s, but readers see its index with this token: it stands", reason)
-        return None
-    writer.abort()
-    return Failure(f"{reason}; nothing was committed and no snapshot advanced")
 
 
 def run_post_write(

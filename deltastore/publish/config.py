@@ -1,7 +1,5 @@
-"""``PublisherConfig``: every setting of a :class:`~deltastore.publish.DeltaPublisher` that is a
-plain value, checked once: the publisher's keywords are its fields (pass either the keywords or
-a ``config=`` object).
-"""
+"""``PublisherConfig``: every plain setting of a :class:`~deltastore.publish.DeltaPublisher`
+(its keywords are the fields), checked once."""
 
 from __future__ import annotations
 
@@ -77,8 +75,7 @@ class PublisherConfig:
 
 @dataclass(frozen=True)
 class Settings:
-    """A publisher's fixed settings: its config, the codecs it names and its base checkpoint
-    (named in the error for a tensor the base lacks)."""
+    """A publisher's config, the codecs it names and its base checkpoint."""
 
     config: PublisherConfig
     encoding: Encoding

@@ -31,11 +31,9 @@ def _round_up(nbytes: int) -> int:
 
 @dataclass
 class StagerStats:
-    """Counters of one :class:`HostStager`: tensors ``staged`` and ``copied`` through a pool
-    buffer; buffers allocated and their bytes; the largest budget share held at once (buffer
-    sizes for copies, tensor bytes for views); ``pinned`` (True once a pinned buffer was
-    allocated, False once pinning failed, None if never tried); seconds the producer waited
-    for budget (backpressure) and encode workers waited for device copies to land."""
+    """Counters of one :class:`HostStager`. ``peak_in_flight_bytes`` counts buffer sizes for
+    copies, tensor bytes for views; ``pinned`` is None until a pinned buffer is tried; the
+    waits are the producer's for budget and the encode workers' for device copies."""
 
     staged: int = 0
     copied: int = 0
@@ -64,7 +62,8 @@ class Staged:
         if self.event is not None:
             started = time.perf_counter()
             self.event.synchronize()
-            self.stager._add_copy_wait(time.perf_counter() - started)
+            with self.stager._cond:
+                self.stager.stats.copy_wait_s += time.perf_counter() - started
             self.event = None
             self.source = None
         return self.view
@@ -83,9 +82,9 @@ class Staged:
 
 
 class HostStager:
-    """Stages tensors on the host under a budget of ``limit_bytes`` staged and not yet
-    released, reusing (pinned: ``pin_memory=None`` pins when CUDA is available) copy buffers;
-    ``stage_host_tensors`` is for tests and for callers whose host tensors change meanwhile."""
+    """Stages tensors under a budget of ``limit_bytes`` staged and not released, reusing copy
+    buffers (``pin_memory=None``: pinned when CUDA is available); ``stage_host_tensors`` copies
+    host tensors too (tests, callers whose host tensors change meanwhile)."""
 
     def __init__(
         self,
@@ -121,10 +120,6 @@ class HostStager:
             if buffer is not None:
                 self._idle.append(buffer)
             self._cond.notify_all()
-
-    def _add_copy_wait(self, seconds: float) -> None:
-        with self._cond:
-            self.stats.copy_wait_s += seconds
 
     @property
     def in_flight_bytes(self) -> int:
@@ -168,16 +163,11 @@ class HostStager:
     def _pooled(self, tensor: Any) -> bool:
         """Whether :meth:`stage` copies ``tensor`` through a pool buffer: a CUDA tensor, or a
         host one with ``stage_host_tensors`` (everything else is viewed or copied plainly)."""
-        if isinstance(tensor, np.ndarray) or (
-            not self.stage_host_tensors and getattr(tensor, "is_cpu", False)
-        ):
-            return False
-        kind = getattr(getattr(tensor, "device", None), "type", None)
+        kind = getattr(getattr(tensor, "device", None), "type", None)  # numpy's device: a str
         return kind == "cuda" or (kind == "cpu" and self.stage_host_tensors)
 
     def charge_for(self, tensor: Any, nbytes: int) -> int:
-        """Budget bytes :meth:`stage` will hold for ``tensor`` of ``nbytes`` bytes: the bytes
-        of a host view, or the pooled buffer's size for a copy."""
+        """Budget bytes :meth:`stage` will hold for ``tensor``: a view's bytes, a copy's buffer."""
         return _round_up(nbytes) if self._pooled(tensor) else nbytes
 
     def stage(self, name: str, tensor: Any) -> Staged:
@@ -194,9 +184,7 @@ class HostStager:
 
         if not isinstance(tensor, torch.Tensor):
             raise not_a_tensor(name, tensor)
-        # detach() makes a new tensor object per call: only where autograd tracks the tensor.
-        t = tensor.detach() if tensor.requires_grad else tensor
-        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        flat = _flat_bytes(torch, tensor)
         nbytes = flat.numel()
         size = _round_up(nbytes)
         self._acquire(size)
@@ -204,14 +192,14 @@ class HostStager:
             buffer = self._take_buffer(size)
             target = buffer[:nbytes]
             event = None
-            if t.device.type == "cpu":
+            if flat.device.type == "cpu":
                 target.copy_(flat)
             else:
                 pinned = buffer.is_pinned()
                 target.copy_(flat, non_blocking=pinned)
                 if pinned:
                     event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(t.device))
+                    event.record(torch.cuda.current_stream(flat.device))
         except BaseException:
             self._release(size, None)
             raise
@@ -230,9 +218,8 @@ def plain_host_view(tensor: Any) -> ByteArray | None:
     built from its data pointer (the view keeps the tensor alive); None for anything else.
 
     No torch operator is dispatched: each releases and retakes the GIL, which under a busy
-    encode pool costs the producer far more than the operator (docs/benchmarks.md, *Many small
-    tensors*). Complex tensors (maybe conjugate views), negative views, quantized and sparse
-    tensors and subclasses (their bytes may not be their values) take the general path.
+    encode pool costs the producer far more than the operator. Tensors whose bytes may not be
+    their values (complex, negative views, quantized, sparse, subclasses) take the general path.
     """
     torch = sys.modules.get("torch")
     kind = type(tensor)
@@ -244,7 +231,8 @@ def plain_host_view(tensor: Any) -> ByteArray | None:
         and tensor.is_contiguous()
         and not tensor.is_quantized
         and not tensor.dtype.is_complex  # a conjugate view; is_conj() is a dispatched operator
-        and not _is_negative_view(torch, tensor)
+        # A lazily negated view, read from the dispatch keys: is_neg() is an operator too.
+        and not torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Negative)
     ):
         return None
     nbytes = tensor.numel() * tensor.element_size()
@@ -255,19 +243,9 @@ def plain_host_view(tensor: Any) -> ByteArray | None:
     return np.frombuffer(memory, dtype=np.uint8)
 
 
-def _is_negative_view(torch: Any, tensor: Any) -> bool:
-    """True for a lazily negated view (its memory is minus its value), read from the tensor's
-    dispatch keys: ``is_neg()`` is a dispatched operator (see :func:`plain_host_view`)."""
-    keys = getattr(torch._C, "_dispatch_keys", None)
-    if keys is None:  # pragma: no cover - a torch without it
-        return bool(tensor.is_neg())
-    return bool(keys(tensor).has(torch._C.DispatchKey.Negative))
-
-
 def host_bytes(name: str, tensor: Any) -> ByteArray:
-    """The raw little-endian bytes of a tensor/array as 1-D uint8: a device tensor copied to
-    the host, a non-contiguous one (transposed, sliced) made contiguous, so the bytes are its
-    logical row-major content, as safetensors stores it."""
+    """The raw little-endian bytes of a tensor/array as 1-D uint8 on the host: its logical
+    row-major content, as safetensors stores it, whatever its layout or device."""
     if isinstance(tensor, np.ndarray):
         array = np.ascontiguousarray(tensor)
         if array.dtype.byteorder == ">":
@@ -276,19 +254,23 @@ def host_bytes(name: str, tensor: Any) -> ByteArray:
     import torch
 
     if isinstance(tensor, torch.Tensor):
-        t = tensor.detach() if tensor.requires_grad else tensor
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        if t.is_conj() or t.is_neg():
-            # A lazily conjugated or negated view: its memory is not its value.
-            t = t.resolve_conj().resolve_neg()
-        t = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
-        # torch calls a 0- or 1-element view with stride != 1 contiguous and keeps its stride,
-        # which .view(uint8) then rejects: copy it into a fresh stride-1 tensor.
-        if t.stride(0) != 1:
-            t = t.clone(memory_format=torch.contiguous_format)
-        return t.view(torch.uint8).numpy()
+        return _flat_bytes(torch, tensor).cpu().numpy()
     raise not_a_tensor(name, tensor)
+
+
+def _flat_bytes(torch: Any, tensor: Any) -> Any:
+    """A torch tensor's logical row-major bytes as a 1-D ``uint8`` tensor on its device: a
+    lazily conjugated or negated view resolved (its memory is not its value), a non-contiguous
+    one made contiguous, and a 0- or 1-element view with stride != 1 (torch calls it contiguous
+    and keeps the stride, which ``.view(uint8)`` rejects) copied into a fresh one."""
+    # detach() makes a new tensor object per call: only where autograd tracks the tensor.
+    t = tensor.detach() if tensor.requires_grad else tensor
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    t = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    if t.stride(0) != 1:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.uint8)
 
 
 def not_a_tensor(name: str, tensor: Any) -> PublishError:

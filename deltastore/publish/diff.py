@@ -1,9 +1,7 @@
 """The diff pipeline: each passed tensor against the snapshot, encoded, compressed and digested
-in a thread pool, its payload straight into the spool.
-
-Every per-tensor step is O(1) amortised: at most ``2 * workers`` encodes are in flight
-(the producer blocks on the oldest, as the reference writer does), and finished results are
-taken from the front of a queue, so no step scans the tensors already submitted.
+in a thread pool, its payload straight into the spool; and :class:`Step`, what the phases of one
+publish share. Every per-tensor step is O(1) amortised: no step scans the tensors already
+submitted.
 """
 
 from __future__ import annotations
@@ -23,10 +21,18 @@ from deltastore.errors import PublishError
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.publish.config import Settings
 from deltastore.publish.device import HostStager, Staged, StagerStats
-from deltastore.publish.messages import DiffReport, StreamState, TensorChange, describe
+from deltastore.publish.messages import (
+    METRIC_KEYS,
+    DiffReport,
+    Plan,
+    StreamState,
+    TensorChange,
+    describe,
+)
 from deltastore.publish.rank_state import RankSnapshot
 from deltastore.publish.snapshot import check_layout, nbytes_of
 from deltastore.publish.spool import Encoded, PayloadSpool
+from deltastore.storage.writer import VersionWriter
 
 NamedTensors = Iterable[tuple[str, Any]] | Mapping[str, Any]
 """What ``publish()`` takes: a mapping name → tensor (a state dict) or (name, tensor) pairs."""
@@ -34,23 +40,33 @@ NamedTensors = Iterable[tuple[str, Any]] | Mapping[str, Any]
 
 @dataclass
 class DiffResult:
-    """What one rank's diff produced: the changed tensors, and every passed name (None where
-    unchanged)."""
+    """What one rank's diff produced: the changed tensors, every passed name (None: unchanged)."""
 
     encoded: dict[str, Encoded] = field(default_factory=dict)
     passed: dict[str, Encoded | None] = field(default_factory=dict)
     staging: StagerStats | None = None
 
+    def report(self, rank: int, error: BaseException | None, *, full: bool) -> DiffReport:
+        """The message a rank sends rank 0 after its diff."""
+        passed = {
+            name: None if e is None else TensorChange(e.digest, e.length, e.changed_bytes)
+            for name, e in self.passed.items()
+        }
+        return DiffReport(rank, describe(error), passed, full)
 
-def report_of(
-    rank: int, diff: DiffResult, error: BaseException | None, *, full: bool
-) -> DiffReport:
-    """The message a rank sends rank 0 after its diff."""
-    passed = {
-        name: None if e is None else TensorChange(e.digest, e.length, e.changed_bytes)
-        for name, e in diff.passed.items()
-    }
-    return DiffReport(rank, describe(error), passed, full)
+
+@dataclass
+class Step:
+    """One publish in flight: what its phases share."""
+
+    held: RankSnapshot
+    stream: StreamState
+    spool: PayloadSpool
+    progress: ProgressCallback | None
+    metrics: dict[str, float] = field(default_factory=lambda: dict.fromkeys(METRIC_KEYS, 0.0))
+    diff: DiffResult = field(default_factory=DiffResult)
+    plan: Plan = field(default_factory=lambda: Plan(failure=None))
+    slot: VersionWriter | None = None
 
 
 def named_pairs(named_tensors: NamedTensors) -> Iterator[tuple[str, Any]]:
@@ -83,11 +99,9 @@ WORD_CHANGE_BYTES = 16  # memory per changed 8-byte word kept by word_changes (p
 
 
 def word_changes(old: ByteArray, new: ByteArray, changed_bytes: int) -> XorChanges | None:
-    """The change from ``old`` to ``new`` as 8-byte words (``old XOR new`` of each word that
-    differs), or None where it would be large (over 1/8 of the tensor's bytes) or the size is
-    not a whole number of words. Kept until the commit, it lets the snapshot advance by XORing
-    a few words in instead of decoding the payload again; derived from the bytes, not the
-    payload, so it holds for every encoding."""
+    """The change from ``old`` to ``new`` as the XOR of each 8-byte word that differs, or None
+    where it would be large or the size is not whole words. Kept until the commit, it lets the
+    snapshot advance without decoding the payload again, whatever the encoding."""
     if old.size % 8 or WORD_CHANGE_BYTES * changed_bytes > old.size // 8:
         return None
     old_words, new_words = old.view(np.uint64), new.view(np.uint64)
@@ -99,23 +113,16 @@ class _Diff:
     """One rank's diff in flight: the open batch, at most ``2 * workers`` submitted batches
     (the producer waits on the oldest), and their results taken from the front."""
 
-    def __init__(
-        self,
-        held: RankSnapshot,
-        stream: StreamState,
-        settings: Settings,
-        spool: PayloadSpool,
-        metrics: dict[str, float],
-    ) -> None:
+    def __init__(self, step: Step, settings: Settings) -> None:
         config = settings.config
-        self.held, self.stream, self.settings = held, stream, settings
-        self.spool, self.metrics = spool, metrics
+        self.held, self.stream, self.spool = step.held, step.stream, step.spool
+        self.settings, self.metrics = settings, step.metrics
         self.stager = HostStager(
             config.max_inflight_bytes,
             pin_memory=config.pin_memory,
             stage_host_tensors=config.stage_host_tensors,
         )
-        self.executor = held.pool()
+        self.executor = self.held.pool()
         self.batch_limit = min(BATCH_BYTES, config.max_inflight_bytes // 2)
         self.window = 2 * config.threads
         self.result = DiffResult()
@@ -148,8 +155,8 @@ class _Diff:
             self.submit()
 
     def _check(self, name: str, tensor: Any) -> tuple[int, int]:
-        """Refuse a tensor passed twice, unknown to the base, or of another layout; else its
-        size and the element size of its dtype in the base checkpoint's header."""
+        """Refuse a tensor passed twice, unknown to the base or of another layout; else its size
+        and its base dtype's element size."""
         if name in self.seen:
             raise PublishError(f"tensor {name!r} was passed twice in one publish")
         self.seen.add(name)
@@ -165,8 +172,7 @@ class _Diff:
         return nbytes, itemsize_of_dtype(source.dtype)
 
     def encode(self, batch: list[_Item]) -> list[tuple[str, Encoded | None]]:
-        """Worker: a batch of staged tensors in one encoding call, each changed one's frame
-        straight into the spool."""
+        """Worker: a batch in one encoding call, each changed tensor's frame into the spool."""
         begun = time.perf_counter()
         try:
             news = [item.staged.wait() for item in batch]
@@ -223,29 +229,19 @@ class _Diff:
                 self.result.encoded[name] = encoded
 
 
-def diff_tensors(
-    named_tensors: NamedTensors,
-    held: RankSnapshot,
-    stream: StreamState,
-    settings: Settings,
-    spool: PayloadSpool,
-    metrics: dict[str, float],
-    progress: ProgressCallback | None,
-) -> DiffResult:
-    """Diff every passed tensor against ``held``'s snapshot, in its kept threads.
+def diff_tensors(named_tensors: NamedTensors, step: Step, settings: Settings) -> DiffResult:
+    """Diff every passed tensor against the step's snapshot, in its kept threads.
 
     Host copies are staged under the in-flight byte budget and at most ``2 * workers`` encodes
-    are pending, so a slow pool holds the producer back. Adds ``load_s``, ``copy_s``,
-    ``encode_s`` and ``diff_s`` to ``metrics``. Raises :class:`PublishError` naming a tensor
-    passed twice, unknown to the base, or of another size, dtype or shape. ``progress`` (phase
-    ``diff``) counts each tensor once taken (backpressure keeps that within the in-flight
-    budget of what is encoded), then the rest of the model (unchanged) as done.
+    are pending, so a slow pool holds the producer back. Raises :class:`PublishError` naming a
+    tensor passed twice, unknown to the base, or of another size, dtype or shape. Progress
+    (phase ``diff``) counts each tensor once taken, then the unchanged rest as done.
     """
     started = time.perf_counter()
-    diff = _Diff(held, stream, settings, spool, metrics)
-    sources = held.snapshot.sources
+    diff = _Diff(step, settings)
+    sources = step.held.snapshot.sources
     try:
-        meter = ProgressMeter.start(progress, "diff", held.snapshot.total_bytes)
+        meter = ProgressMeter.start(step.progress, "diff", step.held.snapshot.total_bytes)
         for name, tensor in named_pairs(named_tensors):
             diff.take(name, tensor)
             if meter is not None:
@@ -258,6 +254,6 @@ def diff_tensors(
         raise
     finally:
         diff.stager.close()
-    metrics["copy_s"] += diff.stager.stats.copy_wait_s
-    metrics["diff_s"] = time.perf_counter() - started
+    step.metrics["copy_s"] += diff.stager.stats.copy_wait_s
+    step.metrics["diff_s"] = time.perf_counter() - started
     return result

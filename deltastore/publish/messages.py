@@ -1,9 +1,6 @@
-"""The frozen values of a publish: the messages ranks exchange (pickled by torch's object
-collectives; docs/publishing.md shows where each travels), the stream's state, and what a
-publish reports (:class:`PublishResult`, the keys of ``pop_metrics()``).
-
-In a single process the same messages pass through the identity coordinator, so one code
-path (and one error contract) serves every world size.
+"""The frozen values of a publish: the messages ranks exchange (docs/publishing.md shows where
+each travels; alone, through the identity coordinator), the stream's state, and what a publish
+reports (:class:`PublishResult`, the keys of ``pop_metrics()``).
 """
 
 from __future__ import annotations
@@ -59,31 +56,27 @@ class StreamState:
     base_version: int  # the next delta builds on it (0: the base checkpoint)
     next_version: int
     walk_from_base: bool = True  # a tensor can be rebuilt from base + chain (not after continue)
-    resumed: bool = False
-    """Claims left by a crashed writer (or this one's aborted attempt) may be skipped: seeded
-    onto a store with versions, or a claimed version was aborted, and nothing committed
-    since."""
+    resumed: bool = False  # seeded onto versions, or aborted since: the claim may skip some
     chain_deltas: int = 0  # deltas since the last full version (or the stream's start) ...
     chain_wire: int = 0  # ... and their wire bytes
     holders: dict[str, int] = field(default_factory=dict)  # rank 0: who last published each
 
     def aborted(self) -> StreamState:
-        """Nothing advanced, but the aborted version may now carry a tombstone (it took its
-        base's successor), so the next claim may skip it like a resumed stream's."""
+        """The aborted version may carry a tombstone: the next claim may skip it."""
         return replace(self, resumed=True)
 
-    def committed(
-        self, version: int, *, full: bool, wire_bytes: int, owner: dict[str, int]
-    ) -> StreamState:
+    def committed(self, layout: Layout, result: PublishResult) -> StreamState:
+        """The stream once ``result``'s version, laid out as ``layout``, is committed."""
+        full = layout.full
         return replace(
             self,
-            base_version=version,
-            next_version=version + 1,
-            walk_from_base=True if full else self.walk_from_base,
+            base_version=result.version,
+            next_version=result.version + 1,
+            walk_from_base=full or self.walk_from_base,
             resumed=False,
             chain_deltas=0 if full else self.chain_deltas + 1,
-            chain_wire=0 if full else self.chain_wire + wire_bytes,
-            holders={**self.holders, **owner},
+            chain_wire=0 if full else self.chain_wire + result.wire_bytes,
+            holders={**self.holders, **layout.owner},
         )
 
 
@@ -108,23 +101,21 @@ class Failure:
 
 @dataclass(frozen=True)
 class TensorChange:
-    """One changed tensor as its rank diffed it: new digest, compressed payload bytes (what
-    it adds to the wire) and bytes that differ from the snapshot."""
+    """One changed tensor as its rank diffed it."""
 
     digest: str
-    payload_bytes: int
-    changed_bytes: int
+    payload_bytes: int  # what it adds to the wire
+    changed_bytes: int  # bytes that differ from the snapshot
 
 
 @dataclass(frozen=True)
 class DiffReport:
-    """Rank → rank 0 after the diff: every name the rank was passed (None where unchanged)
-    and whether its caller asked for a full version."""
+    """Rank → rank 0 after the diff."""
 
     rank: int
     error: str | None
-    passed: dict[str, TensorChange | None]
-    full: bool
+    passed: dict[str, TensorChange | None]  # every name the rank was passed; None: unchanged
+    full: bool  # its caller asked for a full version
 
 
 @dataclass(frozen=True)
@@ -137,7 +128,7 @@ class ShardJob:
 
 @dataclass(frozen=True)
 class Layout:
-    """Rank 0's decision before the claim: the kind of version and who writes what."""
+    """Rank 0's decision before the claim."""
 
     full: bool
     shards: tuple[tuple[ShardJob, ...], ...]  # per rank, the shards that rank writes
@@ -147,8 +138,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Plan:
-    """Rank 0 → every rank: the claimed version, its token (the index's commit token) and
-    its layout, or why there is none."""
+    """Rank 0 → every rank: the claimed version, its token and its layout, or why not."""
 
     failure: Failure | None
     version: int = 0
@@ -158,7 +148,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one tensor landed: its shard, absolute byte range and new digest."""
+    """Where one tensor landed (an absolute byte range) and its new digest."""
 
     shard: str
     start: int
@@ -172,8 +162,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class Written:
-    """Rank → rank 0 after writing its shards: the bytes written and each shard's size and
-    whole-file BLAKE3 (what a signature covers)."""
+    """Rank → rank 0 after writing its shards (``shards``: what a signature covers)."""
 
     rank: int
     error: str | None
@@ -222,7 +211,6 @@ class PublishResult:
 def record(
     metrics: dict[str, float], result: PublishResult, *, tensors: int, world: int
 ) -> dict[str, float]:
-    """``metrics`` (the phase timings) completed with the result's figures."""
     figures = {**asdict(result), "full": float(result.kind == "full"), "density": result.density}
     metrics.update({k: figures[k] for k in METRIC_KEYS if k in figures}, tensors=tensors)
     metrics["world_size"] = world
@@ -230,8 +218,8 @@ def record(
 
 
 def warn_if_dense(result: PublishResult) -> bool:
-    """Log and warn (``RuntimeWarning``) when a version is far denser than an RL step makes,
-    saying why that usually is; returns whether it warned (callers warn once)."""
+    """Log and warn (``RuntimeWarning``) for a version far denser than an RL step makes;
+    returns whether it warned (callers warn once)."""
     if result.density <= HIGH_DENSITY:
         return False
     message = (
@@ -246,12 +234,10 @@ def warn_if_dense(result: PublishResult) -> bool:
 
 
 def describe(exc: BaseException | None) -> str | None:
-    """``Type: message`` of an exception, for a message to other ranks."""
     return None if exc is None else f"{type(exc).__name__}: {exc}"
 
 
 def rank_errors(items: Sequence[DiffReport | Written | Final], attribute: str = "error") -> str:
-    """``rank R: error`` of every item whose ``attribute`` is set, joined; empty if none."""
     return "; ".join(
         f"rank {item.rank}: {getattr(item, attribute)}"
         for item in items
@@ -260,9 +246,7 @@ def rank_errors(items: Sequence[DiffReport | Written | Final], attribute: str = 
 
 
 def after_commit_error(where: str, finals: Sequence[Final]) -> DeltastoreError | None:
-    """The error every rank raises after a commit (``where`` names the committed version):
-    :class:`SnapshotError` if a snapshot could not advance, :class:`HookError` if a hook
-    failed, else None."""
+    """The error every rank raises after a commit (``where`` names the version), if any."""
     broken = rank_errors(finals, "advance_error")
     if broken:
         return SnapshotError(

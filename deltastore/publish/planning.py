@@ -1,6 +1,5 @@
-"""Planning a version: pure functions over the ranks' named messages. Nothing here touches a
-store or a coordinator, so every decision of rank 0 (replicas, delta or full, which rank writes
-which shard, is the written version complete, its index) is tested with plain values.
+"""Rank 0's planning of a version as pure functions over the ranks' messages (replicas, delta
+or full, who writes which shard, completeness, the index): tested with plain values.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from deltastore.codecs import COMPRESSION_NAME
 from deltastore.errors import PublishError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import delta_shard_name, full_shard_name
+from deltastore.publish.config import PublisherConfig
 from deltastore.publish.messages import (
     DiffReport,
     Failure,
@@ -26,14 +26,11 @@ from deltastore.publish.messages import (
 )
 
 Shards = tuple[tuple[ShardJob, ...], ...]
+Holders = dict[str, list[tuple[int, TensorChange | None]]]  # name -> (rank, change), rank order
 
 
-def divergent_replicas(reports: Sequence[DiffReport], version: int) -> Failure | None:
+def divergent_replicas(holders: Holders, version: int) -> Failure | None:
     """A failure naming tensors passed on several ranks with different new bytes, or None."""
-    holders: dict[str, list[tuple[int, TensorChange | None]]] = {}
-    for report in reports:
-        for name, change in report.passed.items():
-            holders.setdefault(name, []).append((report.rank, change))
     divergent = []
     ranks: set[int] = set()
     for name, held in sorted(holders.items()):
@@ -51,22 +48,6 @@ def divergent_replicas(reports: Sequence[DiffReport], version: int) -> Failure |
         "a tensor passed on several ranks must be identical on each. Nothing was committed "
         f"for weight_v{version:06d}"
     )
-
-
-def owners_and_changes(
-    reports: Sequence[DiffReport],
-) -> tuple[dict[str, int], dict[str, TensorChange]]:
-    """Name → the lowest rank passing it, and name → that rank's change (changed only)."""
-    owner: dict[str, int] = {}
-    changes: dict[str, TensorChange] = {}
-    for report in sorted(reports, key=lambda r: r.rank):
-        for name, change in report.passed.items():
-            if name in owner:
-                continue
-            owner[name] = report.rank
-            if change is not None:
-                changes[name] = change
-    return owner, changes
 
 
 def wants_full(
@@ -145,13 +126,9 @@ def plan_layout(
     reports: Sequence[DiffReport],
     stream: StreamState,
     sizes: Mapping[str, int],
-    *,
-    world_size: int,
-    max_shard_bytes: int,
-    anchor_every: int | None = None,
-    anchor_chain_bytes: float | None = None,
+    config: PublisherConfig,
 ) -> Layout | Failure:
-    """Rank 0's whole decision for the next version from every rank's report."""
+    """Rank 0's whole decision for the next version from every rank's report (one a rank)."""
     version = stream.next_version
     failed = rank_errors(reports)
     if failed:
@@ -159,22 +136,27 @@ def plan_layout(
             f"publishing weight_v{version:06d} failed on {failed}; nothing was committed and "
             "no snapshot advanced"
         )
-    failure = divergent_replicas(reports, version)
+    holders: Holders = {}
+    for report in sorted(reports, key=lambda r: r.rank):
+        for name, change in report.passed.items():
+            holders.setdefault(name, []).append((report.rank, change))
+    failure = divergent_replicas(holders, version)
     if failure is not None:
         return failure
-    owner, changes = owners_and_changes(reports)
+    owner = {name: held[0][0] for name, held in holders.items()}  # the lowest rank passing it
+    changes = {name: held[0][1] for name, held in holders.items() if held[0][1] is not None}
     full = wants_full(
         reports,
         stream,
-        anchor_every=anchor_every,
-        anchor_chain_bytes=anchor_chain_bytes,
+        anchor_every=config.anchor_every,
+        anchor_chain_bytes=config.anchor_chain_bytes,
         wire_estimate=sum(c.payload_bytes for c in changes.values()),
         total_bytes=sum(sizes.values()),
     )
     if full:
-        shards = assign_full(sizes, owner, stream.holders, world_size, max_shard_bytes)
+        shards = assign_full(sizes, owner, stream.holders, len(reports), config.max_shard_bytes)
     else:
-        shards = assign_delta(owner, list(changes), world_size)
+        shards = assign_delta(owner, list(changes), len(reports))
     changed = {name: change.changed_bytes for name, change in changes.items()}
     return Layout(full=full, shards=shards, changed=changed, owner=owner)
 
@@ -231,7 +213,6 @@ def version_totals(
 
 
 def build_index(
-    version: int,
     token: str,
     layout: Layout,
     entries: Mapping[str, Placement],
@@ -241,9 +222,9 @@ def build_index(
     encoding: str,
     checksum: str,
 ) -> VersionIndex:
-    """The index that commits ``version`` (reference keys plus deltastore's own)."""
+    """The index that commits ``totals``' version (reference keys plus deltastore's own)."""
     return VersionIndex(
-        version=version,
+        version=totals.version,
         weight_map={n: e.shard for n, e in entries.items()},
         base_version=totals.base_version,
         encoding=None if layout.full else encoding,

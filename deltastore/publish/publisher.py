@@ -1,17 +1,7 @@
 """``DeltaPublisher``: a thin driver over the publish modules, one code path for one process
-and many ranks (alone, every collective is the identity). One publish is five phases
-(docs/publishing.md has the full account):
-
-1. **diff** (every rank, in its kept threads): the tensors it is passed against its snapshot;
-2. **plan** (gather → rank 0 → broadcast): replicas, delta or full, shards (:mod:`.planning`),
-   and the claim of the version (:mod:`.commit`);
-3. **write** (every rank): its shards (:mod:`.shards`);
-4. **commit** (gather → rank 0 → broadcast): completeness, then the index;
-5. **finish** (all-gather): the snapshot advances (:mod:`.rank_state`), the stream state is
-   replaced, the post-write hook runs, metrics are the global totals.
-
-Errors (every rank, any world size): before the commit :class:`PublishError` or
-:class:`VersionConflictError`; at or after it :class:`HookError` or :class:`SnapshotError`.
+and many ranks (alone, every collective is the identity). One publish is five phases, diff,
+plan (and claim), write, commit and finish (docs/publishing.md has the full account); every rank
+takes part in each, whatever failed before, so none is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -20,7 +10,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from deltastore.codecs import get_checksum, get_encoding
@@ -30,7 +19,7 @@ from deltastore.progress import ProgressCallback
 from deltastore.publish import commit as commit_protocol
 from deltastore.publish.config import PublisherConfig, Settings
 from deltastore.publish.device import StagerStats
-from deltastore.publish.diff import DiffResult, NamedTensors, diff_tensors, report_of
+from deltastore.publish.diff import NamedTensors, Step, diff_tensors
 from deltastore.publish.messages import (
     METRIC_KEYS,
     SECONDS_KEYS,
@@ -53,25 +42,10 @@ from deltastore.publish.shards import ShardWriter
 from deltastore.publish.snapshot import Snapshot
 from deltastore.publish.spool import PayloadSpool
 from deltastore.storage import VersionStore
-from deltastore.storage.writer import VersionWriter
 from deltastore.trust import SigningKey, as_signing_key
 from deltastore.trust.base import base_digests_record
 
 log = logging.getLogger("deltastore.publish")
-
-
-@dataclass
-class _Step:
-    """One publish in flight: what its phases share."""
-
-    held: RankSnapshot
-    stream: StreamState
-    spool: PayloadSpool
-    progress: ProgressCallback | None
-    metrics: dict[str, float] = field(default_factory=lambda: dict.fromkeys(METRIC_KEYS, 0.0))
-    diff: DiffResult = field(default_factory=DiffResult)
-    plan: Plan = field(default_factory=lambda: Plan(failure=None))
-    slot: VersionWriter | None = None
 
 
 class DeltaPublisher:
@@ -153,12 +127,9 @@ class DeltaPublisher:
         self, *, continue_latest: bool = False, progress: ProgressCallback | None = None
     ) -> None:
         """Set up version 0 (the base checkpoint's bytes) or resume; publishes nothing.
-
         ``continue_latest=True`` (``deltastore publish --prev``) continues the latest version's
         stream, taking the base checkpoint as that version's state (the caller checks it).
-        Collective: rank 0 decides, every rank gets the same answer or the same error
-        (:class:`StreamError`, :class:`ConfigError`, :class:`PublishError`, the store's).
-        """
+        Collective: every rank gets rank 0's answer or the same error."""
         self._held, self.stream = seed_rank(
             self.store,
             self.base_checkpoint,
@@ -189,9 +160,9 @@ class DeltaPublisher:
             raise PublishError("publish() before seed(): call seed() once first")
         started = time.perf_counter()
         with gc_paused(), PayloadSpool(self.config.spool_memory_bytes) as spool:
-            step = _Step(self._held, self.stream, spool, progress)
+            step = Step(self._held, self.stream, spool, progress)
             local_error = self._diff_phase(step, named_tensors)
-            self._plan_phase(step, report_of(self.rank, step.diff, local_error, full=full))
+            self._plan_phase(step, step.diff.report(self.rank, local_error, full=full))
             self._raise_failure(step.plan.failure, local_error)
             written, local_error = self._write_phase(step)
             outcome = self._commit_phase(step, written)
@@ -205,15 +176,10 @@ class DeltaPublisher:
                 advance_error = exc
         plan, metrics, result = step.plan, step.metrics, outcome.result
         assert plan.layout is not None and result is not None and step.slot is not None
-        self.stream = step.stream.committed(
-            plan.version,
-            full=plan.layout.full,
-            wire_bytes=result.wire_bytes,
-            owner=plan.layout.owner,
-        )
+        self.stream = step.stream.committed(plan.layout, result)
         hook_error = commit_protocol.run_post_write(step.slot, self._post_write, self.rank, metrics)
         metrics["publish_s"] = time.perf_counter() - started
-        finals = self._finish_phase(plan.version, advance_error, hook_error, metrics)
+        finals = self._finish_phase(step, advance_error, hook_error)
         self._metrics = record(metrics, result, tensors=len(self._sizes), world=self.world_size)
         if not self._warned_density:
             self._warned_density = warn_if_dense(result)
@@ -240,37 +206,21 @@ class DeltaPublisher:
             self._held = None
         raise failure.error() from local_error
 
-    def _diff_phase(self, step: _Step, named_tensors: NamedTensors) -> BaseException | None:
+    def _diff_phase(self, step: Step, named_tensors: NamedTensors) -> BaseException | None:
         try:
-            step.diff = diff_tensors(
-                named_tensors,
-                step.held,
-                step.stream,
-                self._settings,
-                step.spool,
-                step.metrics,
-                step.progress,
-            )
+            step.diff = diff_tensors(named_tensors, step, self._settings)
         except Exception as exc:
             return exc
         self.last_staging = step.diff.staging
         return None
 
-    def _plan_phase(self, step: _Step, report: DiffReport) -> None:
+    def _plan_phase(self, step: Step, report: DiffReport) -> None:
         """Rank 0 plans (pure) and claims; every rank gets the plan and a slot to write into."""
         begun = time.perf_counter()
         reports = self.coordinator.gather(report, what="publish: gather diffs")
         plan: Plan | None = None
         if reports is not None:
-            layout = plan_layout(
-                reports,
-                step.stream,
-                self._sizes,
-                world_size=self.world_size,
-                max_shard_bytes=self.config.max_shard_bytes,
-                anchor_every=self.config.anchor_every,
-                anchor_chain_bytes=self.config.anchor_chain_bytes,
-            )
+            layout = plan_layout(reports, step.stream, self._sizes, self.config)
             if isinstance(layout, Failure):
                 plan = Plan(failure=layout)
             else:
@@ -279,37 +229,28 @@ class DeltaPublisher:
                     plan = Plan(failure=failure)
                 else:
                     plan = Plan(None, step.slot.version, step.slot.token, layout)
-        step.plan = plan = self.coordinator.broadcast(plan, what="publish: plan")
+        step.plan = plan = self._collective(step, self.coordinator.broadcast, plan, "plan")
         if step.slot is None and plan.failure is None:
             step.slot = self.store.join(plan.version, plan.token)
         step.metrics["coord_s"] += time.perf_counter() - begun
 
-    def _write_phase(self, step: _Step) -> tuple[Written, BaseException | None]:
+    def _write_phase(self, step: Step) -> tuple[Written, BaseException | None]:
         layout, slot = step.plan.layout, step.slot
         assert slot is not None and layout is not None
         begun = time.perf_counter()
         try:
-            writer = ShardWriter(
-                slot.open_write,
-                step.diff.encoded,
-                step.spool,
-                self._settings,
-                step.held,
-                step.stream,
-            )
-            entries, wire, facts = writer.write_all(
-                layout.shards[self.rank], full=layout.full, progress=step.progress
-            )
+            writer = ShardWriter(slot.open_write, step, self._settings)
+            entries, wire, facts = writer.write_all(layout.shards[self.rank], full=layout.full)
         except Exception as exc:
             return Written(self.rank, describe(exc)), exc
         finally:
             step.metrics["write_s"] = time.perf_counter() - begun
         return Written(self.rank, None, entries, wire, facts), None
 
-    def _commit_phase(self, step: _Step, written: Written) -> Outcome:
+    def _commit_phase(self, step: Step, written: Written) -> Outcome:
         begun, metrics, version = time.perf_counter(), step.metrics, step.plan.version
-        what = f"publish: commit weight_v{version:06d}"
-        writes = self.coordinator.gather(written, what=what)
+        what = f"commit weight_v{version:06d}"
+        writes = self._collective(step, self.coordinator.gather, written, what)
         outcome: Outcome | None = None
         if writes is not None:
             assert step.slot is not None
@@ -326,14 +267,27 @@ class DeltaPublisher:
                 base_record=self._base_digests if self.config.record_base_digests else None,
             )
             metrics["commit_s"] = time.perf_counter() - commit_started
-        try:
-            outcome = self.coordinator.broadcast(outcome, what=what)
-        except PublishError as exc:
-            raise SnapshotError(
-                f"{exc}; weight_v{version:06d} may be committed in {self.store.url}"
-            ) from exc
+        where = f"weight_v{version:06d} may be committed in {self.store.url}"
+        outcome = self._collective(step, self.coordinator.broadcast, outcome, what, after=where)
         metrics["coord_s"] += time.perf_counter() - begun - metrics["commit_s"]
         return outcome
+
+    def _collective(
+        self, step: Step, collective: Callable[..., Any], obj: Any, what: str, after: str = ""
+    ) -> Any:
+        """One collective of a publish. Failing before the commit, rank 0 removes the version's
+        claim and files (nothing was committed: the error stays a :class:`PublishError`);
+        after it (``after`` says what is committed) it is a :class:`SnapshotError`, and this
+        rank keeps no snapshot."""
+        try:
+            return collective(obj, what=f"publish: {what}")
+        except Exception as exc:
+            if not after:
+                if step.slot is not None:
+                    step.slot.abort()  # a no-op on the other ranks (they only joined)
+                raise
+            self._held = None
+            raise SnapshotError(f"{after}: {exc}") from exc
 
     def _base_digests(self) -> dict[str, Any]:
         """Rank 0: every base tensor's digest (hashed once per publisher, on first need)."""
@@ -344,22 +298,15 @@ class DeltaPublisher:
         return self._base_record
 
     def _finish_phase(
-        self,
-        version: int,
-        advance_error: BaseException | None,
-        hook_error: BaseException | None,
-        metrics: dict[str, float],
+        self, step: Step, advance_error: BaseException | None, hook_error: BaseException | None
     ) -> list[Final]:
+        metrics, version = step.metrics, step.plan.version
         seconds = {k: metrics[k] for k in SECONDS_KEYS}
         final = Final(self.rank, describe(advance_error), describe(hook_error), seconds)
-        try:
-            finals = self.coordinator.all_gather(final, what=f"finish weight_v{version:06d}")
-        except PublishError as exc:
-            self._held = None
-            raise SnapshotError(
-                f"weight_v{version:06d} is committed in {self.store.url}, but finishing it "
-                f"failed: {exc}"
-            ) from exc
+        where = f"weight_v{version:06d} is committed in {self.store.url}"
+        finals = self._collective(
+            step, self.coordinator.all_gather, final, f"finish weight_v{version:06d}", where
+        )
         for key in SECONDS_KEYS:
             metrics[key] = max(f.seconds[key] for f in finals)
         return finals

@@ -1,8 +1,7 @@
-"""What one rank holds of the published model: how ``seed()`` builds it (every rank reads its
-base, ranks compare them, rank 0 decides the stream, every rank builds its snapshot) and how it
-advances after each commit; and the :class:`Coordinator` ranks agree through (the process
-group, never the store's filesystem: neither ordered nor fast enough to be a lock). A seed
-failure is raised on every rank, as the same class, naming the ranks at fault.
+"""What one rank holds of the published model, how ``seed()`` builds it and how it advances
+after each commit; and the :class:`Coordinator` ranks agree through (the process group, never
+the store: neither ordered nor fast enough to be a lock). A seed failure is raised on every
+rank, as the same class, naming the ranks at fault.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from deltastore.publish.snapshot import (
     apply_lineage,
     rebuild_lineage,
 )
-from deltastore.publish.spool import Encoded, PayloadSpool, apply_payload
+from deltastore.publish.spool import Encoded, PayloadSpool, apply_frame
 from deltastore.storage import VersionStore, new_token
 from deltastore.trust import SIGNATURE_KEY
 
@@ -65,8 +64,8 @@ class RankSnapshot:
 
     def pool(self) -> cf.ThreadPoolExecutor:
         """The rank's ``workers`` threads (encode, advance), all started at once by ``seed()``
-        and kept for every publish: started per publish, each start waited for the GIL while
-        the first thread encoded. A process forked since gets its own."""
+        and kept (started per publish, each start waited for the GIL while the first thread
+        encoded); a process forked since gets its own."""
         if self._pool is None or self._pool[0] != os.getpid():
             pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="deltastore-publish")
             started = threading.Barrier(self.workers + 1)
@@ -105,7 +104,7 @@ class RankSnapshot:
         """Move the snapshot to the committed version: replicas this rank diffed but did not
         write advance too; tensors another rank changed are forgotten; after a full version
         every tensor is read back from it."""
-        layout = plan.layout
+        layout, checksum = plan.layout, settings.checksum.name
         assert layout is not None
         self._apply_all(list(encoded.values()), settings.encoding, spool)
         for name in layout.changed:
@@ -115,7 +114,6 @@ class RankSnapshot:
         if not layout.full:
             return
         for name, placed in outcome.entries.items():
-            checksum = settings.checksum.name
             overlay = Overlay(plan.version, placed.shard, placed.start, (), checksum, placed.digest)
             self.snapshot.set_source(name, overlay.on(self.base_sources[name]), keep_loaded=True)
         self.moved.clear()
@@ -130,7 +128,9 @@ class RankSnapshot:
                 if entry.changes is not None:
                     apply_changes(target, entry.changes)
                 else:
-                    apply_payload(encoding, entry.name, target, entry, spool)
+                    apply_frame(
+                        encoding, entry.name, target, spool.read(entry.offset, entry.length)
+                    )
 
         sources = self.snapshot.sources
         total = sum(sources[e.name].nbytes for e in entries)
@@ -221,10 +221,9 @@ def decide_seed(
 
 
 def check_signing(store: VersionStore, config: PublisherConfig) -> None:
-    """Rank 0, at seed: a publisher without a signing key on a store whose latest version is
-    signed would break the engines that trust that key; it warns
-    (:class:`~deltastore.errors.UnsignedVersionWarning`), or with ``require_signed`` raises
-    :class:`ConfigError` before anything is published."""
+    """Rank 0, at seed: unsigned publishing onto a store whose latest version is signed would
+    break the engines that trust its key; warn (:class:`UnsignedVersionWarning`), or with
+    ``require_signed`` raise :class:`ConfigError` before anything is published."""
     if config.signing_key is not None:
         return
     latest = store.latest()
@@ -248,9 +247,8 @@ def _load(
     preload: bool,
     progress: ProgressCallback | None = None,
 ) -> None:
-    """Load the snapshot now if ``preload`` (reported as phase ``seed``); a failure is raised
-    on every rank as the class of the first failing rank's error (e.g.
-    :class:`IntegrityError`), naming every failing rank."""
+    """Load the snapshot now if ``preload`` (phase ``seed``); a failure is raised on every rank
+    as the class of the first failing rank's error, naming every failing rank."""
     error: BaseException | None = None
     try:
         meter = ProgressMeter.start(progress, "seed", snapshot.total_bytes if preload else 0)
@@ -324,10 +322,9 @@ T = TypeVar("T")
 
 
 class Coordinator:
-    """The collectives a publisher needs, for one process (each is the identity); every rank
-    of a group calls each one, in order. ``gather`` returns every rank's ``obj`` (in rank
-    order) on rank 0 and None elsewhere, ``broadcast`` rank 0's on every rank, ``all_gather``
-    every rank's on every rank."""
+    """The collectives a publisher needs, for one process (each the identity); every rank of a
+    group calls each one, in order. ``gather``: every rank's ``obj`` on rank 0 (None elsewhere);
+    ``broadcast``: rank 0's on every rank; ``all_gather``: every rank's on every rank."""
 
     rank = 0
     world_size = 1
@@ -352,11 +349,6 @@ class TorchCoordinator(Coordinator):
     def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
 
-        if not dist.is_initialized():
-            raise ConfigError(
-                "a process group was given but torch.distributed is not initialised; call "
-                "torch.distributed.init_process_group first"
-            )
         self._dist = dist
         backend = str(dist.get_backend(group)).lower()
         if backend != "gloo":
@@ -401,11 +393,9 @@ def make_coordinator(process_group: Any = None, *, collective: bool | None = Non
     rank that publishes alone); ``True``: a group is required."""
     if collective is False:
         return Coordinator()
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is a dependency
-        dist = None  # type: ignore[assignment]
-    available = dist is not None and dist.is_available() and dist.is_initialized()
+    import torch.distributed as dist
+
+    available = dist.is_available() and dist.is_initialized()
     if process_group is not None or collective:
         if not available:
             raise ConfigError(

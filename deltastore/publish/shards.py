@@ -1,6 +1,5 @@
-"""Writing a rank's shards of a version: delta shards from spooled payloads, full shards from
-the snapshot plus this publish's payloads. Files are opened through ``open_write(shard)``
-(the version's writer), so this module never decides where or how a version is committed.
+"""Writing a rank's shards of a version (delta shards from spooled payloads, full shards from
+the snapshot plus them) through the version's writer, which decides where and how it commits.
 """
 
 from __future__ import annotations
@@ -14,11 +13,11 @@ from typing import Any, BinaryIO, cast
 from deltastore.codecs import ByteArray
 from deltastore.format.packed import build_packed_header
 from deltastore.format.safetensors_io import TensorLayout, build_header
-from deltastore.progress import ProgressCallback, ProgressMeter
+from deltastore.progress import ProgressMeter
 from deltastore.publish.config import Settings
-from deltastore.publish.messages import Placement, ShardJob, StreamState
-from deltastore.publish.rank_state import RankSnapshot
-from deltastore.publish.spool import COPY_CHUNK, Encoded, PayloadSpool, apply_payload
+from deltastore.publish.diff import Step
+from deltastore.publish.messages import Placement, ShardJob
+from deltastore.publish.spool import COPY_CHUNK, apply_frame
 from deltastore.trust.manifest import ShardFact, ShardHasher
 
 OpenWrite = Callable[[str], AbstractContextManager[BinaryIO]]  # one file of the version
@@ -56,9 +55,6 @@ class _HashingWriter:
             self._hashing = None
             self._pool.shutdown()
 
-    def as_binary(self) -> BinaryIO:
-        return cast(BinaryIO, self)
-
     def __enter__(self) -> _HashingWriter:
         return self
 
@@ -68,30 +64,29 @@ class _HashingWriter:
 
 @dataclass
 class ShardWriter:
-    """Writes one rank's shards of one version, from ``held`` (its snapshot) as of ``stream``
-    plus this publish's ``encoded`` payloads in ``spool``."""
+    """Writes one rank's shards of one version: the step's snapshot (as of its stream) plus
+    this publish's payloads in its spool."""
 
     open_write: OpenWrite
-    encoded: dict[str, Encoded]
-    spool: PayloadSpool
+    step: Step
     settings: Settings
-    held: RankSnapshot
-    stream: StreamState
     meter: ProgressMeter | None = None  # payload (delta) or tensor (full) bytes, not headers
 
+    def __post_init__(self) -> None:
+        self.held, self.stream, self.spool = self.step.held, self.step.stream, self.step.spool
+        self.encoded = self.step.diff.encoded
+
     def write_all(
-        self, jobs: Sequence[ShardJob], *, full: bool, progress: ProgressCallback | None
+        self, jobs: Sequence[ShardJob], *, full: bool
     ) -> tuple[dict[str, Placement], int, dict[str, ShardFact]]:
-        """Write every job; returns each tensor's placement, the bytes written and each
-        shard's size and whole-file BLAKE3 (hashed as streamed, for the signature)."""
-        if progress is not None:
+        """Write every job: each tensor's placement, the bytes written, each shard's fact."""
+        if self.step.progress is not None:
             names = [name for job in jobs for name in job.names]
-            sources = self.held.snapshot.sources
             if full:
-                total = sum(sources[name].nbytes for name in names)
+                total = sum(self.held.snapshot.sources[name].nbytes for name in names)
             else:
                 total = sum(self.encoded[name].length for name in names)
-            self.meter = ProgressMeter.start(progress, "write", total)
+            self.meter = ProgressMeter.start(self.step.progress, "write", total)
         entries: dict[str, Placement] = {}
         facts: dict[str, ShardFact] = {}
         wire = 0
@@ -105,29 +100,20 @@ class ShardWriter:
     def write_delta(self, job: ShardJob) -> tuple[dict[str, Placement], int, ShardFact]:
         """One delta shard: every tensor's compressed payload as a ``U8`` entry, or, for an
         encoding reference readers do not know, all of them under one packed entry."""
-        encoded = self.encoded
+        payloads = [self.encoded[n] for n in job.names]
+        lengths, digests = [e.length for e in payloads], [e.digest for e in payloads]
         if self.settings.encoding.reference_format:
-            layouts = [TensorLayout(n, "U8", (encoded[n].length,)) for n in job.names]
-            header = build_header(layouts, {n: encoded[n].digest for n in job.names})
+            layouts = [TensorLayout(e.name, "U8", (e.length,)) for e in payloads]
+            header = build_header(layouts, dict(zip(job.names, digests, strict=True)))
         else:
-            header = build_packed_header(
-                job.names,
-                [encoded[n].length for n in job.names],
-                [encoded[n].digest for n in job.names],
-            )
-        entries = {}
-        offset = len(header)
-        spans = [(encoded[n].offset, encoded[n].length) for n in job.names]
+            header = build_packed_header(job.names, lengths, digests)
         with self.open_write(job.shard) as sink, _HashingWriter(sink) as out:
             out.write(header)
-            self.spool.copy_many_to(out.as_binary(), spans)
+            self.spool.copy_many_to(cast(BinaryIO, out), [(e.offset, e.length) for e in payloads])
         if self.meter is not None:
-            self.meter.advance(sum(length for _, length in spans))
-        for n in job.names:
-            end = offset + encoded[n].length
-            entries[n] = Placement(job.shard, offset, end, encoded[n].digest)
-            offset = end
-        return entries, offset, out.fact()
+            self.meter.advance(sum(lengths))
+        size = len(header) + sum(lengths)
+        return _placements(job, len(header), lengths, digests), size, out.fact()
 
     def write_full(self, job: ShardJob) -> tuple[dict[str, Placement], int, ShardFact]:
         """One shard of a complete HF checkpoint: every tensor's new bytes and digest."""
@@ -139,8 +125,7 @@ class ShardWriter:
             digests = dict(zip(job.names, pool.map(self._digest, job.names)))
         layouts = [TensorLayout(n, sources[n].dtype, sources[n].shape) for n in job.names]
         header = build_header(layouts, {"format": "pt", **digests})
-        entries = {}
-        offset = len(header)
+        lengths = []
         with self.open_write(job.shard) as sink, _HashingWriter(sink) as out:
             out.write(header)
             for n in job.names:
@@ -149,11 +134,10 @@ class ShardWriter:
                     out.write(memoryview(data[lo : lo + COPY_CHUNK]))
                     if self.meter is not None:
                         self.meter.advance(min(COPY_CHUNK, data.size - lo))
-                end = offset + int(data.size)
-                entries[n] = Placement(job.shard, offset, end, digests[n])
-                offset = end
+                lengths.append(int(data.size))
                 del data
-        return entries, offset, out.fact()
+        placed = _placements(job, len(header), lengths, [digests[n] for n in job.names])
+        return placed, len(header) + sum(lengths), out.fact()
 
     def _digest(self, name: str) -> str:
         """A tensor's digest after this publish, reusing a verified one where it can."""
@@ -175,5 +159,17 @@ class ShardWriter:
         if entry is None:
             return current
         result = current.copy()
-        apply_payload(self.settings.encoding, name, result, entry, self.spool)
+        frame = self.spool.read(entry.offset, entry.length)
+        apply_frame(self.settings.encoding, name, result, frame)
         return result
+
+
+def _placements(
+    job: ShardJob, start: int, lengths: list[int], digests: list[str]
+) -> dict[str, Placement]:
+    """Where each tensor of ``job`` lands: back to back from ``start`` (the header's end)."""
+    entries = {}
+    for name, length, digest in zip(job.names, lengths, digests, strict=True):
+        entries[name] = Placement(job.shard, start, start + length, digest)
+        start += length
+    return entries

@@ -1,10 +1,7 @@
-"""The trainer's snapshot: the last published state of every tensor, and its rebuild from
-what a store already holds (resume).
-
-A :class:`Snapshot` knows where each tensor's bytes can be read back (a :class:`TensorSource`)
-and loads them on first use: all at ``seed()`` in a single process, only the tensors a rank is
-passed in a collective publish. On resume only the chain's indexes and shard headers are read
-(a :class:`Lineage` of overlays on the base checkpoint); the bytes are verified on first use.
+"""The trainer's snapshot: the last published state of every tensor, loaded on first use from
+where it can be read back (all at ``seed()`` in a single process), and on resume its rebuild
+from the chain's indexes and shard headers (a :class:`Lineage` of overlays on the base); the
+checks of the tensors a trainer passes against the base.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import numpy as np
 from deltastore.codecs import (
     ByteArray,
     check_compression,
-    decompress,
     get_checksum,
     get_encoding,
 )
@@ -28,9 +24,10 @@ from deltastore.errors import ConfigError, FormatError, IntegrityError, PublishE
 from deltastore.format import PayloadRef
 from deltastore.format.checkpoint import checkpoint_files, read_file_range
 from deltastore.format.index import VersionIndex, check_shard_names
-from deltastore.format.safetensors_io import SafetensorsHeader, read_header_file
+from deltastore.format.safetensors_io import read_header_file
 from deltastore.progress import ProgressMeter
 from deltastore.publish.device import host_bytes, not_a_tensor
+from deltastore.publish.spool import apply_frame
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import walk_chain
 
@@ -141,7 +138,7 @@ class Snapshot(Mapping[str, SnapshotTensor]):
             return name in self._loaded
 
     def load(self, name: str) -> ByteArray:
-        """The tensor's bytes, read (and kept) on first access. Raises like :meth:`peek`."""
+        """The tensor's bytes, read (and kept) on first access."""
         with self._lock:
             data = self._loaded.get(name)
         if data is not None:
@@ -162,15 +159,14 @@ class Snapshot(Mapping[str, SnapshotTensor]):
             self._loaded.pop(name, None)
 
     def set_source(self, name: str, source: TensorSource, *, keep_loaded: bool = False) -> None:
-        """Replace where a tensor is read from; drops bytes already loaded unless
-        ``keep_loaded`` (the new source then describes the same bytes)."""
+        """Replace where a tensor is read from; ``keep_loaded``: it describes the same bytes."""
         with self._lock:
             self.sources[name] = source
             if not keep_loaded:
                 self._loaded.pop(name, None)
 
     def load_all(self, workers: int = 4, meter: ProgressMeter | None = None) -> None:
-        """Load (and check) every tensor now; ``meter`` counts each one's bytes once loaded."""
+        """Load (and check) every tensor now."""
 
         def load(name: str) -> None:
             self.load(name)
@@ -199,15 +195,9 @@ class Snapshot(Mapping[str, SnapshotTensor]):
                 )
                 data[lo:hi] = np.frombuffer(chunk, dtype=np.uint8)
         for ref in source.deltas:
-            store = self._need_store(name)
-            encoding = get_encoding(ref.encoding)
-            frame = store.read_range(ref.version, ref.shard, ref.start, ref.end)
-            payload = decompress(
-                frame,
-                max_size=encoding.max_payload_size(source.nbytes),
-                what=f"payload of tensor {name!r} in weight_v{ref.version:06d}/{ref.shard}",
-            )
-            encoding.apply(data, payload, tensor=name)
+            frame = self._need_store(name).read_range(ref.version, ref.shard, ref.start, ref.end)
+            where = f" in weight_v{ref.version:06d}/{ref.shard}"
+            apply_frame(get_encoding(ref.encoding), name, data, frame, where)
         if source.digest is not None:
             checksum = get_checksum(source.checksum or "xxh3-128")
             actual = checksum.hexdigest(data)
@@ -284,9 +274,8 @@ tensor_bytes = host_bytes
 
 
 def check_layout(name: str, tensor: Any, nbytes: int, base: TensorSource) -> None:
-    """Refuse a tensor whose dtype, shape or byte size differs from the base's; the dtype
-    first: another precision than the base's (fp32 weights, a bf16 checkpoint) is the
-    commonest mistake, and its size differs too."""
+    """Refuse a tensor whose dtype, shape or byte size differs from the base's; the dtype first
+    (the commonest mistake, fp32 weights on a bf16 checkpoint, changes the size too)."""
     dtype = safetensors_dtype_of(tensor)
     # Raw uint8 byte arrays are accepted for any dtype: they are the dtype-blind path.
     typed = dtype is not None and dtype != "U8"
@@ -382,19 +371,6 @@ def rebuild_lineage(
     )
 
 
-def _headers(
-    store: VersionStore, index: VersionIndex, wanted: set[str] | None, where: str
-) -> Iterator[tuple[str, list[str], SafetensorsHeader]]:
-    """Each shard of ``index`` holding a wanted tensor (all when ``wanted`` is None), its
-    names and its header, checked against the index."""
-    for shard, shard_names in index.shards().items():
-        if wanted is not None and not wanted.intersection(shard_names):
-            continue
-        header = store.read_shard_header(index.version, shard)
-        check_shard_names(index, shard, set(header.tensors), source=f"{where}/{shard}")
-        yield shard, shard_names, header
-
-
 def _overlay(
     store: VersionStore,
     index: VersionIndex,
@@ -404,9 +380,9 @@ def _overlay(
     *,
     full: bool,
 ) -> None:
-    """Lay one version of the chain on the wanted tensors' overlays: a full version is their
-    new start, a delta appends its payloads. Every tensor of a shard read is checked against
-    the base."""
+    """Lay one version of the chain on the wanted tensors' overlays (all when ``wanted`` is
+    None): a full version is their new start, a delta appends its payloads. Only shards holding
+    a wanted tensor are read; every tensor of those is checked against the base."""
     where = f"{store.url}/weight_v{index.version:06d}"
     if full:
         missing = sorted(set(sources) - set(index.weight_map))
@@ -424,7 +400,11 @@ def _overlay(
             get_checksum(index.checksum or "")
         except ConfigError as exc:
             raise FormatError(f"{where} cannot be replayed: {exc}") from None
-    for shard, shard_names, header in _headers(store, index, wanted, where):
+    for shard, shard_names in index.shards().items():
+        if wanted is not None and not wanted.intersection(shard_names):
+            continue
+        header = store.read_shard_header(index.version, shard)
+        check_shard_names(index, shard, set(header.tensors), source=f"{where}/{shard}")
         for name in shard_names:
             entry = header.tensors[name]
             if full or name not in sources:
@@ -449,7 +429,6 @@ def _overlay(
 def apply_lineage(
     snapshot: Snapshot, lineage: Lineage, base_sources: dict[str, TensorSource]
 ) -> None:
-    """Point the snapshot's sources at the lineage, laid on this rank's ``base_sources``
-    (bytes are read and verified on first use)."""
+    """Point the snapshot's sources at the lineage, laid on this rank's ``base_sources``."""
     for name, overlay in lineage.overlays.items():
         snapshot.set_source(name, overlay.on(base_sources[name]))

@@ -7,7 +7,6 @@ import os
 import tempfile
 import threading
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, BinaryIO
 
 from deltastore.codecs import ByteArray, Encoding, XorChanges, decompress
@@ -95,12 +94,7 @@ class PayloadSpool:
     def __enter__(self) -> PayloadSpool:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -118,13 +112,14 @@ class Encoded:
     the snapshot advances: no second decode)."""
 
 
-def apply_payload(
-    encoding: Encoding, name: str, target: ByteArray, entry: Encoded, spool: PayloadSpool
+def apply_frame(
+    encoding: Encoding, name: str, target: ByteArray, frame: bytes, where: str = ""
 ) -> None:
-    """Apply a spooled payload to ``target`` in place (size-checked before decompressing)."""
+    """Apply a compressed payload to ``target`` in place (size-checked before decompressing);
+    ``where`` follows the tensor's name in an error."""
     payload = decompress(
-        spool.read(entry.offset, entry.length),
+        frame,
         max_size=encoding.max_payload_size(target.size),
-        what=f"payload of tensor {name!r}",
+        what=f"payload of tensor {name!r}{where}",
     )
     encoding.apply(target, payload, tensor=name)

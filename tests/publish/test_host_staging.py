@@ -107,10 +107,15 @@ def test_staged_bytes_of_every_layout(through_pool: bool) -> None:
         "fp8": base.to(torch.float8_e4m3fn),
         "scalar": torch.tensor(3.5),
         "empty": torch.zeros(0, dtype=torch.bfloat16),
+        # One element with stride 2 (torch calls it contiguous) and a lazily negated view:
+        # the pool path once raised on both (`.view(uint8)` rejects them).
+        "one_strided": base.to(torch.bfloat16).reshape(-1)[::2][:1],
+        "negative": torch._neg_view(base),
     }
     for name, t in cases.items():
         staged = stager.stage(name, t)
-        assert staged.wait().tobytes() == raw_bytes(t), name
+        logical = t.resolve_neg().clone(memory_format=torch.contiguous_format)
+        assert staged.wait().tobytes() == raw_bytes(logical), name
         staged.release()
     array = np.arange(30, dtype=">i4").reshape(5, 6).T
     staged = stager.stage("numpy", array)

@@ -281,13 +281,13 @@ def test_a_sparse_xor_change_advances_the_snapshot_without_decoding_its_payload(
     publisher = ds.DeltaPublisher(ds.VersionStore(tmp_path / "store"), base, encoding="xor")
     publisher.seed()
     decoded: list[str] = []
-    real = rank_state.apply_payload
+    real = rank_state.apply_frame
 
     def counted(encoding: Any, name: str, *args: Any) -> None:
         decoded.append(name)
         real(encoding, name, *args)
 
-    monkeypatch.setattr(rank_state, "apply_payload", counted)
+    monkeypatch.setattr(rank_state, "apply_frame", counted)
     step = {n: t.clone() for n, t in model.items()}
     for i, tensor in enumerate(step.values()):
         tensor.view(torch.uint8)[(5 * i) % tensor.numel()] ^= 1  # one byte per tensor

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 
 from deltastore.errors import PublishError
+from deltastore.publish.config import PublisherConfig
 from deltastore.publish.messages import (
     DiffReport,
     Failure,
     Layout,
     Placement,
+    PublishResult,
     ShardJob,
     StreamState,
     TensorChange,
@@ -38,10 +40,8 @@ def report(rank: int, passed: dict[str, TensorChange | None], *, full: bool = Fa
     return DiffReport(rank=rank, error=None, passed=passed, full=full)
 
 
-def plan(reports: list[DiffReport], stream: StreamState = STREAM, **kw: object) -> Layout | Failure:
-    options: dict[str, object] = {"world_size": len(reports), "max_shard_bytes": 1 << 30}
-    options.update(kw)
-    return plan_layout(reports, stream, SIZES, **options)  # type: ignore[arg-type]
+def plan(reports: list[DiffReport], stream: StreamState = STREAM) -> Layout | Failure:
+    return plan_layout(reports, stream, SIZES, PublisherConfig(max_shard_bytes=1 << 30))
 
 
 def test_delta_shards_are_numbered_gap_free_across_the_ranks_that_write():
@@ -147,7 +147,7 @@ def test_index_of_a_delta_and_of_a_full_version():
     totals = version_totals(layout, writes, STREAM, 1000, 5)
     assert (totals.changed_bytes, totals.wire_bytes, totals.base_version) == (5, 20, 4)
     index = build_index(
-        5, "tok", layout, writes[0].entries, totals, STREAM, encoding="xor", checksum="xxh3-128"
+        "tok", layout, writes[0].entries, totals, STREAM, encoding="xor", checksum="xxh3-128"
     )
     assert (index.version, index.base_version, index.encoding, index.stream_id) == (
         5,
@@ -159,13 +159,14 @@ def test_index_of_a_delta_and_of_a_full_version():
     full = Layout(full=True, shards=((),), changed={}, owner={})
     full_totals = version_totals(full, writes, STREAM, 1000, 5)
     full_index = build_index(
-        5, "tok", full, {}, full_totals, STREAM, encoding="xor", checksum="xxh3-128"
+        "tok", full, {}, full_totals, STREAM, encoding="xor", checksum="xxh3-128"
     )
     assert full_index.base_version is None and full_index.encoding is None
 
 
 def test_stream_state_advances_only_through_committed():
-    after_delta = STREAM.committed(5, full=False, wire_bytes=20, owner={"a": 1})
+    delta = Layout(full=False, shards=(), changed={}, owner={"a": 1})
+    after_delta = STREAM.committed(delta, PublishResult(5, "delta", 4, 1, 5, 1000, 20))
     assert (after_delta.base_version, after_delta.next_version) == (5, 6)
     assert (after_delta.chain_deltas, after_delta.chain_wire, after_delta.holders) == (
         1,
@@ -174,6 +175,7 @@ def test_stream_state_advances_only_through_committed():
     )
     assert STREAM.chain_deltas == 0, "a value: the old state is unchanged"
     resumed = StreamState("s", 4, 5, walk_from_base=False, resumed=True, chain_deltas=3)
-    after_full = resumed.committed(5, full=True, wire_bytes=999, owner={})
+    full = Layout(full=True, shards=(), changed={}, owner={})
+    after_full = resumed.committed(full, PublishResult(5, "full", None, 1, 5, 1000, 999))
     assert (after_full.chain_deltas, after_full.chain_wire) == (0, 0)
     assert after_full.walk_from_base and not after_full.resumed

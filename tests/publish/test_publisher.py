@@ -393,6 +393,55 @@ def test_failed_commit_does_not_advance(
     assert _pull_bytes(tmp_path, store, 1, base_dir) == {n: raw_bytes(t) for n, t in v1b.items()}
 
 
+def _fail_collective(publisher: ds.DeltaPublisher, kind: str, step: str) -> None:
+    """Make the ``kind`` collective named ``step`` fail once, as a peer dying in it does."""
+    coordinator = publisher.coordinator
+    collective = getattr(coordinator, kind)
+
+    def failing(obj: Any, *, what: str) -> Any:
+        if what == step:
+            delattr(coordinator, kind)  # once
+            raise PublishError(f"rank 0: the collective step '{what}' failed")
+        return collective(obj, what=what)
+
+    setattr(coordinator, kind, failing)
+
+
+@pytest.mark.parametrize(
+    ("kind", "step"), [("broadcast", "publish: plan"), ("gather", "publish: commit weight_v000001")]
+)
+def test_a_collective_failing_before_the_commit_leaves_no_claim(
+    tmp_path: Path, base_dir: Path, small_model: Model, kind: str, step: str
+):
+    """Rank 0 claimed the version, then a collective failed: nothing was committed, and the
+    claim and files are removed, so the next publish claims the same number again."""
+    publisher = _publisher(tmp_path, base_dir)
+    _fail_collective(publisher, kind, step)
+    with pytest.raises(PublishError, match=step):
+        publisher.publish(perturb(small_model, 1).items())
+    assert publisher.store.versions() == []
+    assert not (tmp_path / "store" / "weight_v000001").exists()
+    v1 = perturb(small_model, 2)
+    assert publisher.publish(v1.items()).version == 1
+    assert _pull_bytes(tmp_path, publisher.store, 1, base_dir) == {
+        n: raw_bytes(t) for n, t in v1.items()
+    }
+
+
+def test_a_collective_failing_after_the_commit_stops_the_publisher(
+    tmp_path: Path, base_dir: Path, small_model: Model
+):
+    """The outcome's broadcast failed: the version may be committed, so the publisher keeps
+    no snapshot (a later publish would diff against a state engines may not hold)."""
+    publisher = _publisher(tmp_path, base_dir)
+    _fail_collective(publisher, "broadcast", "publish: commit weight_v000001")
+    with pytest.raises(SnapshotError, match="may be committed"):
+        publisher.publish(perturb(small_model, 1).items())
+    assert publisher.snapshot is None
+    with pytest.raises(PublishError, match="seed"):
+        publisher.publish(perturb(small_model, 2).items())
+
+
 # ------------------------------------------------------------------ API edges
 def test_a_state_dict_mapping_is_accepted_like_pairs(
     tmp_path: Path, base_dir: Path, small_model: Model
