@@ -598,7 +598,6 @@ def encode_framed(
     olds: Sequence[ByteArray],
     news: Sequence[ByteArray],
     itemsizes: Sequence[int],
-    *,
     tag: int,
     dense_ratio: int,
 ) -> list[FramedDelta | None]:
