@@ -39,7 +39,7 @@ U64 = np.uint64
 BLOCK = 128 * 1024
 """Largest zstd block (bytes of content)."""
 FRAMED = 0
-"""Kind of a tensor whose bytes in the batch are its whole zstd frame."""
+"""Kind of a tensor whose bytes in the batch are its whole zstd frame (the default)."""
 CONTENT = 1
 """Kind of a tensor whose bytes are its (tagged) payload, for the caller to compress."""
 DENSE = 2
@@ -452,28 +452,30 @@ def _frame_header(out, at, size):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _framed(payload, tag):  # type: ignore[no-untyped-def]
-    """``payload`` (after the byte ``tag`` when it is ≥ 0) in a zstd frame of raw blocks."""
-    size = payload.size + (1 if tag >= 0 else 0)
+def _tagged(payload, tag):  # type: ignore[no-untyped-def]
+    """``payload`` after the byte ``tag`` when it is ≥ 0."""
+    if tag < 0:
+        return payload
+    content = np.empty(payload.size + 1, np.uint8)
+    content[0] = tag
+    content[1:] = payload
+    return content
+
+
+@numba.njit(cache=True, nogil=True)
+def _framed(content):  # type: ignore[no-untyped-def]
+    """``content`` in a zstd frame of raw blocks."""
+    size = content.size
     blocks = max(1, (size + BLOCK - 1) // BLOCK)
     out = np.empty(HEADER + 3 * blocks + size, np.uint8)
     at = _frame_header(out, 0, size)
-    done = 0
     for b in range(blocks):
-        length = min(BLOCK, size - done)
-        last = 1 if b == blocks - 1 else 0
-        word = last | (length << 3)  # block type 0: raw
+        start = b * BLOCK
+        length = min(BLOCK, size - start)
+        word = (1 if b == blocks - 1 else 0) | (length << 3)  # block type 0: raw
         out[at], out[at + 1], out[at + 2] = word & 0xFF, (word >> 8) & 0xFF, word >> 16
-        at += 3
-        start, end = done, done + length
-        if start == 0 and tag >= 0:
-            out[at] = tag
-            at += 1
-            start = 1
-        shift = 1 if tag >= 0 else 0
-        out[at : at + end - start] = payload[start - shift : end - shift]
-        at += end - start
-        done += length
+        out[at + 3 : at + 3 + length] = content[start : start + length]
+        at += 3 + length
     return out[:at]
 
 
@@ -526,13 +528,9 @@ def _encode_batch(old_at, new_at, nbytes, sizes, tag, dense_ratio):  # type: ign
             frames.append(np.empty(0, np.uint8))
         elif _compressible(payload):
             kinds[i] = CONTENT
-            content = np.empty(payload.size + (1 if tag >= 0 else 0), np.uint8)
-            content[content.size - payload.size :] = payload
-            if tag >= 0:
-                content[0] = tag
-            frames.append(content)
+            frames.append(_tagged(payload, tag))
         else:
-            frames.append(_framed(payload, tag))
+            frames.append(_framed(_tagged(payload, tag)))
         positions.append(where)
         values.append(xored)
     frame_at = np.zeros(n + 1, np.int64)
