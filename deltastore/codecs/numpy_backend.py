@@ -457,8 +457,8 @@ def _changes(
                 parts[2].append(news[i][inside])
         pieces.clear()
         if parts[0]:
-            joined = (part[0] if len(part) == 1 else np.concatenate(part) for part in parts)
-            found.append(split_words(*joined, itemsize))
+            joined = [part[0] if len(part) == 1 else np.concatenate(part) for part in parts]
+            found.append(split_words(joined[0], joined[1], joined[2], itemsize))
 
     filled = 0
     for i, (old, new) in enumerate(zip(olds, news, strict=True)):
