@@ -1,9 +1,6 @@
-"""The codec contract: encodings and checksums work on raw bytes, never on stores or files.
-
-An :class:`Encoding` turns a tensor's old and new bytes into a payload and applies a payload to
-bytes in place. A :class:`Checksum` turns bytes into the reference hex digest. Both operate on
-1-D ``uint8`` numpy arrays (the raw little-endian storage bytes of a tensor), so every dtype is
-handled the same way.
+"""The codec contract: encodings and checksums work on raw bytes, never on stores or files:
+1-D ``uint8`` numpy arrays (a tensor's little-endian storage bytes), so every dtype is handled
+the same way.
 """
 
 from __future__ import annotations
@@ -62,9 +59,8 @@ class FramedDelta:
 
 
 class Encoding(ABC):
-    """A byte-level, dtype-blind delta encoding. Besides encoding and applying, it declares its
-    semantics as class attributes, so callers (the pull side, repair) ask the encoding instead
-    of comparing names."""
+    """A byte-level delta encoding; it declares its semantics as class attributes, so callers
+    (the pull side, repair) ask the encoding instead of comparing names."""
 
     name: ClassVar[str]
     idempotent: ClassVar[bool]
@@ -156,8 +152,7 @@ class Checksum(ABC):
 
     def hasher(self) -> Hasher:
         """A digest fed piece by piece: ``update`` with consecutive slices, then ``hexdigest``
-        equals :meth:`hexdigest` of their concatenation. This default keeps the pieces (any
-        checksum works); the built-in checksums override it to hash as they go."""
+        equals :meth:`hexdigest` of their concatenation (this default keeps the pieces)."""
         return _KeptPieces(self)
 
 

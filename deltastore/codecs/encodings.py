@@ -19,17 +19,12 @@ REMOVED_ENCODINGS = {
 """What to do about a version written with an encoding this deltastore no longer reads."""
 
 
-def _as_bytes(payload: bytes | memoryview) -> ByteArray:
-    return np.frombuffer(payload, dtype=np.uint8)
-
-
 class XorEncoding(Encoding):
     """``new XOR old``: smallest on the wire, fastest to apply, but applying twice reverts."""
 
     name = "xor"
     idempotent = False
     checks_before_writing = True
-    """Every bound of a payload is checked before the target is written."""
     self_inverse = True
     foldable = True
     exact_payload_size = True
@@ -43,7 +38,7 @@ class XorEncoding(Encoding):
         return nbytes
 
     def apply(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
-        delta = _as_bytes(payload)
+        delta = np.frombuffer(payload, dtype=np.uint8)
         if delta.size != target.size:
             raise FormatError(
                 f"xor payload of tensor {tensor!r} has {delta.size} bytes, the tensor has "
@@ -63,7 +58,6 @@ class OverwriteEncoding(Encoding):
     idempotent = True
     reference_format = True
     checks_before_writing = True
-    """Every bound of a payload is checked before the target is written."""
 
     def check_size(self, nbytes: int, *, tensor: str) -> None:
         # u32 positions address bytes 0..2**32-1, and the u32 count must hold the number of
@@ -89,7 +83,7 @@ class OverwriteEncoding(Encoding):
         self, payload: bytes | memoryview, nbytes: int, *, tensor: str
     ) -> tuple[ByteArray, ByteArray]:
         """Split a payload into (positions, values), checking every bound first."""
-        raw = _as_bytes(payload)
+        raw = np.frombuffer(payload, dtype=np.uint8)
         if raw.size < 4:
             raise FormatError(f"overwrite payload of tensor {tensor!r} is truncated")
         (count,) = struct.unpack_from("<I", raw[:4].tobytes())

@@ -3,19 +3,14 @@
 on-disk cache (keyed on a kernel's own file) never runs a kernel compiled against an older
 version of one it calls. Imported only by :func:`deltastore.codecs.sparse.compiled_backend`.
 
-One writer, for a tensor alone or in a batch: it finds the changed elements in one pass over
-both tensors (32 words of 8 bytes compared at a time into a mask of those that differ, each
-32 KB chunk's changes recorded while it is still in cache), codes their steps, chooses ``k`` and
-``w`` as the numpy backend does and writes the payload. A batch is one call without the GIL
-(addresses of each tensor's bytes, so no per-tensor Python object crosses into numba) that
-writes every payload already in its zstd frame, by hand: a payload is near its entropy, so
+One writer, for a batch (a single tensor is a batch of one): one pass over both tensors finds
+the changes (32 words compared at a time, each 32 KB chunk recorded while still in cache), then
+the payload is written. A batch is one call without the GIL, on addresses of each tensor's
+bytes, that writes every payload already in its zstd frame: a payload is near its entropy, so
 zstd-1 stores it as raw blocks anyway, and the frame here is the one zstd writes then (single
-segment, content size, raw blocks of at most 128 KiB, no checksum).
-
-One decoder, for a batch of payloads (a single tensor is a batch of one): each payload's
-streams are read into two buffers and checked before its tensor is touched, and the batch
-stops at the first that does not fit. Elements are read and written byte by byte,
-little-endian, so a tensor at any offset of a file works. Arithmetic is on uint64 throughout
+segment, content size, raw blocks of at most 128 KiB, no checksum). One decoder, for a batch of
+payloads: each is read and checked before its tensor is touched. Elements are read and written
+byte by byte, little-endian, so a tensor at any offset of a file works; arithmetic is on uint64
 (numba turns mixed signed and unsigned integers into floats).
 """
 
@@ -44,7 +39,7 @@ U64 = np.uint64
 BLOCK = 128 * 1024
 """Largest zstd block (bytes of content)."""
 FRAMED = 0
-"""Kind of a tensor whose bytes in the batch are its whole zstd frame."""
+"""Kind of a tensor whose bytes in the batch are its whole zstd frame (the default)."""
 CONTENT = 1
 """Kind of a tensor whose bytes are its (tagged) payload, for the caller to compress."""
 DENSE = 2
@@ -55,14 +50,17 @@ HEADER = 4 + 1 + 8
 
 # ------------------------------------------------------------------ finding changes
 @numba.njit(cache=True, nogil=True, inline="always")
-def _record(positions, xored, fields, j, i, a, b, mask, half):  # type: ignore[no-untyped-def]
-    """Store element ``i`` (old ``a``, new ``b``) as change ``j``."""
+def _record(out, j, i, a, b, bits):  # type: ignore[no-untyped-def]
+    """Store element ``i`` (old ``a``, new ``b``, ``bits`` wide) as change ``j`` of ``out``
+    (positions, XOR values, step fields)."""
+    positions, xored, fields = out
     positions[j] = i
     xored[j] = a ^ b
     a64 = U64(a)
     b64 = U64(b)
+    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - bits)
     diff = (b64 - a64) & mask
-    if diff > half:
+    if diff > U64(1) << U64(bits - 1):
         magnitude = (a64 - b64) & mask
         low = b64
     else:
@@ -83,6 +81,21 @@ def _trailing_zeros_of(typingctx, value):  # type: ignore[no-untyped-def]
 
 
 _trailing_zeros: Any = intrinsic(_trailing_zeros_of)
+
+
+def _pointer_of(typingctx, address):  # type: ignore[no-untyped-def]
+    """The integer ``address`` as a ``void*`` (what :func:`numba.carray` takes)."""
+    signature = types.voidptr(types.int64)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+
+    return signature, codegen
+
+
+_pointer: Any = intrinsic(_pointer_of)
+"""Called in kernels as ``_pointer(address)`` (numba passes the typing context itself)."""
+
 
 WORDS_PER_BLOCK = 32
 """8-byte words summarised by one bit mask (a uint32) of those that differ."""
@@ -143,10 +156,7 @@ def _record_blocks(old_words, new_words, old, new, bits, masks, first, last, out
     """Record every changed element of blocks ``first``..``last`` from ``j`` on in ``out``
     (positions, XOR values, step fields); returns the next free index. Set bits are visited
     with cttz, so an unchanged word or element costs no (mispredicted) branch."""
-    positions, xored, fields = out
     per_word = 64 // bits
-    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - bits)
-    half = U64(1) << U64(bits - 1)
     for block in range(first, last):
         words = masks[block - first]
         while words:
@@ -156,7 +166,7 @@ def _record_blocks(old_words, new_words, old, new, bits, masks, first, last, out
             while lanes:
                 i = w * per_word + _trailing_zeros(lanes) // bits
                 lanes &= lanes - U64(1)
-                _record(positions, xored, fields, j, i, old[i], new[i], mask, half)
+                _record(out, j, i, old[i], new[i], bits)
                 j += 1
     return j
 
@@ -202,13 +212,11 @@ def _changes(old_words, new_words, old, new, bits):  # type: ignore[no-untyped-d
     if j + old.size - start > capacity:
         capacity = j + old.size - start
         out = _grown(out, j, capacity)
-    positions, xored, fields = out
-    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - bits)
-    half = U64(1) << U64(bits - 1)
     for i in range(start, old.size):
         if old[i] != new[i]:
-            _record(positions, xored, fields, j, i, old[i], new[i], mask, half)
+            _record(out, j, i, old[i], new[i], bits)
             j += 1
+    positions, xored, fields = out
     return positions[:j], xored[:j], fields[:j]
 
 
@@ -224,22 +232,19 @@ def _bit_length(value):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _put(out, at, acc, held, value, width):  # type: ignore[no-untyped-def]
-    """Append the low ``width`` (≤ 32) bits of ``value``, MSB first; whole bytes go out."""
-    acc = (acc << U64(width)) | value
-    held += width
-    while held >= 8:
-        held -= 8
-        out[at] = np.uint8((acc >> U64(held)) & U64(0xFF))
-        at += 1
-    return at, acc, held
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _put_wide(out, at, acc, held, value, width):  # type: ignore[no-untyped-def]
-    if width > 32:
-        at, acc, held = _put(out, at, acc, held, value >> U64(32), width - 32)
-        return _put(out, at, acc, held, value & U64(0xFFFFFFFF), 32)
-    return _put(out, at, acc, held, value, width)
+    """Append the low ``width`` (≤ 64) bits of ``value``, MSB first; whole bytes go out. At
+    most 32 bits go into the accumulator at a time, so it never overflows."""
+    while True:
+        piece = min(width, 32)
+        width -= piece
+        acc = (acc << U64(piece)) | ((value >> U64(width)) & (U64(0xFFFFFFFF) >> U64(32 - piece)))
+        held += piece
+        while held >= 8:
+            held -= 8
+            out[at] = np.uint8((acc >> U64(held)) & U64(0xFF))
+            at += 1
+        if width <= 0:
+            return at, acc, held
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -296,16 +301,22 @@ def _width(fields, bits):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _write(old_words, new_words, old, new, bits, mark, nbytes):  # type: ignore[no-untyped-def]
-    """The whole payload (see :mod:`deltastore.codecs.sparse_format`), positions and XOR
-    values."""
-    positions, xored, fields = _changes(old_words, new_words, old, new, bits)
+def _write(old_at, new_at, nbytes, element, bits, mark):  # type: ignore[no-untyped-def]
+    """(payload, positions, XOR values as uint64) of the tensor at ``old_at`` / ``new_at`` read
+    as ``element`` ints (a numpy integer type: one compiled copy per element size)."""
+    positions, xored, fields = _changes(
+        numba.carray(_pointer(old_at), nbytes // 8, np.uint64),
+        numba.carray(_pointer(new_at), nbytes // 8, np.uint64),
+        numba.carray(_pointer(old_at), nbytes // (bits // 8), element),
+        numba.carray(_pointer(new_at), nbytes // (bits // 8), element),
+        bits,
+    )
     count = positions.size
     head = np.empty(21, np.uint8)
     head[0] = mark
     head_size = _varint(head, _varint(head, 1, nbytes), count)
     if count == 0:
-        return head[:head_size].copy(), positions, xored
+        return head[:head_size].copy(), positions, xored.astype(np.uint64)
     k = _rice_k(positions)
     width = _width(fields, bits)
     index_width = _bit_length(U64(count - 1))
@@ -324,25 +335,23 @@ def _write(old_words, new_words, old, new, bits, mark, nbytes):  # type: ignore[
     out[head_size] = k
     out[head_size + 1] = width
     at, acc, held = head_size + 2, U64(0), 0
-    remainder = U64((1 << k) - 1)
     previous = -1
     for i in range(count):
         gap = U64(positions[i] - previous - 1)
         previous = positions[i]
-        at, acc, held = _put_wide(out, at, acc, held, gap & remainder, k)
+        at, acc, held = _put(out, at, acc, held, gap, k)
     at = _flush(out, at, acc, held, False)
     held = 0
-    low = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - width) if width else U64(0)
     for f in fields:
-        at, acc, held = _put_wide(out, at, acc, held, f & low, width)
+        at, acc, held = _put(out, at, acc, held, f, width)
     at = _flush(out, at, acc, held, False)
     held = 0
     at = _varint(out, at, patches)
     if patches:
         for j in range(count):
             if _bit_length(fields[j]) > width:
-                at, acc, held = _put_wide(out, at, acc, held, U64(j), index_width)
-                at, acc, held = _put_wide(out, at, acc, held, fields[j] >> U64(width), bits - width)
+                at, acc, held = _put(out, at, acc, held, U64(j), index_width)
+                at, acc, held = _put(out, at, acc, held, fields[j] >> U64(width), bits - width)
         at = _flush(out, at, acc, held, False)
         held = 0
     previous = -1
@@ -354,7 +363,20 @@ def _write(old_words, new_words, old, new, bits, mark, nbytes):  # type: ignore[
             quotient -= 32
         at, acc, held = _put(out, at, acc, held, U64(((1 << quotient) - 1) << 1), quotient + 1)
     at = _flush(out, at, acc, held, True)
-    return out[:at], positions, xored
+    return out[:at], positions, xored.astype(np.uint64)
+
+
+@numba.njit(cache=True, nogil=True)
+def _one(old_at, new_at, nbytes, size):  # type: ignore[no-untyped-def]
+    """(payload, positions, XOR values as uint64) of one tensor of ``size``-byte elements: the
+    one writer of a single tensor and of a batch's."""
+    if size == 8:
+        return _write(old_at, new_at, nbytes, np.uint64, 64, MARK | 3)
+    if size == 4:
+        return _write(old_at, new_at, nbytes, np.uint32, 32, MARK | 2)
+    if size == 2:
+        return _write(old_at, new_at, nbytes, np.uint16, 16, MARK | 1)
+    return _write(old_at, new_at, nbytes, np.uint8, 8, MARK)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -411,50 +433,6 @@ def _xor_at(elements, positions, values):  # type: ignore[no-untyped-def]
 
 
 # ------------------------------------------------------------------ a batch
-def _pointer_of(typingctx, address):  # type: ignore[no-untyped-def]
-    """The integer ``address`` as a ``void*`` (what :func:`numba.carray` takes)."""
-    signature = types.voidptr(types.int64)
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
-
-    return signature, codegen
-
-
-_pointer: Any = intrinsic(_pointer_of)
-"""Called in kernels as ``_pointer(address)`` (numba passes the typing context itself)."""
-
-
-@numba.njit(cache=True, nogil=True)
-def _write_as(old_at, new_at, nbytes, element, bits, mark):  # type: ignore[no-untyped-def]
-    """:func:`_write` of the tensor at ``old_at`` / ``new_at`` read as ``element`` ints (a
-    numpy integer type: one compiled copy per element size)."""
-    whole = nbytes // 8
-    payload, positions, xored = _write(
-        numba.carray(_pointer(old_at), whole, np.uint64),
-        numba.carray(_pointer(new_at), whole, np.uint64),
-        numba.carray(_pointer(old_at), nbytes // (bits // 8), element),
-        numba.carray(_pointer(new_at), nbytes // (bits // 8), element),
-        bits,
-        mark,
-        nbytes,
-    )
-    return payload, positions, xored.astype(np.uint64)
-
-
-@numba.njit(cache=True, nogil=True)
-def _one(old_at, new_at, nbytes, size):  # type: ignore[no-untyped-def]
-    """(payload, positions, XOR values as uint64) of one tensor of ``size``-byte elements: the
-    one writer of a single tensor and of a batch's."""
-    if size == 8:
-        return _write_as(old_at, new_at, nbytes, np.uint64, 64, MARK | 3)
-    if size == 4:
-        return _write_as(old_at, new_at, nbytes, np.uint32, 32, MARK | 2)
-    if size == 2:
-        return _write_as(old_at, new_at, nbytes, np.uint16, 16, MARK | 1)
-    return _write_as(old_at, new_at, nbytes, np.uint8, 8, MARK)
-
-
 @numba.njit(cache=True, nogil=True, inline="always")
 def _frame_header(out, at, size):  # type: ignore[no-untyped-def]
     """zstd's frame header for ``size`` bytes of content (as zstd-1 writes it)."""
@@ -474,28 +452,30 @@ def _frame_header(out, at, size):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _framed(payload, tag):  # type: ignore[no-untyped-def]
-    """``payload`` (after the byte ``tag`` when it is ≥ 0) in a zstd frame of raw blocks."""
-    size = payload.size + (1 if tag >= 0 else 0)
+def _tagged(payload, tag):  # type: ignore[no-untyped-def]
+    """``payload`` after the byte ``tag`` when it is ≥ 0."""
+    if tag < 0:
+        return payload
+    content = np.empty(payload.size + 1, np.uint8)
+    content[0] = tag
+    content[1:] = payload
+    return content
+
+
+@numba.njit(cache=True, nogil=True)
+def _framed(content):  # type: ignore[no-untyped-def]
+    """``content`` in a zstd frame of raw blocks."""
+    size = content.size
     blocks = max(1, (size + BLOCK - 1) // BLOCK)
     out = np.empty(HEADER + 3 * blocks + size, np.uint8)
     at = _frame_header(out, 0, size)
-    done = 0
     for b in range(blocks):
-        length = min(BLOCK, size - done)
-        last = 1 if b == blocks - 1 else 0
-        word = last | (length << 3)  # block type 0: raw
+        start = b * BLOCK
+        length = min(BLOCK, size - start)
+        word = (1 if b == blocks - 1 else 0) | (length << 3)  # block type 0: raw
         out[at], out[at + 1], out[at + 2] = word & 0xFF, (word >> 8) & 0xFF, word >> 16
-        at += 3
-        start, end = done, done + length
-        if start == 0 and tag >= 0:
-            out[at] = tag
-            at += 1
-            start = 1
-        shift = 1 if tag >= 0 else 0
-        out[at : at + end - start] = payload[start - shift : end - shift]
-        at += end - start
-        done += length
+        out[at + 3 : at + 3 + length] = content[start : start + length]
+        at += 3 + length
     return out[:at]
 
 
@@ -529,7 +509,7 @@ def _compressible(payload):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True, nogil=True)
 def _encode_batch(old_at, new_at, nbytes, sizes, tag, dense_ratio):  # type: ignore[no-untyped-def]
-    """Every tensor of the batch: see :func:`encode_batch` (returns its arrays)."""
+    """Every tensor of the batch: the arrays :func:`encode_framed` reads."""
     # long because the two passes (encode each, then pack the batch's buffers) share the
     # per-tensor lists; apart they would pass five lists between two kernels.
     n = nbytes.size
@@ -548,13 +528,9 @@ def _encode_batch(old_at, new_at, nbytes, sizes, tag, dense_ratio):  # type: ign
             frames.append(np.empty(0, np.uint8))
         elif _compressible(payload):
             kinds[i] = CONTENT
-            content = np.empty(payload.size + (1 if tag >= 0 else 0), np.uint8)
-            content[content.size - payload.size :] = payload
-            if tag >= 0:
-                content[0] = tag
-            frames.append(content)
+            frames.append(_tagged(payload, tag))
         else:
-            frames.append(_framed(payload, tag))
+            frames.append(_framed(_tagged(payload, tag)))
         positions.append(where)
         values.append(xored)
     frame_at = np.zeros(n + 1, np.int64)
@@ -728,8 +704,10 @@ def _apply_steps(target, start, itemsize, positions, fields, count):  # type: ig
 
 
 @numba.njit(cache=True, nogil=True)
-def _apply_batch(target, starts, sizes, data, offsets, tagged):  # type: ignore[no-untyped-def]
-    """(index, 1) of the first payload that does not fit, (count, 0) when all were applied."""
+def apply_batch(target, starts, sizes, data, offsets, tagged):  # type: ignore[no-untyped-def]
+    """Apply payloads ``data[offsets[i] : offsets[i + 1]]`` to ``target[starts[i] : starts[i]
+    + sizes[i]]`` in order (``tagged``: ``auto``'s, a tag byte first): (index, 1) of the first
+    that does not fit, nothing of it written; (count, 0) when all were applied."""
     positions = np.empty(0, np.int64)
     fields = np.empty(0, np.uint64)
     for i in range(starts.size):
@@ -816,18 +794,3 @@ def xor_at(elements: np.ndarray, positions: np.ndarray, values: np.ndarray) -> N
     IndexError for a position outside ``elements``."""
     if not _xor_at(elements, positions, values):
         raise IndexError(f"a position is outside the {elements.size} elements")
-
-
-def apply_batch(
-    target: ByteArray,
-    starts: np.ndarray,
-    sizes: np.ndarray,
-    data: np.ndarray,
-    offsets: np.ndarray,
-    tagged: bool,
-) -> tuple[int, bool]:
-    """(index, refused) after applying payloads ``data[offsets[i]:offsets[i+1]]`` to
-    ``target[starts[i]:starts[i]+sizes[i]]`` in order until one does not fit (nothing of it
-    written); ``tagged``: ``auto``'s payloads (a tag byte first)."""
-    index, status = _apply_batch(target, starts, sizes, data, offsets, tagged)
-    return int(index), bool(status)

@@ -1,14 +1,13 @@
 """The numpy backend of ``sparse-v2`` (the format is :mod:`~deltastore.codecs.sparse_format`):
-no compiled code, the same bytes as :mod:`~deltastore.codecs.numba_backend`, one tensor at a
-time, except a batch's small tensors, which :func:`encode_framed` codes in one pass of numpy
-calls per element size (the fixed cost of some forty calls a tensor is what a small tensor's
-encode costs). The tensor is compared as little-endian u64 words in chunks that stay
-in cache (a mask of differing words, only those split into elements), and its streams are packed
-whole with ``np.packbits``.
+no compiled code, the same bytes as :mod:`~deltastore.codecs.numba_backend`. One writer,
+:func:`encode_group`, codes a group of tensors of one element size in one pass of numpy calls
+(the fixed cost of a call is what a small tensor's encode costs); a single tensor is a group of
+one, whose streams are packed whole with ``np.packbits``. One decoder, :func:`decode`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Sequence
@@ -32,47 +31,20 @@ from deltastore.errors import FormatError
 
 Ints = npt.NDArray[np.int64]
 CHUNK_WORDS = 1 << 18
-"""Words compared per step (2 MiB of each input): the mask and gathers stay in cache."""
+"""Words compared before their changes are gathered (2 MiB of each input): still in cache."""
 GROUP_BYTES = 4 * 1024**2
 """Tensors coded in one pass hold at most this many bytes."""
 GROUP_CHANGES = 1 << 17
 """A group with more changed elements than this (a dense step) is coded in parts: the pass holds
 about 160 bytes per change for a moment (its index arrays and the writer's byte values)."""
 ALONE_BYTES = 128 * 1024
-"""A tensor over this size is encoded alone: the batch pass costs more per change than the
-per-tensor layout and saves the fixed cost of its numpy calls, which a large tensor does not
-need saved."""
+"""A tensor over this size is a group of its own: packing whole streams costs less per change
+than :class:`ByteWriter`'s windows, and a large tensor needs no numpy call saved."""
 PIECE_BITS = 25
 """:class:`ByteWriter` writes a field in pieces of at most this many bits: a piece at any bit
 offset then fits a 32-bit window of four bytes."""
 PACK_IN_WORDS = 512
 """From this many values on, :func:`fields_to_bits` packs them a group to a 64-bit word."""
-
-
-# ------------------------------------------------------------------ finding changes
-def changed_elements(
-    old: ByteArray, new: ByteArray, itemsize: int
-) -> tuple[Positions, np.ndarray, np.ndarray]:
-    """Indices (int64, ascending) of the ``itemsize``-byte elements that differ, the old value
-    and ``old XOR new`` of each (unsigned, little-endian), compared in chunks of words."""
-    whole = old.size // 8 * 8
-    old_words, new_words = old[:whole].view(np.uint64), new[:whole].view(np.uint64)
-    found = []
-    for start in range(0, old_words.size, CHUNK_WORDS):
-        old_chunk = old_words[start : start + CHUNK_WORDS]
-        new_chunk = new_words[start : start + CHUNK_WORDS]
-        words = np.flatnonzero(old_chunk != new_chunk)  # on bools: 2-3 times faster than on words
-        at = words + start if start else words
-        found.append(split_words(at, old_chunk[words], new_chunk[words], itemsize))
-    if whole < old.size or not found:  # the last < 8 bytes, still a whole number of elements
-        dtype = ELEMENT_DTYPES[itemsize]
-        before = old[whole:].view(dtype)
-        tail = np.bitwise_xor(before, new[whole:].view(dtype))
-        inside = np.flatnonzero(tail)
-        found.append((inside + whole // itemsize, before[inside], tail[inside]))
-    if len(found) == 1:
-        return found[0]
-    return tuple(np.concatenate(part) for part in zip(*found, strict=True))  # type: ignore[return-value]
 
 
 def split_words(
@@ -82,7 +54,7 @@ def split_words(
     differing u64 ``words`` (their indices, and their old and new values)."""
     dtype = ELEMENT_DTYPES[itemsize]
     values = (old_words ^ new_words).view(dtype)
-    inside = np.flatnonzero(values)
+    inside = values.nonzero()[0]
     # Shifts, not // and %: numpy's integer division was a fifth of the chunk loop's time.
     shift = LOG2[8 // itemsize]  # elements per word: 2**shift
     positions = (words[inside >> shift] << shift) | (inside & ((1 << shift) - 1))
@@ -139,7 +111,7 @@ def moved(current: np.ndarray, fields: np.ndarray) -> np.ndarray:
     return np.where(at_low, current + magnitude, current - magnitude)
 
 
-# ------------------------------------------------------------------ k and w, per tensor
+# ------------------------------------------------------------------ k and w of each tensor
 def bit_length(values: np.ndarray) -> Ints:
     """``int.bit_length`` of each value (unsigned, or int64 ≥ 0), exact up to 64 bits."""
     if values.dtype.itemsize < 8 or values.dtype == np.int64:
@@ -153,55 +125,37 @@ def bit_length(values: np.ndarray) -> Ints:
     ).astype(np.int64)
 
 
-def rice_parameter(gaps: npt.NDArray[np.uint64]) -> int:
-    """The Rice parameter ``k`` of the gaps: of the two next to log2(mean * ln 2) (the optimum
-    for geometric gaps), the one that codes them in fewer bits."""
-    total = int(gaps.sum(dtype=np.uint64))
-    low = max(int(total / gaps.size * 0.6931).bit_length() - 1, 0)
-    high = min(low + 1, 63)
-    low_cost = int((gaps >> np.uint64(low)).sum(dtype=np.uint64)) + gaps.size * low
-    high_cost = int((gaps >> np.uint64(high)).sum(dtype=np.uint64)) + gaps.size * high
-    return low if low_cost <= high_cost else high
+def per_change(values: np.ndarray, tensor_of: Ints) -> np.ndarray:
+    """Per-tensor ``values`` (the last axis) for each change, ``tensor_of`` the tensor of each;
+    a group of one's as they are, to broadcast: numpy shifts by one amount many times faster
+    than by an array of them."""
+    return values if values.shape[-1] == 1 else values[..., tensor_of]
 
 
-def field_width(fields: np.ndarray, bits: int) -> int:
-    """The width ``w`` (0..bits) that codes the step ``fields`` in the fewest bits, patches
-    included (each costs its index and ``bits - w`` high bits); the narrowest on ties."""
-    index_bits = (fields.size - 1).bit_length()
-    if int(fields.max()) <= 1:  # ±1-ulp steps only: w is 0 or 1, two numpy calls
-        ones = int(np.count_nonzero(fields))
-        return 0 if ones * (index_bits + bits) <= fields.size else 1
-    histogram = np.bincount(bit_length(fields), minlength=bits + 1)
-    widths = np.arange(bits + 1)
-    patches = fields.size - np.cumsum(histogram)[: bits + 1]  # fields wider than w
-    costs = fields.size * widths + patches * (index_bits + bits - widths)
-    return int(np.argmin(costs))
-
-
-# ------------------------------------------------------------------ per tensor of a batch
-def segment_sums(values: np.ndarray, firsts: Ints, counts: Ints) -> np.ndarray:
-    """Per segment (``counts`` elements each, the non-empty ones starting at ``firsts``), the
-    sum of its ``values``; 0 for an empty segment."""
-    sums = np.zeros(counts.size, dtype=values.dtype)
-    if firsts.size:
-        sums[counts > 0] = np.add.reduceat(values, firsts)
+def segment_sums(values: np.ndarray, bounds: Ints) -> Ints:
+    """Per segment ``values[..., bounds[i] : bounds[i + 1]]`` (ascending bounds, one more than
+    segments), the sum of its values (int64)."""
+    if bounds.size == 2:  # a group of one
+        return values.sum(axis=-1, keepdims=True, dtype=np.int64)
+    counts = bounds[1:] - bounds[:-1]
+    sums = np.zeros((*values.shape[:-1], counts.size), dtype=np.int64)
+    if values.shape[-1]:
+        sums[..., counts > 0] = np.add.reduceat(values, bounds[:-1][counts > 0], axis=-1)
     return sums
 
 
-def rice_parameters(gaps: np.ndarray, firsts: Ints, counts: Ints) -> Ints:
-    """The Rice parameter ``k`` of each segment's gaps (``counts`` each, the non-empty ones
-    starting at ``firsts``): of the two next to log2(mean * ln 2) (the optimum for geometric
-    gaps), the one that codes them in fewer bits."""
-    totals = segment_sums(gaps, firsts, counts)
-    safe = np.maximum(counts, 1)
-    mean = np.trunc(totals.astype(np.float64) / safe * 0.6931).astype(np.int64)
+def rice_parameters(gaps: np.ndarray, bounds: Ints, tensor_of: Ints) -> Ints:
+    """The Rice parameter ``k`` of each tensor's gaps (``gaps[bounds[i] : bounds[i + 1]]``,
+    ``tensor_of``: the tensor of each): of the two next to log2(mean * ln 2) (the optimum for
+    geometric gaps), the one that codes them in fewer bits."""
+    counts = bounds[1:] - bounds[:-1]
+    mean = np.trunc(segment_sums(gaps, bounds) / np.maximum(counts, 1) * 0.6931).astype(np.int64)
     low = np.maximum(bit_length(mean) - 1, 0)
     high = np.minimum(low + 1, 63)
-    costs = []
-    for k in (low, high):
-        shifted = gaps >> np.repeat(k, counts)
-        costs.append(segment_sums(shifted, firsts, counts).astype(np.int64) + counts * k)
-    return np.where(costs[0] <= costs[1], low, high)
+    low_cost, high_cost = (
+        segment_sums(gaps >> per_change(k, tensor_of), bounds) + counts * k for k in (low, high)
+    )
+    return np.where(low_cost <= high_cost, low, high)
 
 
 def field_widths(fields: np.ndarray, tensor_of: Ints, counts: Ints, bits: int) -> Ints:
@@ -221,9 +175,7 @@ def field_widths(fields: np.ndarray, tensor_of: Ints, counts: Ints, bits: int) -
     return np.argmin(costs, axis=1).astype(np.int64)
 
 
-# ------------------------------------------------------------------ one tensor's streams
-
-
+# ------------------------------------------------------------------ bit streams
 def _field_bits(k: int) -> int:
     """Bits of the smallest unsigned integer type that holds ``k`` bits."""
     return next(b for b in (8, 16, 32, 64) if k <= b)
@@ -256,49 +208,21 @@ def _packed_in_words(values: np.ndarray, k: int, group: int) -> ByteArray:
     return np.ascontiguousarray(packed[: (values.size * k + 7) // 8])  # one byte a row: strided
 
 
+def _row_values(rows: ByteArray) -> np.ndarray:
+    """uint64 values of (count, k ≤ 64) rows of bits, MSB first."""
+    per_value = _field_bits(rows.shape[1])
+    padded = np.zeros((rows.shape[0], per_value), dtype=np.uint8)
+    padded[:, per_value - rows.shape[1] :] = rows
+    values = np.packbits(padded, axis=1).reshape(-1).view(f">u{per_value // 8}")
+    return values.astype(np.uint64)
+
+
 def bits_to_fields(packed: ByteArray, k: int, count: int) -> np.ndarray:
     """Inverse of :func:`fields_to_bits`: ``count`` values of ``k`` bits, as uint64."""
-    per_value = _field_bits(k)
-    bits = np.zeros((count, per_value), dtype=np.uint8)
-    bits[:, per_value - k :] = np.unpackbits(packed, count=count * k).reshape(count, k)
-    fields = np.packbits(bits, axis=1).reshape(-1).view(f">u{per_value // 8}")
-    return fields.astype(np.uint64)
+    return _row_values(np.unpackbits(packed, count=count * k).reshape(count, k))
 
 
-def _bit_rows(values: np.ndarray, k: int) -> ByteArray:
-    """The low ``k`` bits of each value (uint64) as a (count, k) array of bits, MSB first."""
-    big_endian = values.astype(">u8")
-    return np.unpackbits(big_endian.view(np.uint8).reshape(-1, 8), axis=1)[:, 64 - k :]
-
-
-def _row_values(rows: ByteArray) -> np.ndarray:
-    """Inverse of :func:`_bit_rows`: uint64 values of (count, k) bit rows."""
-    padded = np.zeros((rows.shape[0], 64), dtype=np.uint8)
-    padded[:, 64 - rows.shape[1] :] = rows
-    return np.packbits(padded, axis=1).reshape(-1).view(">u8").astype(np.uint64)
-
-
-def pack_fields(fields: np.ndarray, width: int, bits: int) -> bytes:
-    """Low ``width`` bits of every field (zero-padded to a byte), the patch count as a varint,
-    then per patch (a field wider than ``width``) its index and its ``bits - width`` high bits,
-    back to back (zero-padded to a byte)."""
-    if width <= 1 and not int(fields.max()) >> width:  # no patch: one bit per field, or none
-        return (np.packbits(fields.astype(np.uint8)).tobytes() if width else b"") + b"\x00"
-    wide = fields.astype(np.uint64)
-    low = fields_to_bits(wide, width).tobytes() if width else b""
-    if width == bits:
-        return low + b"\x00"
-    patched = np.flatnonzero(wide >> np.uint64(width))
-    rows = np.concatenate(
-        (
-            _bit_rows(patched.astype(np.uint64), (wide.size - 1).bit_length()),
-            _bit_rows(wide[patched] >> np.uint64(width), bits - width),
-        ),
-        axis=1,
-    )
-    return low + varint(patched.size) + np.packbits(rows.reshape(-1)).tobytes()
-
-
+# ------------------------------------------------------------------ decoding
 def read_patches(
     raw: ByteArray, at: int, count: int, width: int, bits: int
 ) -> tuple[np.ndarray, np.ndarray, int] | None:
@@ -322,17 +246,8 @@ def read_patches(
     return indices.astype(np.int64), _row_values(rows[:, index_width:]), end
 
 
-def unary_stream(quotients: np.ndarray) -> ByteArray:
-    """Per quotient ``q``: ``q`` one bits then a zero, MSB first, padded with ones to a byte."""
-    ends = np.cumsum(quotients.view(np.int64) + 1) - 1
-    total = (int(ends[-1]) + 8) // 8 * 8
-    bits = np.ones(total, dtype=np.uint8)
-    bits[ends] = 0
-    return np.packbits(bits)
-
-
 def read_unary(stream: ByteArray, count: int) -> np.ndarray | None:
-    """Quotients (int64) of :func:`unary_stream`; None unless it holds exactly ``count`` codes
+    """Quotients (int64) of a unary stream; None unless it holds exactly ``count`` codes
     and fewer than 8 padding bits, all ones."""
     ends = np.flatnonzero(np.unpackbits(stream) == 0)
     if ends.size != count or stream.size * 8 - int(ends[-1]) - 1 >= 8:
@@ -342,27 +257,6 @@ def read_unary(stream: ByteArray, count: int) -> np.ndarray | None:
     np.subtract(ends[1:], ends[:-1], out=quotients[1:])
     quotients[1:] -= 1
     return quotients
-
-
-def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[bytes, XorChanges]:
-    """The payload turning ``old`` into ``new`` (``itemsize``-byte elements) and the changes."""
-    positions, before, xored = changed_elements(old, new, itemsize)
-    count = positions.size
-    head = bytes((MARK | LOG2[itemsize],)) + varint(old.size) + varint(count)
-    if not count:
-        return head, XorChanges(positions, xored)
-    gaps = encode_gaps(positions)
-    k = rice_parameter(gaps)
-    fields = step_fields(before, before ^ xored)
-    width = field_width(fields, itemsize * 8)
-    parts = (
-        head,
-        bytes((k, width)),
-        fields_to_bits(gaps, k).data,
-        pack_fields(fields, width, itemsize * 8),
-        unary_stream(gaps >> np.uint64(k)).data,
-    )
-    return b"".join(parts), XorChanges(positions, xored)
 
 
 def decode(
@@ -409,22 +303,47 @@ def xor_at(elements: np.ndarray, positions: Positions, values: np.ndarray) -> No
     elements[positions] ^= values
 
 
-def varint_lengths(values: Ints) -> Ints:
-    """Bytes of the LEB128 varint of each value (≥ 0, below 2**53)."""
-    return np.maximum((bit_length(values) + 6) // 7, 1)
+# ------------------------------------------------------------------ writing a group
+@dataclass(frozen=True)
+class _Streams:
+    """What a group's payloads hold besides their headers, per tensor and per change."""
+
+    counts: Ints
+    bounds: Ints
+    """Tensor ``t``'s changes are ``bounds[t] : bounds[t + 1]``."""
+    k: Ints
+    widths: Ints
+    gaps: np.ndarray
+    fields: np.ndarray
+    tensor_of: Ints
+    ordinals: Ints
+    """Each change's index among its tensor's changes."""
 
 
 class ByteWriter:
-    """Byte values to add at byte indices, summed into one buffer by :meth:`build`."""
+    """Byte values to add at byte indices, summed into one buffer by :meth:`build`, and whole
+    byte runs copied in after."""
 
     def __init__(self) -> None:
         self._indices: list[Ints] = []
         self._values: list[np.ndarray] = []
+        self._runs: list[tuple[int, ByteArray]] = []
 
     def put(self, at: Ints, values: np.ndarray) -> None:
         """Add ``values`` (each -255..255) to the bytes at ``at``."""
         self._indices.append(at)
         self._values.append(values)
+
+    def streams(self, at: Ints, values: np.ndarray, widths: Ints, streams: _Streams) -> None:
+        """Each tensor's ``values`` (one a change), ``widths[t]`` bits each, back to back from
+        byte ``at[t]``. A group of one packs its run whole."""
+        if at.size == 1:
+            if widths[0] and values.size:
+                self._runs.append((int(at[0]), fields_to_bits(values, int(widths[0]))))
+            return
+        tensor_of, ordinals = streams.tensor_of, streams.ordinals
+        width_of = widths[tensor_of]
+        self.bits(8 * at[tensor_of] + ordinals * width_of, values, width_of)
 
     def bits(self, bit_at: Ints, values: np.ndarray, widths: Ints) -> None:
         """Each value's low ``widths[i]`` bits (≤ 64), MSB first, from bit ``bit_at[i]`` of the
@@ -451,17 +370,14 @@ class ByteWriter:
         for byte in range(span):
             self.put(first + byte, (window >> (8 * (span - 1 - byte))) & 255)
 
-    def varints(self, at: Ints, values: Ints, lengths: Ints) -> None:
-        """The LEB128 varint of each value (``lengths`` from :func:`varint_lengths`) from byte
-        ``at[i]``."""
-        for byte in range(int(lengths.max(initial=0))):
-            more = lengths > byte
-            seven = (values[more] >> (7 * byte)) & 0x7F
-            self.put(at[more] + byte, seven | np.where(lengths[more] > byte + 1, 0x80, 0))
-
     def unary(self, at: Ints, lengths: Ints, zero_bits: Ints) -> None:
         """Regions of one bits (``lengths[i]`` bytes from byte ``at[i]``) with a zero at each
         bit of ``zero_bits`` (inside a region)."""
+        if at.size == 1:  # one region, packed whole
+            bits = np.ones(8 * int(lengths[0]), dtype=np.uint8)
+            bits[zero_bits - 8 * int(at[0])] = 0
+            self._runs.append((int(at[0]), np.packbits(bits)))
+            return
         total = int(lengths.sum())
         region_start = np.repeat(at - (np.cumsum(lengths) - lengths), lengths)
         self.put(region_start + np.arange(total), np.full(total, 255))
@@ -469,148 +385,129 @@ class ByteWriter:
 
     def build(self, size: int) -> ByteArray:
         """The ``size`` bytes written."""
-        if not self._indices:
-            return np.zeros(size, dtype=np.uint8)
-        indices = np.concatenate(self._indices)
-        values = np.concatenate([v.astype(np.float64, copy=False) for v in self._values])
-        summed = np.bincount(indices, weights=values, minlength=size)
-        return summed[:size].astype(np.uint8)
+        if self._indices:
+            indices = np.concatenate(self._indices)
+            values = np.concatenate([v.astype(np.float64, copy=False) for v in self._values])
+            out = np.bincount(indices, weights=values, minlength=size)[:size].astype(np.uint8)
+        else:
+            out = np.zeros(size, dtype=np.uint8)
+        for at, run in self._runs:
+            out[at : at + run.size] = run
+        return out
 
 
-def groups(
-    olds: Sequence[ByteArray], itemsizes: Sequence[int]
-) -> tuple[list[tuple[int, list[int]]], list[int]]:
-    """([(element size, indices of tensors coded in one pass)], indices left to the per-tensor
-    encoder: sizes that are not whole 8-byte words, and large tensors)."""
+def groups(olds: Sequence[ByteArray], itemsizes: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """[(element size, indices of the tensors coded in one pass)]: a tensor over
+    :data:`ALONE_BYTES` alone, the others by element size, :data:`GROUP_BYTES` at most each."""
     by_size: dict[int, list[list[int]]] = {}
     held: dict[int, int] = {}
-    alone: list[int] = []
+    out: list[tuple[int, list[int]]] = []
     for index, (old, itemsize) in enumerate(zip(olds, itemsizes, strict=True)):
-        if old.size % 8 or old.size > ALONE_BYTES:
-            alone.append(index)
-            continue
         size = element_size(old.size, itemsize)
+        if old.size > ALONE_BYTES:
+            out.append((size, [index]))
+            continue
         chunks = by_size.setdefault(size, [[]])
         if chunks[-1] and held[size] + old.size > GROUP_BYTES:
             chunks.append([])
             held[size] = 0
         chunks[-1].append(index)
         held[size] = held.get(size, 0) + old.size
-    return [(size, chunk) for size, chunks in by_size.items() for chunk in chunks], alone
+    return out + [(size, chunk) for size, chunks in by_size.items() for chunk in chunks]
 
 
 _masks = threading.local()
 
 
-def _mask(size: int) -> npt.NDArray[np.bool_]:
-    """This thread's mask of ``size`` entries, kept between calls: allocated and freed per
-    group, glibc handed its pages back and faulted them in again each time."""
-    mask = getattr(_masks, "mask", None)
-    if mask is None or mask.size < size:
-        mask = _masks.mask = np.empty(max(size, GROUP_BYTES // 8), dtype=bool)
-    return mask[:size]
-
-
-def _changed_words(olds: Sequence[ByteArray], news: Sequence[ByteArray]) -> tuple[Ints, Ints]:
-    """(indices of the 8-byte words that differ, counted over the tensors end to end; each
-    tensor's first word there) of tensors of whole 8-byte words.
-
-    Each tensor is compared where it lies, into one mask: copying the tensors end to end first
-    cost as much again as the compare, and its buffer a page fault per 4 KB in a new thread."""
-    word_at = np.zeros(len(olds) + 1, dtype=np.int64)
-    np.cumsum([old.size // 8 for old in olds], out=word_at[1:])
-    at = word_at.tolist()
-    differs = _mask(at[-1])
-    for i, (old, new) in enumerate(zip(olds, news, strict=True)):
-        np.not_equal(old.view(np.uint64), new.view(np.uint64), out=differs[at[i] : at[i + 1]])
-    return np.flatnonzero(differs), word_at
+def _words(data: ByteArray) -> npt.NDArray[np.uint64]:
+    """``data`` as u64 words, a last partial word padded with zeros (copied only then)."""
+    if data.size % 8:
+        data = np.concatenate((data, np.zeros(-data.size % 8, dtype=np.uint8)))
+    return data.view(np.uint64)
 
 
 def _changes(
-    olds: Sequence[ByteArray],
-    news: Sequence[ByteArray],
-    itemsize: int,
-    words: Ints,
-    word_at: Ints,
+    olds: Sequence[npt.NDArray[np.uint64]], news: Sequence[npt.NDArray[np.uint64]], itemsize: int
 ) -> tuple[Ints, np.ndarray, np.ndarray, Ints]:
-    """(positions of the changed elements, counted over the tensors end to end; their old
-    values; their XOR values; each tensor's first element) from the :func:`_changed_words`."""
+    """(positions of the changed elements, counted over the tensors' words end to end; their
+    old values; their XOR values; each tensor's first element, one more than tensors).
+
+    The tensors are compared where they lie into one mask of :data:`CHUNK_WORDS`, its
+    differing words gathered whenever it fills, while they are still in cache: copying the
+    tensors end to end first cost as much again as the compare, and a mask allocated per call
+    a page fault per 4 KB."""
+    mask = getattr(_masks, "mask", None)
+    if mask is None:
+        mask = _masks.mask = np.empty(CHUNK_WORDS, dtype=bool)
+    word_at = np.zeros(len(olds) + 1, dtype=np.int64)
+    np.cumsum([old.size for old in olds], out=word_at[1:])
     at = word_at.tolist()
-    bounds = np.searchsorted(words, word_at).tolist()
-    old_parts, new_parts = [], []
+    found: list[tuple[Ints, np.ndarray, np.ndarray]] = []  # (positions, old, XOR) of each
+    pieces: list[tuple[int, int, int]] = []  # (tensor, its first word, where in the mask)
+
+    def gather(filled: int) -> None:
+        words = mask[:filled].nonzero()[0]
+        bounds = np.searchsorted(words, [p[2] for p in pieces] + [filled]).tolist()
+        parts: list[list[np.ndarray]] = [[], [], []]  # global word indices, old and new words
+        for (i, first, offset), lo, hi in zip(pieces, bounds, bounds[1:], strict=False):
+            if lo < hi:
+                inside = words[lo:hi] + (first - offset)
+                parts[0].append(inside + at[i])
+                parts[1].append(olds[i][inside])
+                parts[2].append(news[i][inside])
+        pieces.clear()
+        if parts[0]:
+            joined = [part[0] if len(part) == 1 else np.concatenate(part) for part in parts]
+            found.append(split_words(joined[0], joined[1], joined[2], itemsize))
+
+    filled = 0
     for i, (old, new) in enumerate(zip(olds, news, strict=True)):
-        if bounds[i] < bounds[i + 1]:
-            inside_tensor = words[bounds[i] : bounds[i + 1]] - at[i]
-            old_parts.append(old.view(np.uint64)[inside_tensor])
-            new_parts.append(new.view(np.uint64)[inside_tensor])
-    old_words = np.concatenate(old_parts) if old_parts else np.zeros(0, np.uint64)
-    new_words = np.concatenate(new_parts) if new_parts else np.zeros(0, np.uint64)
-    positions, before, xored = split_words(words, old_words, new_words, itemsize)
+        for first in range(0, old.size, CHUNK_WORDS):
+            size = min(CHUNK_WORDS, old.size - first)
+            if filled + size > CHUNK_WORDS:
+                gather(filled)
+                filled = 0
+            chunk = slice(first, first + size)
+            np.not_equal(old[chunk], new[chunk], out=mask[filled : filled + size])
+            pieces.append((i, first, filled))
+            filled += size
+    gather(filled)
+    if len(found) == 1:
+        positions, before, xored = found[0]
+    else:
+        empty = (np.zeros(0, np.int64), np.zeros(0, ELEMENT_DTYPES[itemsize]))
+        positions, before, xored = (
+            np.concatenate(part)
+            for part in zip(*found or [(empty[0], empty[1], empty[1])], strict=True)
+        )
     return positions, before, xored, word_at << LOG2[8 // itemsize]
 
 
-@dataclass(frozen=True)
-class _Streams:
-    """What a group's payloads hold besides their headers, per tensor and per change."""
-
-    counts: Ints
-    firsts: Ints
-    """Index of each changed tensor's first change."""
-    k: Ints
-    widths: Ints
-    gaps: np.ndarray
-    fields: np.ndarray
-    tensor_of: Ints
-    ordinals: Ints
-    """Each change's index among its tensor's changes."""
-
-
-def _layout(streams: _Streams, nbytes: Ints, itemsize: int) -> tuple[ByteWriter, Ints]:
-    """Every payload of the group written into one :class:`ByteWriter`, each after the one
-    before; returns it and the payloads' byte offsets (one more than tensors)."""
-    # long because each section's offset follows from the one before it, for all tensors
+def _layout(streams: _Streams, itemsize: int) -> tuple[ByteWriter, Ints, Ints, list[int]]:
+    """The bodies of the group's payloads (their streams: a payload without its header and
+    patch count) written into one :class:`ByteWriter`, each after the one before; returns it,
+    the bodies' byte offsets (one more than tensors), each one's patch rows' offset and each
+    one's patch count."""
     s = streams
     bits = 8 * itemsize
     # int64 where the fields fit (numpy is faster on it than on uint64).
     wide = s.fields.astype(np.int64 if itemsize < 8 else np.uint64)
-    tensor_widths = s.widths[s.tensor_of]
+    tensor_widths = per_change(s.widths, s.tensor_of)
     shifts = tensor_widths.astype(wide.dtype)
-    patched = np.flatnonzero((wide >> shifts) * (tensor_widths < bits))
+    patched = ((wide >> shifts) * (tensor_widths < bits)).nonzero()[0]
     patches = np.bincount(s.tensor_of[patched], minlength=s.counts.size).astype(np.int64)
     index_bits = bit_length(np.maximum(s.counts - 1, 0))
-    quotients = s.gaps >> s.k[s.tensor_of]
-    ends = np.cumsum(quotients + 1) - 1  # each unary code's zero bit, over all tensors
-    unary_bits = segment_sums(quotients + 1, s.firsts, s.counts)
-    size_lengths, count_lengths = varint_lengths(nbytes), varint_lengths(s.counts)
-    patch_lengths = varint_lengths(patches)
-    head = 1 + size_lengths + count_lengths + 2
-    sections = [
-        head,
-        (s.counts * s.k + 7) // 8,
-        (s.counts * s.widths + 7) // 8,
-        patch_lengths,
-        (patches * (index_bits + bits - s.widths) + 7) // 8,
-        (unary_bits + 7) // 8,
-    ]
-    lengths = np.where(s.counts > 0, sum(sections), 0)
-    at = np.zeros(s.counts.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=at[1:])
-    starts = [at[:-1]]
-    for section in sections[:-1]:
-        starts.append(starts[-1] + section)
-    head_at, remainder_at, field_at, varint_at, patch_at, unary_at = starts
+    quotients = s.gaps >> per_change(s.k, s.tensor_of)
+    zeros = np.cumsum(quotients + 1) - 1  # each unary code's zero bit, over all tensors
+    unary_bits = segment_sums(quotients + 1, s.bounds)
+    section_bits = (s.counts * s.k, s.counts * s.widths, patches * (index_bits + bits - s.widths))
+    sections = (np.array((*section_bits, unary_bits)) + 7) // 8
+    ends = np.cumsum(sections.T)  # each tensor's four sections, one after the other
+    remainder_at, field_at, patch_at, unary_at = (ends - sections.T.ravel()).reshape(-1, 4).T
+    at = np.append(remainder_at, ends[-1])
     writer = ByteWriter()
-    changed = np.flatnonzero(s.counts)
-    writer.put(head_at[changed], np.full(changed.size, MARK | LOG2[itemsize]))
-    writer.varints(head_at[changed] + 1, nbytes[changed], size_lengths[changed])
-    count_at = head_at + 1 + size_lengths
-    writer.varints(count_at[changed], s.counts[changed], count_lengths[changed])
-    writer.put(count_at[changed] + count_lengths[changed], s.k[changed])
-    writer.put(count_at[changed] + count_lengths[changed] + 1, s.widths[changed])
-    k_of = s.k[s.tensor_of]
-    writer.bits(8 * remainder_at[s.tensor_of] + s.ordinals * k_of, s.gaps, k_of)
-    writer.bits(8 * field_at[s.tensor_of] + s.ordinals * tensor_widths, wide, tensor_widths)
-    writer.varints(varint_at[changed], patches[changed], patch_lengths[changed])
+    writer.streams(remainder_at, s.gaps, s.k, s)
+    writer.streams(field_at, wide, s.widths, s)
     if patched.size:
         owner = s.tensor_of[patched]
         row_bits = index_bits + bits - s.widths
@@ -619,65 +516,79 @@ def _layout(streams: _Streams, nbytes: Ints, itemsize: int) -> tuple[ByteWriter,
             8 * patch_at[owner] + (np.arange(patched.size) - first_patch[owner]) * row_bits[owner]
         )
         writer.bits(row_at, s.ordinals[patched], index_bits[owner])
-        high = wide[patched] >> shifts[patched]
-        writer.bits(row_at + index_bits[owner], high, bits - tensor_widths[patched])
+        high = wide[patched] >> s.widths[owner].astype(wide.dtype)
+        writer.bits(row_at + index_bits[owner], high, bits - s.widths[owner])
     unary_before = np.cumsum(unary_bits) - unary_bits
     writer.unary(
-        unary_at, sections[-1], 8 * unary_at[s.tensor_of] + ends - unary_before[s.tensor_of]
+        unary_at, sections[-1], per_change(8 * unary_at - unary_before, s.tensor_of) + zeros
     )
-    return writer, at
+    return writer, at, patch_at, patches.tolist()
 
 
 def encode_group(
     olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsize: int
-) -> list[tuple[bytes, int, XorChanges] | None]:
-    """The sparse-v2 payload of each tensor (whole 8-byte words, all coded with ``itemsize``
-    -byte elements), None for an unchanged one."""
-    bits = 8 * itemsize
-    words, word_at = _changed_words(olds, news)
-    if words.size * (8 // itemsize) > GROUP_CHANGES and len(olds) > 1:
-        # Maybe a dense group: halved (by changed words) so the pass's memory stays bounded.
-        word_bounds = np.searchsorted(words, word_at[1:])
-        half = min(max(int(np.searchsorted(word_bounds, words.size // 2)) + 1, 1), len(olds) - 1)
-        del words
-        return encode_group(olds[:half], news[:half], itemsize) + encode_group(
-            olds[half:], news[half:], itemsize
+) -> list[tuple[bytes, int, XorChanges]]:
+    """(sparse-v2 payload, changed bytes, changes) of each tensor, all coded with
+    ``itemsize``-byte elements."""
+    return _encode_words([_words(o) for o in olds], [_words(n) for n in news], olds, itemsize)
+
+
+def _encode_words(
+    old_words: list[npt.NDArray[np.uint64]],
+    new_words: list[npt.NDArray[np.uint64]],
+    olds: Sequence[ByteArray],
+    itemsize: int,
+) -> list[tuple[bytes, int, XorChanges]]:
+    """:func:`encode_group` of the tensors ``olds`` as ``old_words`` and ``new_words``."""
+    positions, before, xored, starts = _changes(old_words, new_words, itemsize)
+    if positions.size > GROUP_CHANGES and len(olds) > 1:
+        # A dense group: halved (by changes) so the pass's memory stays bounded.
+        bounds = np.searchsorted(positions, starts[1:])
+        half = min(max(int(np.searchsorted(bounds, positions.size // 2)) + 1, 1), len(olds) - 1)
+        del positions, before, xored
+        return _encode_words(old_words[:half], new_words[:half], olds[:half], itemsize) + (
+            _encode_words(old_words[half:], new_words[half:], olds[half:], itemsize)
         )
-    positions, before, xored, starts = _changes(olds, news, itemsize, words, word_at)
     bounds = np.searchsorted(positions, starts)
-    counts = np.diff(bounds)
+    counts = bounds[1:] - bounds[:-1]
     firsts = bounds[:-1][counts > 0]
     tensor_of = np.repeat(np.arange(len(olds)), counts)
-    local = positions - starts[:-1][tensor_of]
+    local = positions - per_change(starts[:-1], tensor_of)
     gaps = encode_gaps(local).view(np.int64)
     gaps[firsts] = local[firsts]  # each tensor's first counts from -1
     fields = step_fields(before, before ^ xored)
     streams = _Streams(
         counts=counts,
-        firsts=firsts,
-        k=rice_parameters(gaps, firsts, counts),
-        widths=field_widths(fields, tensor_of, counts, bits),
+        bounds=bounds,
+        k=rice_parameters(gaps, bounds, tensor_of),
+        widths=field_widths(fields, tensor_of, counts, 8 * itemsize),
         gaps=gaps,
         fields=fields,
         tensor_of=tensor_of,
         ordinals=np.arange(positions.size) - np.repeat(bounds[:-1], counts),
     )
-    nbytes = np.array([old.size for old in olds], dtype=np.int64)
-    writer, at = _layout(streams, nbytes, itemsize)
-    payloads = writer.build(int(at[-1])).tobytes()
-    changed_bytes = segment_sums(
-        np.count_nonzero(xored.view(np.uint8).reshape(-1, itemsize), axis=1), firsts, counts
-    ).tolist()
-    at_list, bounds_list = at.tolist(), bounds.tolist()
-    out: list[tuple[bytes, int, XorChanges] | None] = []
-    for i, count in enumerate(counts.tolist()):
-        if not count:
-            out.append(None)
-            continue
-        lo, hi = bounds_list[i], bounds_list[i + 1]
-        changes = XorChanges(local[lo:hi], xored[lo:hi])
-        out.append((payloads[at_list[i] : at_list[i + 1]], changed_bytes[i], changes))
+    writer, at, patch_at, patches = _layout(streams, itemsize)
+    bodies = writer.build(int(at[-1])).tobytes()
+    changed_bytes = segment_sums(xored.view(np.uint8) != 0, bounds * itemsize).tolist()
+    at_list, patch_list, bounds_list = at.tolist(), patch_at.tolist(), bounds.tolist()
+    k_list, width_list = streams.k.tolist(), streams.widths.tolist()
+    mark = bytes((MARK | LOG2[itemsize],))
+    out = []
+    for i, (lo, hi) in enumerate(itertools.pairwise(bounds_list)):
+        # The header and patch count in Python: fewer calls than numpy's varints for a group.
+        parts = [mark, varint(olds[i].size), varint(hi - lo)]
+        if hi > lo:
+            parts += [bytes((k_list[i], width_list[i])), bodies[at_list[i] : patch_list[i]]]
+            parts += [varint(patches[i]), bodies[patch_list[i] : at_list[i + 1]]]
+        out.append((b"".join(parts), changed_bytes[i], XorChanges(local[lo:hi], xored[lo:hi])))
     return out
+
+
+def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[bytes, XorChanges]:
+    """The payload turning ``old`` into ``new`` (``itemsize``-byte elements) and the changes:
+    a group of one."""
+    ((payload, _, changes),) = encode_group([old], [new], itemsize)
+    return payload, changes
 
 
 UNCHANGED = FramedDelta(b"", 0)
@@ -687,20 +598,19 @@ def encode_framed(
     olds: Sequence[ByteArray],
     news: Sequence[ByteArray],
     itemsizes: Sequence[int],
-    *,
     tag: int,
     dense_ratio: int,
 ) -> list[FramedDelta | None]:
-    """As the numba backend's ``encode_framed``, but only each element size's small tensors, in
-    one pass of numpy calls (:func:`encode_group`); None for the others (large, not whole words)."""
+    """As the numba backend's ``encode_framed``: each tensor's payload (after the byte ``tag``
+    where it is ≥ 0) in its zstd frame, the tensors in :func:`groups`; None for one whose
+    payload is over ``1/dense_ratio`` of its tensor (0: never), to encode alone."""
     framed: list[FramedDelta | None] = [None] * len(olds)
-    chunks, _ = groups(olds, itemsizes)
     prefix = bytes((tag,)) if tag >= 0 else b""
-    for size, indices in chunks:
-        payloads = encode_group([olds[i] for i in indices], [news[i] for i in indices], size)
-        for i, encoded in zip(indices, payloads, strict=True):
-            if encoded is None:
+    for size, indices in groups(olds, itemsizes):
+        encoded = encode_group([olds[i] for i in indices], [news[i] for i in indices], size)
+        for i, (payload, changed, changes) in zip(indices, encoded, strict=True):
+            if not changed:
                 framed[i] = UNCHANGED
-            elif not dense_ratio or len(encoded[0]) * dense_ratio <= olds[i].size:
-                framed[i] = FramedDelta(compress(prefix + encoded[0]), encoded[1], encoded[2])
+            elif not dense_ratio or len(payload) * dense_ratio <= olds[i].size:
+                framed[i] = FramedDelta(compress(prefix + payload), changed, changes)
     return framed

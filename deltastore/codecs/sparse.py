@@ -1,29 +1,27 @@
-"""deltastore's own encodings: ``sparse-v2`` (varint header, Rice gaps, ulp steps; the format is
+"""deltastore's own encodings: ``sparse-v2`` (the format is
 :mod:`~deltastore.codecs.sparse_format`) and ``auto``, per tensor the smaller of ``xor`` and
 ``sparse-v2``. A reference reader knows neither name and refuses the version. The store wraps
 every payload in one zstd-1 frame as for any encoding; inside, nothing is compressed again.
 
 The kernels come from :mod:`~deltastore.codecs.numba_backend` where numba is installed (``pip
 install 'deltastore[fast]'``) and ``DELTASTORE_NO_JIT`` is unset, else from
-:mod:`~deltastore.codecs.numpy_backend` (the same bytes). The compiled kernels compile on their
-first use on a machine (or at :func:`warm_up`, never at ``import deltastore``), then load from
-numba's on-disk cache (next to the module or in ``NUMBA_CACHE_DIR``). With numba, a batch is
-one compiled call (thousands of small tensors would spend most of their time handing the GIL
-around), and a single tensor is a batch of one.
+:mod:`~deltastore.codecs.numpy_backend` (the same bytes). They compile on their first use on a
+machine (or at :func:`warm_up`, never at ``import deltastore``), then load from numba's on-disk
+cache (next to the module or in ``NUMBA_CACHE_DIR``).
 
 An ``auto`` payload is one tag byte, then that encoding's payload unchanged::
 
     0x00 ‖ xor payload        (new XOR old, the tensor's full size)
     0x02 ‖ sparse-v2 payload
 
-Tag 1 was the removed ``sparse-v1``, refused with what to do. So the choice travels with the
-bytes it describes, and every choice is self-inverse (applied twice, a payload reverts). A
-deltastore older than ``sparse-v2`` refuses tag 2 with a message that says to upgrade.
-sparse-v2 is encoded first; a payload at most 1/16 of the tensor is kept without trying anything
-else (its streams are then smaller than a zstd-1 frame of a XOR of zero runs). Otherwise (a
-dense change, rare in a training step) the XOR is compressed too and the smaller kept. Encoding
-holds up to 24 bytes per changed element (position, step field, XOR value; the compiled
-encoder's growing buffers twice that for a moment).
+Tag 1 was the removed ``sparse-v1``, refused with what to do; a deltastore older than
+``sparse-v2`` refuses tag 2 with a message that says to upgrade. Every choice is self-inverse
+(applied twice, a payload reverts). sparse-v2 is encoded first; a payload at most 1/16 of the
+tensor is kept without trying anything else (its streams are then smaller than a zstd-1 frame
+of a XOR of zero runs); otherwise (a dense change, rare in a training step) the XOR is
+compressed too and the smaller kept. Encoding holds up to 24 bytes per changed element
+(position, step field, XOR value; the compiled encoder's growing buffers twice that for a
+moment).
 """
 
 from __future__ import annotations
@@ -126,12 +124,9 @@ class _SparseFamily(Encoding):
 
     idempotent = False
     checks_before_writing = True
-    """Every bound of a payload is checked before the target is written."""
     applies_in_batches = True
-    """With numba, one compiled call per batch."""
     self_inverse = True
-    """Either side of a step gives the other, values are XORed in: applying a payload to its
-    own result restores the bytes."""
+    """Either side of a step gives the other, values are XORed in."""
     tag: ClassVar[int] = -1
     """The byte before each sparse-v2 payload (``auto``'s), -1 for none."""
     dense_ratio: ClassVar[int] = 0
@@ -139,8 +134,7 @@ class _SparseFamily(Encoding):
     alone (``auto`` compares the others there); 0: never."""
 
     def __init__(self, *, use_jit: bool | None = None) -> None:
-        """``use_jit``: True needs numba, False is numpy only, None (default) uses numba when it
-        is importable and ``DELTASTORE_NO_JIT`` is not set."""
+        """``use_jit``: as for :func:`compiled_backend`."""
         self.use_jit = use_jit
 
     def apply_numpy(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
@@ -151,11 +145,10 @@ class _SparseFamily(Encoding):
         self, olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsizes: Sequence[int]
     ) -> list[FramedDelta]:
         """As :meth:`Encoding.encode_framed`: with numba, a batch in one call without the GIL;
-        with numpy, small tensors in one pass per element size; a tensor the batch pass does
-        not take (or over ``dense_ratio``) encoded again alone."""
+        with numpy, in groups of one pass each; a tensor over ``dense_ratio`` encoded again
+        alone."""
         if len(olds) < 2:
             return super().encode_framed(olds, news, itemsizes)
-        compiled = compiled_backend(self.use_jit)
         if not all(a.dtype == np.uint8 and a.flags.c_contiguous for a in (*olds, *news)):
             return super().encode_framed(olds, news, itemsizes)
         for index, (old, new) in enumerate(zip(olds, news, strict=True)):
@@ -164,12 +157,8 @@ class _SparseFamily(Encoding):
                     f"tensor {index} of the batch has {old.size} old bytes and {new.size} new "
                     "ones; pass both states of the same tensor"
                 )
-        if compiled is None:  # numpy: each element size's small tensors in one pass
-            framed = numpy_backend.encode_framed(
-                olds, news, itemsizes, tag=self.tag, dense_ratio=self.dense_ratio
-            )
-        else:
-            framed = compiled.encode_framed(olds, news, itemsizes, self.tag, self.dense_ratio)
+        backend = compiled_backend(self.use_jit) or numpy_backend
+        framed = backend.encode_framed(olds, news, itemsizes, self.tag, self.dense_ratio)
         for i, delta in enumerate(framed):
             if delta is None:
                 (framed[i],) = super().encode_framed(

@@ -56,7 +56,6 @@ TAG_COMPACT = 2
 ELEMENT_DTYPES: dict[int, np.dtype] = {s: np.dtype(f"<u{s}") for s in (1, 2, 4, 8)}
 """Unsigned little-endian element types by size in bytes: the widths the format knows."""
 LOG2 = {1: 0, 2: 1, 4: 2, 8: 3}
-"""log2 of each element size."""
 SAFETENSORS_ITEMSIZES: dict[str, int] = {
     **dict.fromkeys(("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2"), 1),
     **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
@@ -83,7 +82,6 @@ def itemsize_of_dtype(dtype: str) -> int:
 
 
 def max_payload_size(nbytes: int) -> int:
-    """Largest valid payload for a tensor of ``nbytes`` bytes."""
     # At most one change per byte: 23 header and varint bytes; per change a remainder ≤ 64
     # bits, a field ≤ 64, a patch ≤ 128, unary ≤ sum(gaps) + count ≤ 2 * nbytes bits.
     return 32 + nbytes * 8 + nbytes * 24 + nbytes // 4 + 1

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltastore.codecs import ENCODINGS, compress, decompress, get_encoding
-from deltastore.codecs.numpy_backend import CHUNK_WORDS, decode_gaps, encode_gaps
+from deltastore.codecs.numpy_backend import decode_gaps, encode_gaps
 from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding
 from deltastore.codecs.sparse_format import TAG_COMPACT, TAG_SPARSE_V1, TAG_XOR, itemsize_of_dtype
 from deltastore.errors import ConfigError, DeltastoreError, FormatError
@@ -105,11 +105,11 @@ def test_torch_views_with_their_element_size(dtype: torch.dtype, layout: str):
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 def test_changes_across_chunk_boundaries_and_the_tail(itemsize: int):
     """Changes right at the kernel's chunk edges and in the last, partial word are found."""
+    edge = 1 << 21  # a multiple of the compiled finder's 32 KB chunks
     partial_word = (8 - itemsize) % 8  # whole elements that do not fill a last word
-    nbytes = 2 * CHUNK_WORDS * 8 + 24 + partial_word
+    nbytes = 2 * edge + 24 + partial_word
     old = np.random.default_rng(3).integers(0, 256, size=nbytes, dtype=np.uint8)
     new = old.copy()
-    edge = CHUNK_WORDS * 8
     for byte in (0, edge - 1, edge, 2 * edge - 1, 2 * edge, nbytes - 1):
         new[byte] ^= 0x5A
     payload = roundtrip("sparse-v2", old, new, itemsize)

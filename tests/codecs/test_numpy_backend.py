@@ -1,8 +1,9 @@
-"""The numpy batch encoder (no numba): a batch's sparse-v2 payloads in one pass of numpy calls.
+"""The numpy writer (no numba): a group's sparse-v2 payloads in one pass of numpy calls.
 
-Its payloads must be byte for byte those of the per-tensor numpy encoder, whatever the element
-size, size, density and step spread (patched steps, 64-bit fields, patch rows wider than 64
-bits); the bytes come from :class:`ByteWriter`, checked here against bit strings built by hand.
+A group's payloads must be byte for byte each tensor's as a group of one (whose streams are
+packed whole) and the compiled encoder's, whatever the element size, size, density and step
+spread (patched steps, 64-bit fields, patch rows wider than 64 bits); the bytes come from
+:class:`ByteWriter`, checked here against bit strings built by hand.
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ from deltastore.codecs.numpy_backend import (
     encode_group,
     fields_to_bits,
     groups,
-    unary_stream,
-    varint_lengths,
 )
 from deltastore.codecs.numpy_backend import encode as encode_numpy
 from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding
 from deltastore.codecs.sparse_format import varint
 from tests.codecs.test_batch import check_like_alone
 from tests.codecs.test_sparse import DENSITIES, stepped
+from tests.conftest import HAVE_NUMBA
 
 
 @settings(max_examples=120, deadline=None)
@@ -42,17 +42,17 @@ from tests.codecs.test_sparse import DENSITIES, stepped
     spread=st.sampled_from([1, 3, 12, 64]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_group_payloads_are_the_per_tensor_encoders_bytes(
+def test_group_payloads_are_each_tensors_alone_and_the_compiled_encoders(
     itemsize: int, words: list[int], density: float, spread: int, seed: int
 ):
     rng = np.random.default_rng(seed)
     olds = [rng.integers(0, 256, size=8 * n, dtype=np.uint8) for n in words]
     news = [stepped(old, itemsize, density, seed + i, spread) for i, old in enumerate(olds)]
+    compiled = CompactSparseEncoding(use_jit=True) if HAVE_NUMBA else None
     for old, new, got in zip(olds, news, encode_group(olds, news, itemsize), strict=True):
         payload, changes = encode_numpy(old, new, itemsize)
-        if got is None:
-            assert not changes.positions.size
-            continue
+        if compiled is not None:
+            assert bytes(compiled.encode(old, new, itemsize=itemsize).payload) == payload
         got_payload, changed_bytes, got_changes = got
         assert got_payload == payload
         assert changed_bytes == int(np.count_nonzero(old != new))
@@ -73,8 +73,9 @@ def test_wide_patches_of_eight_byte_elements():
     payload, changes = encode_numpy(old, new, 8)
     width_at = 1 + len(varint(old.size)) + len(varint(changes.positions.size)) + 1
     assert payload[0] == 0x23 and payload[width_at] == 1  # ±1 steps: fields of one bit
-    (got,) = encode_group([old], [new], 8)
-    assert got is not None and got[0] == payload
+    other = np.zeros(64, dtype=np.uint8)
+    got, _ = encode_group([old, other], [new, other + 1], 8)  # the group's windows, not runs
+    assert got[0] == payload
 
 
 def bit_string(values: list[int], widths: list[int]) -> str:
@@ -113,38 +114,33 @@ def test_writer_bits_match_a_hand_built_bit_string(fields: list[tuple[int, int]]
     assert "".join(format(b, "08b") for b in got.tobytes()) == "".join(expected)
 
 
-def test_writer_varints_and_unary_match_the_per_tensor_helpers():
-    values = np.array([0, 1, 127, 128, 300, 2**21, 2**49 + 5], dtype=np.int64)
-    lengths = varint_lengths(values)
-    assert lengths.tolist() == [len(varint(int(v))) for v in values]
-    at = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-    writer = ByteWriter()
-    writer.varints(at, values, lengths)
-    assert writer.build(int(lengths.sum())).tobytes() == b"".join(varint(int(v)) for v in values)
-
+def test_writer_unary_regions_match_hand_built_bit_strings():
     rng = np.random.default_rng(2)
-    runs = [rng.integers(0, 20, size=n).astype(np.uint64) for n in (1, 5, 8, 33)]
-    streams = [unary_stream(q).tobytes() for q in runs]
-    region_bytes = np.array([len(s) for s in streams], dtype=np.int64)
-    region_at = np.concatenate(([3], 3 + np.cumsum(region_bytes)[:-1])).astype(np.int64)
-    zeros = np.concatenate(
-        [8 * a + np.cumsum(q.astype(np.int64) + 1) - 1 for a, q in zip(region_at, runs)]
-    )
-    writer = ByteWriter()
-    writer.unary(region_at, region_bytes, zeros)
-    built = writer.build(3 + int(region_bytes.sum())).tobytes()
-    assert built == b"\x00" * 3 + b"".join(streams)
+    runs = [rng.integers(0, 20, size=n) for n in (1, 5, 8, 33)]
+    streams = ["".join("1" * int(q) + "0" for q in run) for run in runs]
+    streams = [bits + "1" * (-len(bits) % 8) for bits in streams]  # padded with ones
+    sizes = np.array([len(bits) // 8 for bits in streams], dtype=np.int64)
+    starts = np.concatenate(([3], 3 + np.cumsum(sizes)[:-1])).astype(np.int64)
+    zeros = [8 * start + np.cumsum(q + 1) - 1 for start, q in zip(starts, runs, strict=True)]
+    for chosen in ([0, 1, 2, 3], [2]):  # several regions, and one (packed whole)
+        writer = ByteWriter()
+        writer.unary(starts[chosen], sizes[chosen], np.concatenate([zeros[i] for i in chosen]))
+        built = writer.build(3 + int(sizes.sum()))
+        expected = "0" * 24 + "".join(
+            bits if i in chosen else "0" * len(bits) for i, bits in enumerate(streams)
+        )
+        assert "".join(format(b, "08b") for b in built.tobytes()) == expected
 
 
 def test_groups_split_by_element_size_and_bytes():
     olds = [np.zeros(n, dtype=np.uint8) for n in (64, 9, ALONE_BYTES + 8, 64, ALONE_BYTES, 8)]
     olds += [np.zeros(ALONE_BYTES, dtype=np.uint8) for _ in range(GROUP_BYTES // ALONE_BYTES + 6)]
     itemsizes = [2, 2, 2, 4, 2, 3] + [2] * (len(olds) - 6)
-    chunks, alone = groups(olds, itemsizes)
-    assert sorted(alone) == [1, 2]  # not whole words; over ALONE_BYTES
-    assert (1, [5]) in chunks  # an element size that does not divide: coded byte by byte
+    chunks = groups(olds, itemsizes)
+    assert (2, [2]) in chunks  # over ALONE_BYTES: a group of its own
+    assert (1, [1, 5]) in chunks  # element sizes that do not divide: coded byte by byte
     assert (4, [3]) in chunks
-    two = [indices for size, indices in chunks if size == 2]
+    two = [indices for size, indices in chunks if size == 2 and indices != [2]]
     assert sorted(i for chunk in two for i in chunk) == [0, 4, *range(6, len(olds))]
     assert len(two) == 2
     assert all(sum(olds[i].size for i in chunk) <= GROUP_BYTES for chunk in two)
@@ -211,11 +207,10 @@ def test_a_dense_group_is_coded_in_parts_with_bounded_memory():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    kept = sum(len(p[0]) + p[2].nbytes for p in payloads if p is not None)
+    kept = sum(len(p[0]) + p[2].nbytes for p in payloads)
     assert peak - kept < 64 * 1024**2
     for i in (0, 17, 31):
-        got = payloads[i]
-        assert got is not None and got[0] == encode_numpy(olds[i], news[i], 1)[0]
+        assert payloads[i][0] == encode_numpy(olds[i], news[i], 1)[0]
 
 
 def test_group_split_points_keep_every_payload(monkeypatch: pytest.MonkeyPatch):
@@ -225,5 +220,4 @@ def test_group_split_points_keep_every_payload(monkeypatch: pytest.MonkeyPatch):
     news = [stepped(old, 2, 0.2, i, 3) for i, old in enumerate(olds)]
     for old, new, got in zip(olds, news, encode_group(olds, news, 2), strict=True):
         payload, changes = encode_numpy(old, new, 2)
-        assert (got is None) == (not changes.positions.size)
-        assert got is None or got[0] == payload
+        assert got[0] == payload and (got[1] == 0) == (not changes.positions.size)
