@@ -62,8 +62,7 @@ class Staged:
         if self.event is not None:
             started = time.perf_counter()
             self.event.synchronize()
-            with self.stager._cond:
-                self.stager.stats.copy_wait_s += time.perf_counter() - started
+            self.stager._add_copy_wait(time.perf_counter() - started)
             self.event = None
             self.source = None
         return self.view
@@ -120,6 +119,10 @@ class HostStager:
             if buffer is not None:
                 self._idle.append(buffer)
             self._cond.notify_all()
+
+    def _add_copy_wait(self, seconds: float) -> None:
+        with self._cond:  # encode workers add theirs at once
+            self.stats.copy_wait_s += seconds
 
     @property
     def in_flight_bytes(self) -> int:
