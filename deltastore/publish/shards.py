@@ -23,7 +23,7 @@ from deltastore.trust.manifest import ShardFact, ShardHasher
 OpenWrite = Callable[[str], AbstractContextManager[BinaryIO]]  # one file of the version
 
 
-class _HashingWriter:
+class _HashingWriter(AbstractContextManager["_HashingWriter"]):
     """Passes writes through to ``out`` and hashes them (size and whole-file BLAKE3), so a
     signing publisher never reads a shard back. Each piece is hashed on a thread of its own
     while the next is written (an upload blocks without the GIL), one piece behind at most, so
@@ -54,9 +54,6 @@ class _HashingWriter:
         finally:
             self._hashing = None
             self._pool.shutdown()
-
-    def __enter__(self) -> _HashingWriter:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -90,16 +87,20 @@ class ShardWriter:
         entries: dict[str, Placement] = {}
         facts: dict[str, ShardFact] = {}
         wire = 0
+        write = self.write_full if full else self.write_delta
         for job in jobs:
-            placed, size, fact = self.write_full(job) if full else self.write_delta(job)
-            entries.update(placed)
-            facts[job.shard] = fact
-            wire += size
+            start, lengths, digests, facts[job.shard] = write(job)
+            # Each tensor lands back to back from the header's end.
+            for name, length, digest in zip(job.names, lengths, digests, strict=True):
+                entries[name] = Placement(job.shard, start, start + length, digest)
+                start += length
+            wire += start
         return entries, wire, facts
 
-    def write_delta(self, job: ShardJob) -> tuple[dict[str, Placement], int, ShardFact]:
+    def write_delta(self, job: ShardJob) -> tuple[int, list[int], list[str], ShardFact]:
         """One delta shard: every tensor's compressed payload as a ``U8`` entry, or, for an
-        encoding reference readers do not know, all of them under one packed entry."""
+        encoding reference readers do not know, all of them under one packed entry; returns
+        the header's size, each tensor's length and digest, and the shard's fact."""
         payloads = [self.encoded[n] for n in job.names]
         lengths, digests = [e.length for e in payloads], [e.digest for e in payloads]
         if self.settings.encoding.reference_format:
@@ -112,17 +113,15 @@ class ShardWriter:
             self.spool.copy_many_to(cast(BinaryIO, out), [(e.offset, e.length) for e in payloads])
         if self.meter is not None:
             self.meter.advance(sum(lengths))
-        size = len(header) + sum(lengths)
-        return _placements(job, len(header), lengths, digests), size, out.fact()
+        return len(header), lengths, digests, out.fact()
 
-    def write_full(self, job: ShardJob) -> tuple[dict[str, Placement], int, ShardFact]:
-        """One shard of a complete HF checkpoint: every tensor's new bytes and digest."""
+    def write_full(self, job: ShardJob) -> tuple[int, list[int], list[str], ShardFact]:
+        """One shard of a complete HF checkpoint: every tensor's new bytes and digest (the
+        rank's kept threads hash them)."""
         sources = self.held.snapshot.sources
         for name in job.names:
             self.held.refresh(name, self.stream)
-        workers = self.settings.config.threads
-        with cf.ThreadPoolExecutor(workers, thread_name_prefix="deltastore-digest") as pool:
-            digests = dict(zip(job.names, pool.map(self._digest, job.names)))
+        digests = dict(zip(job.names, self.held.pool().map(self._digest, job.names)))
         layouts = [TensorLayout(n, sources[n].dtype, sources[n].shape) for n in job.names]
         header = build_header(layouts, {"format": "pt", **digests})
         lengths = []
@@ -136,8 +135,7 @@ class ShardWriter:
                         self.meter.advance(min(COPY_CHUNK, data.size - lo))
                 lengths.append(int(data.size))
                 del data
-        placed = _placements(job, len(header), lengths, [digests[n] for n in job.names])
-        return placed, len(header) + sum(lengths), out.fact()
+        return len(header), lengths, [digests[n] for n in job.names], out.fact()
 
     def _digest(self, name: str) -> str:
         """A tensor's digest after this publish, reusing a verified one where it can."""
@@ -162,14 +160,3 @@ class ShardWriter:
         frame = self.spool.read(entry.offset, entry.length)
         apply_frame(self.settings.encoding, name, result, frame)
         return result
-
-
-def _placements(
-    job: ShardJob, start: int, lengths: list[int], digests: list[str]
-) -> dict[str, Placement]:
-    """Where each tensor of ``job`` lands: back to back from ``start`` (the header's end)."""
-    entries = {}
-    for name, length, digest in zip(job.names, lengths, digests, strict=True):
-        entries[name] = Placement(job.shard, start, start + length, digest)
-        start += length
-    return entries

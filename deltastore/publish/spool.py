@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -17,7 +18,7 @@ JOIN_BYTES = 4 * 1024**2
 """Small in-memory payloads are joined into writes of about this many bytes."""
 
 
-class PayloadSpool:
+class PayloadSpool(AbstractContextManager["PayloadSpool"]):
     """Compressed payloads as they are produced, addressed by a virtual offset: each its own
     ``bytes`` object in memory (no growing buffer to reallocate and copy) until
     ``memory_bytes`` are held, then in an anonymous temp file. Encode workers append directly."""
@@ -90,9 +91,6 @@ class PayloadSpool:
         self._memory.clear()
         if self._file is not None:
             self._file.close()
-
-    def __enter__(self) -> PayloadSpool:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
