@@ -38,7 +38,7 @@ from deltastore.pull.chain import (
     check_local_names,
     collect_history,
 )
-from deltastore.pull.local import LocalCheckpoint, MappedFiles
+from deltastore.pull.local import MappedFiles, PullContext
 from deltastore.pull.result import ApplyStats, FirstError, kept_pool
 from deltastore.storage import VersionStore
 
@@ -202,18 +202,9 @@ def plan_windows(
     ordered = sorted(
         tensors, key=lambda t: (t.payloads[0].version, t.payloads[0].shard, t.payloads[0].start)
     )
-    windows: list[Window] = []
-    batch: list[TensorHistory] = []
-    size = 0
-    for tensor in ordered:
-        batch.append(tensor)
-        size += sum(p.size for p in tensor.payloads)
-        if size >= window_bytes:
-            windows.append(_window(batch, max_gap, window_bytes))
-            batch, size = [], 0
-    if batch:
-        windows.append(_window(batch, max_gap, window_bytes))
-    return windows
+    sizes = [sum(p.size for p in tensor.payloads) for tensor in ordered]
+    runs = runs_of(sizes, window_bytes)
+    return [_window(ordered[run.start : run.stop], max_gap, window_bytes) for run in runs]
 
 
 def _window(tensors: list[TensorHistory], max_gap: int, window_bytes: int) -> Window:
@@ -249,12 +240,17 @@ def _window(tensors: list[TensorHistory], max_gap: int, window_bytes: int) -> Wi
 
 
 def tasks_of(sizes: Sequence[int], task_bytes: int = TASK_BYTES) -> list[range]:
-    """Indexes of ``sizes`` (model bytes per tensor) cut into runs of about ``task_bytes``."""
+    """Indexes of ``sizes`` (model bytes per tensor) cut into apply tasks."""
+    return runs_of(sizes, task_bytes)
+
+
+def runs_of(sizes: Sequence[int], limit: int) -> list[range]:
+    """Indexes of ``sizes`` cut into runs, each ended by the item that brings it to ``limit``."""
     runs: list[range] = []
     begin, size = 0, 0
     for i, nbytes in enumerate(sizes):
         size += nbytes
-        if size >= task_bytes:
+        if size >= limit:
             runs.append(range(begin, i + 1))
             begin, size = i + 1, 0
     if begin < len(sizes):
@@ -418,21 +414,21 @@ def _run_windows(applier: _ChainApplier, windows: Sequence[Window], workers: int
 
 
 def apply_chain(
+    pull: PullContext,
     store: VersionStore,
     deltas: Sequence[VersionIndex],
-    local: LocalCheckpoint,
     applied_version: int,
-    workers: int,
     tensors: dict[str, CheckpointTensor] | None,
-    stats: ApplyStats,
     files: MappedFiles,
 ) -> None:
-    """Apply a run of deltas in place through ``files`` (maps the caller owns and flushes with
+    """Apply a run of deltas from ``store`` (the pull's, or its verified copies) to the pull's
+    local checkpoint in place through ``files`` (maps the caller owns and flushes with
     :func:`flush_applied` before it records the state), building link by link on
     ``applied_version`` (else :class:`OutOfOrderError`) onto tensors that exist locally (else
     :class:`NameMismatchError`; ``tensors``: the checkpoint as scanned, None to scan it). On
     any failure what was written is put back and flushed (:class:`PutBackError` if that fails).
     """
+    local, stats = pull.local, pull.stats
     check_contiguous(deltas, applied_version)
     history = collect_history(store, deltas)
     local_tensors = tensors if tensors is not None else scan_checkpoint(local.dir)
@@ -442,7 +438,7 @@ def apply_chain(
     last = version_dir_name(deltas[-1].version)
     applier = _ChainApplier(store, files, local_tensors, applied_version, last, stats)
     try:
-        _run_windows(applier, plan_windows(list(history.values())), workers)
+        _run_windows(applier, plan_windows(list(history.values())), pull.workers)
     except BaseException as exc:
         applier.put_back(exc, local.dir)
         raise

@@ -292,9 +292,7 @@ class _PullRun(PullContext):
         files = MappedFiles()
         store, tensors = self.checked.delta_store or self.store, self.checked.local_tensors
         try:
-            apply_chain(
-                store, plan.deltas, self.local, current, self.workers, tensors, self.stats, files
-            )
+            apply_chain(self, store, plan.deltas, current, tensors, files)
         except BaseException as exc:
             files.close()
             if isinstance(exc, Exception) and not isinstance(exc, PutBackError):

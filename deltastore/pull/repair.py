@@ -88,7 +88,6 @@ class _ChainStart:
 
 
 def _repair_tensor(
-    store: VersionStore,
     start: _ChainStart,
     tensor: TensorHistory,
     view: ByteArray,
@@ -105,7 +104,7 @@ def _repair_tensor(
         begin, payloads, kind = view, tensor.after(start_version), "applied"
     else:
         begin, payloads, kind = start.read(name, nbytes, stats), tensor.payloads, "restored"
-    result = fold_apply(begin, payloads, read_payloads(store, payloads, stats), name)
+    result = fold_apply(begin, payloads, read_payloads(start.store, payloads, stats), name)
     if not final.matches(result):
         raise IntegrityError(
             f"repair from v{start_version:06d}: tensor {name!r} does not match its published "
@@ -151,7 +150,7 @@ def repair_pending(pull: PullContext, pending: PendingTransition) -> RepairSumma
 
         def fix(name: str) -> None:
             view = files.view(tensors[name])
-            kind, result = _repair_tensor(store, start, touched[name], view, start_version, stats)
+            kind, result = _repair_tensor(start, touched[name], view, start_version, stats)
             if result is not None:
                 view[:] = result
                 stats.add(tensors=1, bytes_written=view.size)
