@@ -13,6 +13,7 @@ from typing import Any
 from deltastore.errors import VersionConflictError
 from deltastore.format.index import VersionIndex
 from deltastore.hooks.context import publishing_rank
+from deltastore.publish.config import Settings
 from deltastore.publish.messages import Failure, Outcome, Plan, StreamState, Written, describe
 from deltastore.publish.planning import (
     build_index,
@@ -55,9 +56,8 @@ def commit_version(
     writes: Sequence[Written],
     stream: StreamState,
     sizes: Mapping[str, int],
+    settings: Settings,
     *,
-    encoding: str,
-    checksum: str,
     signing_key: SigningKey | None = None,
     base_record: BaseRecord | None = None,
 ) -> Outcome:
@@ -79,8 +79,8 @@ def commit_version(
             entries,
             totals,
             stream,
-            encoding=encoding,
-            checksum=checksum,
+            encoding=settings.encoding.name,
+            checksum=settings.checksum.name,
         )
         index = seal_index(index, writes, signing_key, base_record)
     except Exception as exc:

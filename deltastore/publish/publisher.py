@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deltastore.codecs import get_checksum, get_encoding
-from deltastore.errors import ConfigError, PublishError, SnapshotError
+from deltastore.errors import ConfigError, DeltastoreError, PublishError, SnapshotError
 from deltastore.gc_pause import gc_paused
 from deltastore.progress import ProgressCallback
 from deltastore.publish import commit as commit_protocol
@@ -179,13 +179,10 @@ class DeltaPublisher:
         self.stream = step.stream.committed(plan.layout, result)
         hook_error = commit_protocol.run_post_write(step.slot, self._post_write, self.rank, metrics)
         metrics["publish_s"] = time.perf_counter() - started
-        finals = self._finish_phase(step, advance_error, hook_error)
+        error = self._finish_phase(step, advance_error, hook_error)
         self._metrics = record(metrics, result, tensors=len(self._sizes), world=self.world_size)
         if not self._warned_density:
             self._warned_density = warn_if_dense(result)
-        error = after_commit_error(
-            f"weight_v{plan.version:06d} is committed in {self.store.url}", finals
-        )
         if error is not None:
             if isinstance(error, SnapshotError):
                 self._held = None
@@ -261,8 +258,7 @@ class DeltaPublisher:
                 writes,
                 step.stream,
                 self._sizes,
-                encoding=self.encoding.name,
-                checksum=self.checksum.name,
+                self._settings,
                 signing_key=self._signing_key,
                 base_record=self._base_digests if self.config.record_base_digests else None,
             )
@@ -299,7 +295,8 @@ class DeltaPublisher:
 
     def _finish_phase(
         self, step: Step, advance_error: BaseException | None, hook_error: BaseException | None
-    ) -> list[Final]:
+    ) -> DeltastoreError | None:
+        """Exchange every rank's post-commit failures and timings; the error to raise, if any."""
         metrics, version = step.metrics, step.plan.version
         seconds = {k: metrics[k] for k in SECONDS_KEYS}
         final = Final(self.rank, describe(advance_error), describe(hook_error), seconds)
@@ -309,4 +306,4 @@ class DeltaPublisher:
         )
         for key in SECONDS_KEYS:
             metrics[key] = max(f.seconds[key] for f in finals)
-        return finals
+        return after_commit_error(where, finals)

@@ -6,7 +6,6 @@ checks of the tensors a trainer passes against the base.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import threading
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -28,6 +27,7 @@ from deltastore.format.safetensors_io import read_header_file
 from deltastore.progress import ProgressMeter
 from deltastore.publish.device import host_bytes, not_a_tensor
 from deltastore.publish.spool import apply_frame
+from deltastore.pull.result import run_pool
 from deltastore.storage import VersionStore
 from deltastore.storage.chain import walk_chain
 
@@ -173,8 +173,7 @@ class Snapshot(Mapping[str, SnapshotTensor]):
             if meter is not None:
                 meter.advance(self.sources[name].nbytes)
 
-        with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-load") as pool:
-            list(pool.map(load, list(self.sources)))
+        run_pool(list(self.sources), load, workers, name="deltastore-load")
 
     def read(self, name: str) -> ByteArray:
         """Read a tensor from its source and apply its deltas; :class:`IntegrityError` when the

@@ -43,7 +43,6 @@ class Chain:
 
     @property
     def stream_id(self) -> str | None:
-        """Stream of the target."""
         return self.deltas[-1].stream_id if self.deltas else self.start_stream
 
     def suffix_after(self, version: int) -> list[VersionIndex] | None:
