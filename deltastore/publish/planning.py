@@ -53,20 +53,18 @@ def divergent_replicas(holders: Holders, version: int) -> Failure | None:
 def wants_full(
     reports: Sequence[DiffReport],
     stream: StreamState,
+    config: PublisherConfig,
     *,
-    anchor_every: int | None,
-    anchor_chain_bytes: float | None,
     wire_estimate: int,
     total_bytes: int,
 ) -> bool:
     """Whether this version is a full one: asked for by a rank, or due by an anchor rule."""
+    every, share = config.anchor_every, config.anchor_chain_bytes
     if any(r.full for r in reports):
         return True
-    if anchor_every and stream.chain_deltas + 1 >= anchor_every:
+    if every and stream.chain_deltas + 1 >= every:
         return True
-    return bool(
-        anchor_chain_bytes and stream.chain_wire + wire_estimate > anchor_chain_bytes * total_bytes
-    )
+    return bool(share and stream.chain_wire + wire_estimate > share * total_bytes)
 
 
 def assign_delta(owner: Mapping[str, int], changed: Sequence[str], world_size: int) -> Shards:
@@ -148,8 +146,7 @@ def plan_layout(
     full = wants_full(
         reports,
         stream,
-        anchor_every=config.anchor_every,
-        anchor_chain_bytes=config.anchor_chain_bytes,
+        config,
         wire_estimate=sum(c.payload_bytes for c in changes.values()),
         total_bytes=sum(sizes.values()),
     )

@@ -86,22 +86,11 @@ def test_divergent_replicas_and_failed_ranks_name_the_ranks():
 )
 def test_anchor_rules(stream: StreamState, every: int | None, chain: float | None, full: bool):
     reports = [report(0, {"a": change("x", payload=10)})]
-    got = wants_full(
-        reports,
-        stream,
-        anchor_every=every,
-        anchor_chain_bytes=chain,
-        wire_estimate=10,
-        total_bytes=1000,
-    )
+    config = PublisherConfig(anchor_every=every, anchor_chain_bytes=chain)
+    got = wants_full(reports, stream, config, wire_estimate=10, total_bytes=1000)
     assert got is full
     assert wants_full(
-        [report(0, {}, full=True)],
-        STREAM,
-        anchor_every=None,
-        anchor_chain_bytes=None,
-        wire_estimate=0,
-        total_bytes=1000,
+        [report(0, {}, full=True)], STREAM, PublisherConfig(), wire_estimate=0, total_bytes=1000
     )
 
 
