@@ -112,9 +112,16 @@ def seal_index(
     base_record: BaseRecord | None,
 ) -> VersionIndex:
     """``index`` with the base-model record (on a delta built on version 0) and, given a key,
-    the signature over its manifest; shard sizes and digests come from the ranks' writes."""
+    the signature over its manifest; shard sizes and digests come from the ranks' writes.
+
+    The record keeps only the base tensors this delta does not carry: a host checks each one it
+    carries against the tensor's published digest once applied, which a wrong base fails too,
+    so their base digests would be bytes on the wire that no check needs."""
     if base_record is not None and index.is_delta and index.base_version == 0:
-        index = dataclasses.replace(index, extra={**index.extra, BASE_DIGESTS_KEY: base_record()})
+        record = base_record()
+        untouched = {n: d for n, d in record["tensors"].items() if n not in index.weight_map}
+        record = {**record, "tensors": untouched}
+        index = dataclasses.replace(index, extra={**index.extra, BASE_DIGESTS_KEY: record})
     if signing_key is None:
         return index
     facts: dict[str, ShardFact] = {}

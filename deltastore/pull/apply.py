@@ -362,11 +362,15 @@ class _ChainApplier:
 
     def _mismatch(self, tensor: TensorHistory, what_was_done: str) -> IntegrityError:
         first, final = tensor.payloads[0].version, tensor.payloads[-1].version
+        # At version 0 the checkpoint is the host's base: the base record leaves the tensors a
+        # delta carries to this check, so a wrong base shows here.
+        base = " (a copy of --base: is it the model the trainer was seeded from?)"
         return IntegrityError(
             f"{self.last}: tensor {tensor.name!r} does not match its published "
             f"{tensor.final.checksum.name} digest after applying v{first:06d}..v{final:06d} "
             f"(want {tensor.final.hex}); the delta is corrupt or the local checkpoint "
-            f"is not at v{self.applied_version:06d}. {what_was_done}"
+            f"is not at v{self.applied_version:06d}{base if self.applied_version == 0 else ''}. "
+            f"{what_was_done}"
         )
 
     def put_back(self, cause: BaseException, local_dir: str) -> None:

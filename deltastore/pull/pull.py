@@ -403,7 +403,15 @@ class _PullRun(PullContext):
                 self.reseed(chain, state, plan.reason or "the target builds on version 0")
                 self.phase_done("reseed")
             if plan.deltas:
-                make_durable = self.catch_up(chain, plan)
+                try:
+                    make_durable = self.catch_up(chain, plan)
+                except IntegrityError:
+                    if plan.action == "reseed" and chain.start_index is None:
+                        # The base copied just now fails a check of the stream's first delta
+                        # (the base record leaves the tensors it carries to that check): the
+                        # seed stays unfinished, so the next pull seeds again from its --base.
+                        self.local.begin(PendingTransition(None, 0, chain.stream_at(0)))
+                    raise
                 if not self.options.flush_after_reply:
                     make_durable()  # (the flush counts as part of the apply)
                     make_durable = None

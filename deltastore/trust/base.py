@@ -1,12 +1,15 @@
-"""The base-model record: the digest of every base tensor, kept in a stream's first delta.
+"""The base-model record: base tensors' digests, kept in a stream's first delta.
 
 A delta built on version 0 changes only some tensors; a host whose base differs from the
 trainer's in a tensor the chain never touches would otherwise claim every version with wrong
-bytes. The publisher records every base tensor's digest in the index of each delta built on
-version 0 (metadata key ``base_digests``: ``{"checksum": alg, "tensors": {name: digest}}``,
+bytes. The publisher records the digest of every base tensor that delta does not carry in its
+index (metadata key ``base_digests``: ``{"checksum": alg, "tensors": {name: digest}}``,
 covered by the signature when signed; reference readers ignore it), and a host checks its
-base against that record once per seed from the base, before it copies a byte. Cost: one
-full hash of the base on the publisher per new stream, and on a host per seed from the base.
+base against that record once per seed from the base, before it copies a byte. A tensor the
+delta carries needs no entry: the host checks it against its published digest once applied,
+and a wrong base fails that check. Records written before this rule list every base tensor;
+they are read the same way. Cost: one full hash of the base on the publisher per new stream,
+and on a host, per seed from the base, a hash of the tensors the record lists.
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ def hash_tensors(
 
 
 def base_digests_record(base_dir: str, checksum: str, *, workers: int = 4) -> dict[str, Any]:
-    """The record of ``base_dir``: every tensor's digest in ``checksum`` (one full hash)."""
+    """Every tensor's digest of ``base_dir`` in ``checksum`` (one full hash); a delta's index
+    keeps those of the tensors it does not carry."""
     algorithm = get_checksum(checksum)
     tensors = scan_checkpoint(base_dir)
     names = sorted(tensors)
@@ -120,8 +124,8 @@ def check_base_names(
     parsed = _parse(first_delta)
     if parsed is None:
         return False
-    expected = parsed[1]
-    if set(tensors) != set(expected):
+    expected = set(parsed[1]).union(first_delta.weight_map)  # the record omits what it carries
+    if set(tensors) != expected:
         raise NameMismatchError(
             f"base {base_dir} (checked against weight_v{first_delta.version:06d}): the base "
             f"lacks {sorted(set(expected) - set(tensors))[:5]} and has "

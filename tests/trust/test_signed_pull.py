@@ -300,7 +300,9 @@ def test_base_differing_in_an_untouched_tensor_is_refused(
     }
     untouched = sorted(n for n in run.states[0] if n not in changed and run.states[0][n].numel())
     record = run.store.index(1).extra[BASE_DIGESTS_KEY]
-    assert set(record["tensors"]) == set(run.states[0]) and record["checksum"] == "xxh3-128"
+    carried = set(run.store.index(1).weight_map)  # checked once applied: not in the record
+    assert set(record["tensors"]) == set(run.states[0]) - carried
+    assert record["checksum"] == "xxh3-128"
     assert BASE_DIGESTS_KEY not in run.store.index(2).extra  # only deltas built on version 0
     other = dict(run.states[0])
     victim = untouched[0]
@@ -320,6 +322,31 @@ def test_base_differing_in_an_untouched_tensor_is_refused(
     with pytest.raises(IntegrityError, match=victim):
         pull_weights(at_zero, url, 1, wrong_base, storage_options=options)
     assert tree(at_zero) == before
+
+
+def test_base_differing_in_a_tensor_the_first_delta_carries_is_refused(
+    store_at: tuple[str, Any], tmp_path: Path
+) -> None:
+    """The record leaves out what v1 carries: a wrong base there fails the applied tensor's
+    check, the message points at the base, and the host claims no version until a pull from
+    the right base."""
+    url, options = store_at
+    run = publish_run(url, options, tmp_path, None, 2)
+    carried = run.store.index(1).weight_map
+    victim = sorted(n for n in carried if run.states[0][n].numel())[0]
+    assert victim not in run.store.index(1).extra[BASE_DIGESTS_KEY]["tensors"]
+    other = dict(run.states[0])
+    flat = other[victim].clone().reshape(-1).view(torch.uint8)
+    flat[-1] ^= 0x01 if other[victim].dtype == torch.bool else 0x10
+    other[victim] = flat.view(other[victim].dtype).reshape(other[victim].shape)
+    wrong_base = make_checkpoint(tmp_path / "wrong-base", other, shards=2)
+    host = tmp_path / "host"
+    with pytest.raises(IntegrityError, match=f"{victim}.*a copy of --base"):
+        pull_weights(host, url, 2, wrong_base, storage_options=options)
+    with pytest.raises(IntegrityError):
+        verify_local(host, url, base_dir=run.base, storage_options=options)
+    assert pull_weights(host, url, 2, run.base, storage_options=options).version == 2
+    assert checkpoint_bytes(host) == {n: raw_bytes(t) for n, t in run.states[2].items()}
 
 
 def test_base_record_is_covered_by_the_signature(tmp_path: Path, keys: Keys) -> None:
