@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,31 +95,20 @@ def race_worker(
     token: str,
     barrier: Any,
     results: Any,
+    base: int | None = None,
 ) -> None:
-    """One writer process of a commit race: reports (token, outcome) on ``results``."""
+    """One writer process (of a commit race, once ``barrier`` lets it go; None: at once):
+    reports (token, outcome) on ``results``."""
     try:
         store = VersionStore(url, options, retry=FAST_RETRY)
-        barrier.wait(timeout=60)
-        write_version(store, version, token=token)
+        if barrier is not None:
+            barrier.wait(timeout=60)
+        write_version(store, version, base=base, token=token)
         results.put((token, "committed"))
     except VersionConflictError:
         results.put((token, "conflict"))
     except BaseException as exc:  # reported to the parent, which fails the test
         results.put((token, f"error {exc!r}"))
-
-
-def publish_in_child(
-    url: str, options: dict[str, Any], version: int, base: int, token: str, results: Any
-) -> None:
-    try:
-        write_version(VersionStore(url, options, retry=FAST_RETRY), version, base=base, token=token)
-        results.put("ok")
-    except BaseException as exc:
-        results.put(f"error {exc!r}")
-
-
-def fork_context() -> Any:
-    return multiprocessing.get_context("fork")
 
 
 class ConformanceBase:

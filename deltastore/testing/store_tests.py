@@ -23,6 +23,7 @@ and :class:`VersionWriter`'s ``step_hook`` to pause a writer between protocol st
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,6 @@ from deltastore.testing.faults import Fault, FaultProxy
 from deltastore.testing.store_helpers import (
     FAST_RETRY,
     fill_version,
-    fork_context,
-    publish_in_child,
     race_worker,
     shard_bytes,
     start_version,
@@ -154,7 +153,7 @@ class StoreConformance(PruneConformance, RaceConformance):
         if not self.supports_processes:
             pytest.skip("this store lives inside one process")
         writers = 4
-        ctx = fork_context()
+        ctx = multiprocessing.get_context("fork")
         barrier = ctx.Barrier(writers)
         results = ctx.Queue()
         tokens = [new_token() for _ in range(writers)]
@@ -198,14 +197,14 @@ class StoreConformance(PruneConformance, RaceConformance):
         write_version(store, 1)
         assert store.versions() == [1]
         assert store.list_files(1)  # warm whatever listing the reader keeps
-        ctx = fork_context()
+        ctx = multiprocessing.get_context("fork")
         results = ctx.Queue()
         token = new_token()
         child = ctx.Process(
-            target=publish_in_child, args=(store_url, storage_options, 2, 1, token, results)
+            target=race_worker, args=(store_url, storage_options, 2, token, None, results, 1)
         )
         child.start()
-        assert results.get(timeout=120) == "ok"
+        assert results.get(timeout=120) == (token, "committed")
         child.join(30)
         store.refresh()
         assert store.versions() == [1, 2]
