@@ -18,6 +18,7 @@ from deltastore.cli.common import (
     Subparsers,
     add_command,
     byte_progress,
+    emit,
     fields,
     open_store,
     parse_target,
@@ -285,16 +286,12 @@ def run_prune(args: argparse.Namespace) -> int:
         report = store.prune(
             keep=args.keep, grace_s=args.grace, dry_run=not args.yes, progress=progress
         )
-    if args.json:
-        print_json({"url": store.url, **asdict(report), "lines": report.lines()})
-        return 0
     mode = "dry run" if report.dry_run else "pruned"
-    print(f"{store.url} ({mode}, keep {args.keep}):")
-    for line in report.lines():
-        print(f"  {line}")
+    text = [f"{store.url} ({mode}, keep {args.keep}):", *(f"  {line}" for line in report.lines())]
     if report.dry_run and report.changes:
-        print("nothing was changed; run again with --yes to apply")
-    return 0
+        text.append("nothing was changed; run again with --yes to apply")
+    payload = {"url": store.url, **asdict(report), "lines": report.lines()}
+    return emit(args, payload, "\n".join(text))
 
 
 def _pyplot():  # type: ignore[no-untyped-def]

@@ -38,7 +38,7 @@ from deltastore.format.safetensors_io import SafetensorsHeader
 from deltastore.format.shard_stream import StreamedShardCheck
 from deltastore.replicate.report import Observer, ReplicationPolicy, VersionCopy
 from deltastore.storage import VersionStore, new_token, store_objects
-from deltastore.storage.copy import CopyJob, FileCopier
+from deltastore.storage.copy import CopyJob, FileCopier, wait_before_retry
 from deltastore.storage.writer import VersionWriter
 
 log = logging.getLogger("deltastore.replicate")
@@ -149,15 +149,7 @@ class VersionCopier:
                 if isinstance(exc, PermissionError) or retries + 1 >= self.policy.attempts:
                     raise
                 retries += 1
-                wait_s = random.uniform(0, min(10.0, 0.5 * 2**retries))
-                log.warning(
-                    "%s: try %d failed (%s); again in %.1f s",
-                    version_dir_name(version),
-                    retries,
-                    exc,
-                    wait_s,
-                )
-                time.sleep(wait_s)
+                wait_before_retry(version_dir_name(version), retries, exc, 0.5, 10)
 
     def _jobs(self, version: int, index: VersionIndex) -> list[CopyJob]:
         shards = index.shards()

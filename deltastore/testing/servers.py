@@ -270,25 +270,18 @@ def _start_fake_gcs_once(binary: Path, port: int) -> GCSServer:
     # A file, not a pipe: nobody drains the pipe while the server runs, and a full pipe
     # would block the server. Kept to explain a failed start.
     log = tempfile.TemporaryFile()  # noqa: SIM115 - the server owns it; closed by stop()
-    command = [
-        str(binary),
-        "-backend",
-        "memory",
-        "-scheme",
-        "http",
-        "-host",
-        _HOST,
-        "-port",
-        str(port),
+    flags = {
+        "-backend": "memory",
+        "-scheme": "http",
+        "-host": _HOST,
+        "-port": str(port),
         # Upload sessions hand out Location URLs built from these; the defaults name
         # storage.googleapis.com or the bind address, not a URL every client can reach.
-        "-external-url",
-        url,
-        "-public-host",
-        f"{_HOST}:{port}",
-        "-log-level",
-        "error",
-    ]
+        "-external-url": url,
+        "-public-host": f"{_HOST}:{port}",
+        "-log-level": "error",
+    }
+    command = [str(binary), *(part for flag in flags.items() for part in flag)]
     try:
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log
