@@ -32,8 +32,8 @@ from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.format.safetensors_io import TensorEntry
 from deltastore.pull.source import PullSource
 from deltastore.storage import VersionStore
-from deltastore.storage.listing import require_store
 from deltastore.storage.prune import check_prune_args
+from deltastore.storage.store import require_store
 
 
 def register(sub: Subparsers) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import datetime as _dt
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from deltastore.errors import ConfigError
 from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
@@ -85,35 +85,6 @@ class StoreListing:
 def no_store_error(url: str) -> ConfigError:
     """The one error for a URL where no store is: every command and call says it so."""
     return ConfigError(f"no store at {url}: nothing was ever published there; check the store URL")
-
-
-class _ListedStore(Protocol):
-    """What :func:`require_store` reads of a ``VersionStore`` (which imports this module)."""
-
-    url: str
-    root: str
-
-    @property
-    def fs(self) -> Any: ...
-
-    def listing(self) -> StoreListing: ...
-
-
-def require_store(store: _ListedStore, listing: StoreListing | None = None) -> None:
-    """Raise :class:`ConfigError` when nothing under ``store``'s root was written by a
-    publisher (a mistyped path, or a model directory passed for a store)."""
-    listing = store.listing() if listing is None else listing
-    if not listing.holds_nothing:
-        return
-    root = store.root.rstrip("/")
-    checkpoint = store.fs.glob(f"{root}/*.safetensors") if store.fs.exists(root) else []
-    if checkpoint:
-        raise ConfigError(
-            f"{store.url} holds a checkpoint ({len(checkpoint)} .safetensors file(s)) but no "
-            "published versions: it is a model directory, not a store; pass the URL that "
-            "`deltastore publish --store` wrote weight_v*/ into"
-        )
-    raise no_store_error(store.url)
 
 
 def _internal(rel: str, path: str, entry: FileEntry, listing: StoreListing) -> None:

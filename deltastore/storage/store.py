@@ -30,7 +30,7 @@ from deltastore.format.packed import unpack_header
 from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
 from deltastore.progress import ProgressCallback
 from deltastore.storage.backends import REMOTE_PROTOCOLS, Backend, RetryPolicy, make_backend
-from deltastore.storage.listing import StoreListing, parse_listing
+from deltastore.storage.listing import StoreListing, no_store_error, parse_listing
 from deltastore.storage.streams import DownloadSink, read_back
 from deltastore.storage.writer import (
     StoreObjects,
@@ -360,6 +360,23 @@ class VersionStore:
         from deltastore.storage.prune import prune
 
         return prune(self._objects, keep, grace_s, dry_run, progress)
+
+
+def require_store(store: VersionStore, listing: StoreListing | None = None) -> None:
+    """Raise :class:`ConfigError` when nothing under ``store``'s root was written by a
+    publisher (a mistyped path, or a model directory passed for a store)."""
+    listing = store.listing() if listing is None else listing
+    if not listing.holds_nothing:
+        return
+    root = store.root.rstrip("/")
+    checkpoint = store.fs.glob(f"{root}/*.safetensors") if store.fs.exists(root) else []
+    if checkpoint:
+        raise ConfigError(
+            f"{store.url} holds a checkpoint ({len(checkpoint)} .safetensors file(s)) but no "
+            "published versions: it is a model directory, not a store; pass the URL that "
+            "`deltastore publish --store` wrote weight_v*/ into"
+        )
+    raise no_store_error(store.url)
 
 
 def store_objects(store: VersionStore) -> StoreObjects:
