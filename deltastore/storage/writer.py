@@ -40,7 +40,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from deltastore.errors import (
@@ -321,12 +320,7 @@ class VersionWriter:
     def __enter__(self) -> VersionWriter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         if exc_type is not None and not self.committed and self.claimant:
             self.abort()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -128,23 +129,19 @@ class StoreConformance(PruneConformance, RaceConformance):
         stores = [self.make_store(store_url, storage_options) for _ in range(writers)]
         tokens = [new_token() for _ in range(writers)]
         barrier = threading.Barrier(writers)
-        outcomes: dict[str, str] = {}
 
-        def race(i: int) -> None:
+        def race(i: int) -> str:
             barrier.wait(timeout=60)
             try:
                 write_version(stores[i], 1, token=tokens[i])
-                outcomes[tokens[i]] = "committed"
+                return "committed"
             except VersionConflictError:
-                outcomes[tokens[i]] = "conflict"
+                return "conflict"
             except BaseException as exc:
-                outcomes[tokens[i]] = f"error {exc!r}"
+                return f"error {exc!r}"
 
-        threads = [threading.Thread(target=race, args=(i,)) for i in range(writers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        with ThreadPoolExecutor(writers) as pool:
+            outcomes = dict(zip(tokens, pool.map(race, range(writers))))
         self._check_race(store_url, storage_options, outcomes, writers)
 
     def test_concurrent_committers_processes(
@@ -301,23 +298,19 @@ class StoreConformance(PruneConformance, RaceConformance):
         stores = [self.make_store(store_url, storage_options) for _ in range(writers)]
         path = store_objects(stores[0]).claim_path(1)
         barrier = threading.Barrier(writers)
-        outcomes: dict[int, str] = {}
 
-        def race(i: int) -> None:
+        def race(i: int) -> str:
             barrier.wait(timeout=60)
             try:
                 store_objects(stores[i]).create_only(path, f"writer {i}".encode())
-                outcomes[i] = "created"
+                return "created"
             except FileExistsError:
-                outcomes[i] = "exists"
+                return "exists"
             except BaseException as exc:
-                outcomes[i] = f"error {exc!r}"
+                return f"error {exc!r}"
 
-        threads = [threading.Thread(target=race, args=(i,)) for i in range(writers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        with ThreadPoolExecutor(writers) as pool:
+            outcomes = dict(enumerate(pool.map(race, range(writers))))
         winners = [i for i, outcome in outcomes.items() if outcome == "created"]
         assert sorted(outcomes.values()) == ["created"] + ["exists"] * (writers - 1), outcomes
         assert store_objects(stores[0]).read_optional(path) == f"writer {winners[0]}".encode()
