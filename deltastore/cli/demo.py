@@ -114,7 +114,6 @@ def _one_step(
     args: argparse.Namespace,
     training: SyntheticTraining,
     publisher: DeltaPublisher,
-    store: VersionStore,
     hosts: list[str],
     base: str,
 ) -> tuple[dict[str, str], int]:
@@ -126,9 +125,9 @@ def _one_step(
     pulls = []
     for host in hosts:
         t0 = time.perf_counter()
-        pull_weights(host, store, result.version, base_dir=base)
+        pull_weights(host, publisher.store, result.version, base_dir=base)
         pulls.append(time.perf_counter() - t0)
-        verify_local(host, store, result.version, base_dir=base)
+        verify_local(host, publisher.store, result.version, base_dir=base)
     total = training.total_bytes
     row = {
         "version": f"{result.version:06d}",
@@ -186,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         )
         wire_bytes = 0
         for _ in range(args.steps):
-            row, wire_bytes = _one_step(args, training, publisher, store, hosts, base)
+            row, wire_bytes = _one_step(args, training, publisher, hosts, base)
             if not table.columns:  # the first row names them
                 for column in row:
                     table.add_column(column, justify="right")

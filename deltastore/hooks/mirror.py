@@ -366,7 +366,6 @@ def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int)
                     create_new_file(index_path, raw)
                 except FileExistsError:
                     _same_index(index_path, raw, f"the index of {remote.url}")
-                fsync_path(version_dir)
         fsync_path(delta_dir)
     done = [index.version for index, _ in todo]
     if done:

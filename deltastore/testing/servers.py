@@ -209,7 +209,6 @@ class GCSServer(StoppedOnExit):
 
         ``token="anon"`` skips the credential search (which probes for a GCE metadata
         server); the explicit ``endpoint_url`` works without ``STORAGE_EMULATOR_HOST``.
-        ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` must still be set before gcsfs is imported.
         """
         return {
             "endpoint_url": self.endpoint_url,
