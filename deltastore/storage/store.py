@@ -26,7 +26,7 @@ from deltastore.format.safetensors_io import SafetensorsHeader, header_length, p
 from deltastore.progress import ProgressCallback
 from deltastore.storage.backends import REMOTE_PROTOCOLS, Backend, RetryPolicy, make_backend
 from deltastore.storage.listing import StoreListing, no_store_error, parse_listing
-from deltastore.storage.streams import DownloadSink, read_back
+from deltastore.storage.streams import DownloadSink, feed
 from deltastore.storage.writer import (
     StoreObjects,
     VersionWriter,
@@ -306,17 +306,14 @@ class VersionStore:
             if sink is not None:
                 sink.restart()
             blocks = self._backend.read_blocks(path, self.block_size)
-            if blocks is None:
+            if blocks is None:  # no streamed read: the sink reads the downloaded copy back
                 self.fs.get_file(path, dst)
-                return read_back(dst, sink, self.block_size)
-            size = 0
+                if sink is None:
+                    return os.path.getsize(dst)
+                with open(dst, "rb") as fh:
+                    return feed(sink, iter(lambda: fh.read(self.block_size), b""))
             with contextlib.closing(blocks), open(dst, "wb") as out:
-                for data in blocks:
-                    out.write(data)
-                    if sink is not None:
-                        sink.update(data)
-                    size += len(data)
-            return size
+                return feed(sink, blocks, out)
 
         return self._file_step("downloading", version, name, attempt)
 
