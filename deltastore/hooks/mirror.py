@@ -33,7 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
-from deltastore.errors import DeltastoreError, HookError, VersionConflictError, VersionNotFoundError
+from deltastore.errors import (
+    DeltastoreError,
+    HookError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.hooks.context import current_publishing_rank

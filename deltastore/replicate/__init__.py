@@ -2,6 +2,11 @@
 version-writing transaction (``deltastore replicate``)."""
 
 from deltastore.replicate.replicator import replicate
-from deltastore.replicate.report import Observer, ReplicationPolicy, ReplicationReport, VersionCopy
+from deltastore.replicate.report import (
+    Observer,
+    ReplicationPolicy,
+    ReplicationReport,
+    VersionCopy,
+)
 
 __all__ = ["Observer", "ReplicationPolicy", "ReplicationReport", "VersionCopy", "replicate"]

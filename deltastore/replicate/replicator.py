@@ -21,7 +21,12 @@ from typing import Any
 from deltastore.errors import ConfigError, StreamError, TransientStoreError, VersionNotFoundError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
-from deltastore.replicate.report import Observer, ReplicationPolicy, ReplicationReport, VersionCopy
+from deltastore.replicate.report import (
+    Observer,
+    ReplicationPolicy,
+    ReplicationReport,
+    VersionCopy,
+)
 from deltastore.replicate.version import VersionCopier, same_content
 from deltastore.storage import VersionStore, is_transient
 from deltastore.storage.chain import walk_chain

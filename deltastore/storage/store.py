@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import fsspec
 
-from deltastore.errors import ConfigError, DeltastoreError, FormatError, VersionNotFoundError
+from deltastore.errors import (
+    ConfigError,
+    DeltastoreError,
+    FormatError,
+    VersionNotFoundError,
+)
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.format.packed import unpack_header

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from deltastore.errors import VersionConflictError
+from deltastore.errors import (
+    VersionConflictError,
+)
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import delta_shard_name, full_shard_name
 from deltastore.format.safetensors_io import TensorLayout, build_header

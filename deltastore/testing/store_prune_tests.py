@@ -7,7 +7,11 @@ from typing import Any
 
 import pytest
 
-from deltastore.errors import FormatError, VersionConflictError, VersionNotFoundError
+from deltastore.errors import (
+    FormatError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
 from deltastore.format.names import INDEX_NAME, delta_shard_name, full_shard_name
 from deltastore.storage import VersionStore
 from deltastore.testing.store_helpers import (

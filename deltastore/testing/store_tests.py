@@ -31,7 +31,12 @@ from typing import Any
 
 import pytest
 
-from deltastore.errors import FormatError, StoreError, VersionConflictError, VersionNotFoundError
+from deltastore.errors import (
+    FormatError,
+    StoreError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
 from deltastore.format.names import INDEX_NAME, full_shard_name
 from deltastore.storage import VersionStore, new_token, store_objects
 from deltastore.storage.writer import VersionWriter
