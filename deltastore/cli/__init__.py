@@ -75,7 +75,8 @@ def suggest_command(argv: Sequence[str], commands: Sequence[str]) -> str | None:
 def _drop_stdout() -> None:
     """Point stdout at /dev/null, so the interpreter's flush at exit finds no broken pipe."""
     with contextlib.suppress(OSError, ValueError):  # stdout is not a real file (captured)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 class _Interrupts:

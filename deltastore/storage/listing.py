@@ -104,7 +104,6 @@ def parse_listing(found: dict[str, dict[str, Any]], root: str) -> StoreListing:
     version directory names count: readers open only those, so listing and reading agree."""
     prefix = root.rstrip("/") + "/"
     listing = StoreListing(frozenset(), {}, {}, {})
-    indexes: set[int] = set()
     for path, info in found.items():
         if info.get("type", "file") != "file":
             continue
@@ -123,6 +122,5 @@ def parse_listing(found: dict[str, dict[str, Any]], root: str) -> StoreListing:
             log.debug("%s: ignoring non-canonical version directory %s", root, top)
             continue
         listing.files.setdefault(version, {})[rest] = entry
-        if rest == INDEX_NAME:
-            indexes.add(version)
-    return dataclasses.replace(listing, indexes=frozenset(indexes))
+    indexes = frozenset(v for v, files in listing.files.items() if INDEX_NAME in files)
+    return dataclasses.replace(listing, indexes=indexes)

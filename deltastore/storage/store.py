@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import fsspec
@@ -322,13 +323,10 @@ class VersionStore:
 
         return self._file_step("downloading", version, name, attempt)
 
-    @contextlib.contextmanager
-    def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
+    def open_read(self, version: int, name: str) -> AbstractContextManager[BinaryIO]:
         """A readable binary stream of a file of a version (read-ahead of ``block_size``)."""
         kwargs = self._backend.read_options(self.block_size)
-        fh = self._file_step("opening", version, name, lambda p: self.fs.open(p, "rb", **kwargs))
-        with fh:
-            yield fh
+        return self._file_step("opening", version, name, lambda p: self.fs.open(p, "rb", **kwargs))
 
     def list_files(self, version: int) -> list[str]:
         """Plain file names inside a version's directory."""

@@ -40,6 +40,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from deltastore.errors import (
@@ -328,11 +329,9 @@ class VersionWriter:
         if self.step_hook is not None:
             self.step_hook(name)
 
-    @contextlib.contextmanager
-    def open_write(self, name: str) -> Iterator[BinaryIO]:
+    def open_write(self, name: str) -> AbstractContextManager[BinaryIO]:
         """A writable stream for one non-index file (see :meth:`StoreObjects.open_write`)."""
-        with self.objects.open_write(self.version, name) as fh:
-            yield fh
+        return self.objects.open_write(self.version, name)
 
     def write_file(self, name: str, data: bytes | memoryview) -> None:
         """Write one whole non-index file of this version (retried as a whole)."""
