@@ -220,12 +220,10 @@ class VersionCopier:
         cancel = threading.Event()
         futures = [self.files.submit(copier.copy, writer, job, cancel) for job in jobs]
         try:
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            if any(f.exception() for f in done):
-                cancel.set()
+            wait(futures, return_when=FIRST_EXCEPTION)
         finally:
             if not all(f.done() for f in futures):
-                cancel.set()  # interrupted (Ctrl-C): stop the others before the abort
+                cancel.set()  # one failed, or Ctrl-C: stop the others before the abort
             wait(futures)
         return [f.result() for f in futures]
 

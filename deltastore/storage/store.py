@@ -36,7 +36,6 @@ from deltastore.storage.streams import DownloadSink, feed
 from deltastore.storage.writer import (
     StoreObjects,
     VersionWriter,
-    begin_next_version,
     begin_version,
     new_token,
 )
@@ -248,12 +247,7 @@ class VersionStore:
         cannot tell) or fenced are skipped for good, which is safe because a delta's commit
         must also take its base's one successor object. :class:`VersionConflictError` if
         ``version`` is taken, or a later one committed, or ``max_skip`` in a row are taken."""
-        if (version is None) == (after is None):
-            raise ConfigError("begin() takes a version, or after= (the version to follow)")
-        if after is not None:
-            return begin_next_version(self._objects, after, token or new_token(), max_skip)
-        assert version is not None
-        return begin_version(self._objects, version, token or new_token())
+        return begin_version(self._objects, version, after, token or new_token(), max_skip)
 
     def join(self, version: int, token: str) -> VersionWriter:
         """A writer for the files of ``version``, claimed by another rank with ``token`` (a

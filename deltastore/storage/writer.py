@@ -521,16 +521,19 @@ _REFUSED = {
 }
 
 
-def begin_version(store: StoreObjects, version: int, token: str) -> VersionWriter:
-    """Claim ``version`` (see :meth:`VersionStore.begin`)."""
-    why = _try_claim(store, version, token)
-    if why is not None:
-        raise VersionConflictError(f"weight_v{version:06d} in {store.url} {_REFUSED[why]}")
-    return VersionWriter(store, version, token)
-
-
-def begin_next_version(store: StoreObjects, after: int, token: str, max_skip: int) -> VersionWriter:
-    """Claim the first claimable version above ``after`` (see :meth:`VersionStore.begin`)."""
+def begin_version(
+    store: StoreObjects, version: int | None, after: int | None, token: str, max_skip: int
+) -> VersionWriter:
+    """Claim ``version``, or the first claimable version above ``after`` (see
+    :meth:`VersionStore.begin`)."""
+    if (version is None) == (after is None):
+        raise ConfigError("begin() takes a version, or after= (the version to follow)")
+    if version is not None:
+        why = _try_claim(store, version, token)
+        if why is not None:
+            raise VersionConflictError(f"weight_v{version:06d} in {store.url} {_REFUSED[why]}")
+        return VersionWriter(store, version, token)
+    assert after is not None
     for version in range(after + 1, after + 1 + max_skip):
         why = _try_claim(store, version, token)
         if why is None:
