@@ -46,10 +46,7 @@ def start_version(
     token: str | None = None,
 ) -> tuple[VersionWriter, VersionIndex]:
     """Claim a version and write its one shard; returns the writer and the index to commit.
-
-    ``base=None`` makes a full version, otherwise a delta on ``base``. Raises whatever the
-    store raises (e.g. VersionConflictError).
-    """
+    ``base=None`` makes a full version, otherwise a delta on ``base``."""
     writer = store.begin(version, token=token)
     return writer, fill_version(writer, base=base, tensors=tensors)
 
@@ -86,6 +83,13 @@ def write_version(
     :class:`VersionWriter`; returns the index (committed or not)."""
     writer, index = start_version(store, version, base=base, tensors=tensors, token=token)
     return writer.commit(index) if commit else index
+
+
+def committed_w(store: VersionStore, version: int) -> bytes:
+    """The bytes of tensor ``w`` in the one shard of the committed ``version``."""
+    shard = next(iter(store.index(version).shards()))
+    entry = store.read_shard_header(version, shard).tensors["w"]
+    return store.read_range(version, shard, entry.start, entry.end)
 
 
 def race_worker(

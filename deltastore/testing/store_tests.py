@@ -43,6 +43,7 @@ from deltastore.storage.writer import VersionWriter
 from deltastore.testing.faults import Fault, FaultProxy
 from deltastore.testing.store_helpers import (
     FAST_RETRY,
+    committed_w,
     fill_version,
     race_worker,
     shard_bytes,
@@ -117,10 +118,7 @@ class StoreConformance(PruneConformance, RaceConformance):
         with pytest.raises(VersionConflictError):
             VersionWriter(store_objects(other), 1, new_token()).commit(winner)
         assert store.index(1).commit_token == winner.commit_token
-        shard = next(iter(winner.shards()))
-        header = store.read_shard_header(1, shard)
-        entry = header.tensors["w"]
-        assert store.read_range(1, shard, entry.start, entry.end) == b"winner"
+        assert committed_w(store, 1) == b"winner"
 
     def test_concurrent_committers_threads(
         self, store_url: str, storage_options: dict[str, Any]
@@ -179,11 +177,8 @@ class StoreConformance(PruneConformance, RaceConformance):
         assert len(winners) == 1, outcomes
         reader = self.make_store(url, options)
         assert reader.versions() == [1]
-        index = reader.index(1)
-        assert index.commit_token == winners[0]
-        shard = next(iter(index.shards()))
-        entry = reader.read_shard_header(1, shard).tensors["w"]
-        assert reader.read_range(1, shard, entry.start, entry.end) == f"v1-{winners[0]}".encode()
+        assert reader.index(1).commit_token == winners[0]
+        assert committed_w(reader, 1) == f"v1-{winners[0]}".encode()
 
     # ----------------------------------------------------------------- refresh
     def test_refresh_sees_a_commit_from_another_process(
