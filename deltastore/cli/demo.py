@@ -128,12 +128,11 @@ def _one_step(
         pull_weights(host, publisher.store, result.version, base_dir=base)
         pulls.append(time.perf_counter() - t0)
         verify_local(host, publisher.store, result.version, base_dir=base)
-    total = training.total_bytes
     row = {
         "version": f"{result.version:06d}",
         "density": f"{result.density:.3%}",
         "wire MB": f"{result.wire_bytes / 1e6:.2f}",
-        "wire % of full": f"{result.wire_bytes / total:.2%}",
+        "wire % of full": f"{result.wire_bytes / training.total_bytes:.2%}",
         "publish s": f"{metrics['publish_s']:.2f}",
         "pull s host0": f"{pulls[0]:.2f}",
         "pull s host1": f"{pulls[1]:.2f}",

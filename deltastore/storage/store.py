@@ -196,8 +196,7 @@ class VersionStore:
 
     def latest(self) -> int:
         """The newest committed version, or 0."""
-        versions = self.versions()
-        return versions[-1] if versions else 0
+        return max(self.versions(), default=0)
 
     def index(self, version: int) -> VersionIndex:
         """The parsed index of a committed version (see :meth:`index_bytes`)."""
