@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from deltastore.errors import ConfigError, StreamError, TransientStoreError, VersionNotFoundError
+from deltastore.errors import ConfigError, StreamError, VersionNotFoundError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
 from deltastore.replicate.report import (
@@ -145,7 +145,7 @@ class Replicator:
                 if prune:
                     self.pruned.extend(self.mirror_pruning())
             except Exception as exc:
-                if not follow or not (isinstance(exc, TransientStoreError) or is_transient(exc)):
+                if not follow or not is_transient(exc):
                     raise
                 log.warning("replicating %s to %s: %s; trying again", self.src, self.dst, exc)
                 found = False

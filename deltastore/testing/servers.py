@@ -174,12 +174,9 @@ def start_moto_s3() -> S3Server:
 
 
 def s3_env(server: S3Server) -> dict[str, str]:
-    """Environment variables that point a subprocess's botocore/s3fs at ``server``.
-
-    botocore reads ``AWS_ENDPOINT_URL_S3`` (then ``AWS_ENDPOINT_URL``, which other S3 tools
-    read too) when no endpoint is passed explicitly, so an ``s3fs.S3FileSystem()`` built
-    without options reaches the emulator.
-    """
+    """Environment variables that point a subprocess's botocore/s3fs at ``server``: botocore
+    reads ``AWS_ENDPOINT_URL_S3`` (then ``AWS_ENDPOINT_URL``, which other S3 tools read too)
+    when no endpoint is passed explicitly."""
     return {
         "AWS_ENDPOINT_URL": server.endpoint_url,
         "AWS_ENDPOINT_URL_S3": server.endpoint_url,
@@ -232,12 +229,8 @@ class GCSServer(StoppedOnExit):
 
 
 def gcs_env(server: GCSServer) -> dict[str, str]:
-    """Environment variables a subprocess needs to use ``server`` through gcsfs.
-
-    With these set before gcsfs is imported, ``gcsfs.GCSFileSystem()`` needs no
-    ``endpoint_url`` and no token. Passing :attr:`GCSServer.storage_options` as well is
-    still advised, for ``requests_timeout``.
-    """
+    """Environment variables a subprocess needs to use ``server`` through gcsfs (set before
+    gcsfs is imported); :attr:`GCSServer.storage_options` still adds ``requests_timeout``."""
     return {
         "STORAGE_EMULATOR_HOST": server.endpoint_url,
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
