@@ -8,6 +8,7 @@ exit non-zero; ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import logging
@@ -73,11 +74,9 @@ def suggest_command(argv: Sequence[str], commands: Sequence[str]) -> str | None:
 
 def _drop_stdout() -> None:
     """Point stdout at /dev/null, so the interpreter's flush at exit finds no broken pipe."""
-    try:
+    with contextlib.suppress(OSError, ValueError):  # stdout is not a real file (captured)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout is not a real file (captured): nothing to flush
-        pass
 
 
 class _Interrupts:

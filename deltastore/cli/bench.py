@@ -18,6 +18,7 @@ import platform
 import shutil
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -232,7 +233,7 @@ class Bench:
     workers: int
     store_root: str
     storage_options: dict[str, object] = field(default_factory=dict)
-    paths: dict[str, Path] = field(default_factory=dict)
+    paths: defaultdict[str, Path] = field(default_factory=lambda: defaultdict(Path))
     runs: int = 0
 
     def measure_reference(self) -> None:
@@ -248,14 +249,12 @@ class Bench:
         shutil.copyfile(base_file, host_file)
         pulled, pull_s = _timed(lambda: reference_pull(shard, host_file, self.workers))
         pull_phases = {f"pull_{k}": v for k, v in pulled.seconds.items()}
-        self.paths.setdefault("reference", Path()).keep(
-            wire, publish_s, pull_s, {**phases.seconds, **pull_phases}
-        )
+        self.paths["reference"].keep(wire, publish_s, pull_s, {**phases.seconds, **pull_phases})
         # The same pull without the final msync, as the upstream engine readers apply a
         # version (the engine reloads from the page cache).
         shutil.copyfile(base_file, host_file)
         _, upstream_s = _timed(lambda: reference_pull(shard, host_file, self.workers, flush=False))
-        self.paths.setdefault("upstream", Path()).keep(wire, publish_s, upstream_s)
+        self.paths["upstream"].keep(wire, publish_s, upstream_s)
 
     def measure_deltastore(self, encoding: str) -> None:
         """Seed a fresh store, publish the step with ``encoding``, pull it onto a host at v0."""
@@ -280,7 +279,7 @@ class Bench:
         durable_s = time.perf_counter() - begun
         phases = {k: float(metrics[k]) for k in PUBLISH_PHASES if k in metrics}
         phases["pull_durable_after_reply_s"] = durable_s
-        self.paths.setdefault(encoding, Path()).keep(result.wire_bytes, publish_s, pull_s, phases)
+        self.paths[encoding].keep(result.wire_bytes, publish_s, pull_s, phases)
         if "://" not in root:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -298,7 +297,7 @@ class Bench:
             return total
 
         total, seconds = _timed(copy)
-        self.paths.setdefault("full", Path()).keep(total, seconds, seconds)
+        self.paths["full"].keep(total, seconds, seconds)
 
     def run_all(self, encodings: list[str], repeat: int, advance: Callable[[], None]) -> None:
         """Every path ``repeat`` times, interleaved so drift on a shared machine hits all alike."""

@@ -114,7 +114,6 @@ def _one_step(
     args: argparse.Namespace,
     training: SyntheticTraining,
     publisher: DeltaPublisher,
-    store: VersionStore,
     hosts: list[str],
     base: str,
 ) -> tuple[dict[str, str], int]:
@@ -126,15 +125,14 @@ def _one_step(
     pulls = []
     for host in hosts:
         t0 = time.perf_counter()
-        pull_weights(host, store, result.version, base_dir=base)
+        pull_weights(host, publisher.store, result.version, base_dir=base)
         pulls.append(time.perf_counter() - t0)
-        verify_local(host, store, result.version, base_dir=base)
-    total = training.total_bytes
+        verify_local(host, publisher.store, result.version, base_dir=base)
     row = {
         "version": f"{result.version:06d}",
         "density": f"{result.density:.3%}",
         "wire MB": f"{result.wire_bytes / 1e6:.2f}",
-        "wire % of full": f"{result.wire_bytes / total:.2%}",
+        "wire % of full": f"{result.wire_bytes / training.total_bytes:.2%}",
         "publish s": f"{metrics['publish_s']:.2f}",
         "pull s host0": f"{pulls[0]:.2f}",
         "pull s host1": f"{pulls[1]:.2f}",
@@ -186,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         )
         wire_bytes = 0
         for _ in range(args.steps):
-            row, wire_bytes = _one_step(args, training, publisher, store, hosts, base)
+            row, wire_bytes = _one_step(args, training, publisher, hosts, base)
             if not table.columns:  # the first row names them
                 for column in row:
                     table.add_column(column, justify="right")

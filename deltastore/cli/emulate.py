@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from deltastore.cli.common import Subparsers, add_command, parse_storage_options
@@ -28,8 +28,8 @@ class Emulator:
 
     url: str
     endpoint_url: str
-    storage_options: dict[str, object] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
+    storage_options: dict[str, object]
+    env: dict[str, str]
 
 
 @contextlib.contextmanager

@@ -49,28 +49,25 @@ def register(sub: Subparsers) -> None:
         action="store_true",
         help="unpublish replica versions SRC no longer lists (the replica's prune rules)",
     )
-    p.add_argument(
-        "--prune-grace",
-        type=float,
-        default=3600.0,
-        metavar="SECONDS",
-        help="data of a version unpublished by --prune-like-source stays this long (3600)",
-    )
-    p.add_argument(
-        "--stale-claim",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="a replica claim idle this long belongs to a dead replicator: resume it (60)",
-    )
-    p.add_argument(
-        "--poll-max",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="--follow: longest wait between two looks at SRC (30; the wait starts at 1 s, "
-        "jittered, and doubles while nothing is new)",
-    )
+    for flag, default, what in (
+        (
+            "--prune-grace",
+            3600,
+            "data of a version unpublished by --prune-like-source stays this long (3600)",
+        ),
+        (
+            "--stale-claim",
+            60,
+            "a replica claim idle this long belongs to a dead replicator: resume it (60)",
+        ),
+        (
+            "--poll-max",
+            30,
+            "--follow: longest wait between two looks at SRC (30; the wait "
+            "starts at 1 s, jittered, and doubles while nothing is new)",
+        ),
+    ):
+        p.add_argument(flag, type=float, default=float(default), metavar="SECONDS", help=what)
     for side in ("src", "dst"):
         p.add_argument(
             f"--{side}-option",

@@ -18,6 +18,7 @@ from deltastore.cli.common import (
     Subparsers,
     add_command,
     byte_progress,
+    emit,
     fields,
     open_store,
     parse_target,
@@ -31,8 +32,8 @@ from deltastore.format.checkpoint import scan_checkpoint
 from deltastore.format.safetensors_io import TensorEntry
 from deltastore.pull.source import PullSource
 from deltastore.storage import VersionStore
-from deltastore.storage.listing import require_store
 from deltastore.storage.prune import check_prune_args
+from deltastore.storage.store import require_store
 
 
 def register(sub: Subparsers) -> None:
@@ -88,9 +89,11 @@ def _add_prune(sub: Subparsers) -> None:
     p.add_argument("--yes", action="store_true", help="really change the store")
 
 
-def version_row(store: VersionStore, version: int) -> dict[str, object]:
-    """version, kind, base_version, encoding, tensors, wire_bytes (and ``error`` when the
-    index is unreadable: kind ``corrupt``, the other fields null)."""
+def version_row(store: VersionStore, version: int, density: bool) -> dict[str, object]:
+    """version, kind, base_version, encoding, tensors, wire_bytes, with ``density``: changed /
+    total bytes from the index totals (and ``error`` when the index is unreadable: kind
+    ``corrupt``, the other fields null)."""
+    extra: dict[str, object] = {"density": None} if density else {}
     try:
         index = store.index(version)
         wire = index.totals.get("wire_bytes")
@@ -98,16 +101,18 @@ def version_row(store: VersionStore, version: int) -> dict[str, object]:
             wire = sum(store.file_size(version, shard) for shard in index.shards())
     except DeltastoreError as exc:
         unknown = dict.fromkeys(("base_version", "encoding", "tensors", "wire_bytes"))
-        return {"version": version, "kind": "corrupt", **unknown, "error": str(exc)}
+        return {"version": version, "kind": "corrupt", **unknown, "error": str(exc), **extra}
     known = {"version": version, **fields(index, "kind base_version encoding")}
-    return {**known, "tensors": len(index.weight_map), "wire_bytes": wire}
+    if density and index.totals.get("total_bytes"):
+        extra["density"] = index.totals.get("changed_bytes", 0) / index.totals["total_bytes"]
+    return {**known, "tensors": len(index.weight_map), "wire_bytes": wire, **extra}
 
 
-def list_versions(store: VersionStore) -> list[dict[str, object]]:
+def list_versions(store: VersionStore, *, density: bool = False) -> list[dict[str, object]]:
     """One row per committed version; :class:`ConfigError` when the URL holds no store."""
     listing = store.listing()
     require_store(store, listing)
-    return [version_row(store, version) for version in listing.committed]
+    return [version_row(store, version, density) for version in listing.committed]
 
 
 def run_ls(args: argparse.Namespace) -> int:
@@ -204,19 +209,6 @@ def describe(store: VersionStore, version: int, base_dir: str | None = None) -> 
     return {"version": version, **fields(index, names), "shards": shards}
 
 
-def history(store: VersionStore) -> list[dict[str, object]]:
-    """Per committed version: the ``ls`` row plus density from the index totals."""
-    rows = list_versions(store)
-    for row in rows:
-        row["density"] = None
-        if row["kind"] == "corrupt":
-            continue
-        totals = store.index(int(row["version"])).totals  # type: ignore[call-overload]
-        if totals.get("total_bytes"):
-            row["density"] = totals.get("changed_bytes", 0) / totals["total_bytes"]
-    return rows
-
-
 def _print_version(info: dict[str, object]) -> None:
     print(
         f"weight_v{info['version']:06d} ({info['kind']}) base={info['base_version']} "
@@ -255,7 +247,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.history:
         store.refresh()
         with phase(args, f"reading the indexes of {store.url}"):
-            rows = history(store)
+            rows = list_versions(store, density=True)
         info: dict[str, object] = {"url": store.url, "versions": rows}
         title = store.url
     else:
@@ -294,16 +286,12 @@ def run_prune(args: argparse.Namespace) -> int:
         report = store.prune(
             keep=args.keep, grace_s=args.grace, dry_run=not args.yes, progress=progress
         )
-    if args.json:
-        print_json({"url": store.url, **asdict(report), "lines": report.lines()})
-        return 0
     mode = "dry run" if report.dry_run else "pruned"
-    print(f"{store.url} ({mode}, keep {args.keep}):")
-    for line in report.lines():
-        print(f"  {line}")
+    text = [f"{store.url} ({mode}, keep {args.keep}):", *(f"  {line}" for line in report.lines())]
     if report.dry_run and report.changes:
-        print("nothing was changed; run again with --yes to apply")
-    return 0
+        text.append("nothing was changed; run again with --yes to apply")
+    payload = {"url": store.url, **asdict(report), "lines": report.lines()}
+    return emit(args, payload, "\n".join(text))
 
 
 def _pyplot():  # type: ignore[no-untyped-def]

@@ -37,18 +37,15 @@ def checkpoint_files(directory: str) -> list[str]:
                 raise FormatError(f"{index_path} is not a valid index: {exc}") from None
         if not isinstance(weight_map, dict):
             raise FormatError(f"{index_path} is not a valid index: weight_map is not an object")
-        for name in weight_map.values():
-            if not isinstance(name, str):
-                raise FormatError(f"{index_path} maps to {name!r}, not a plain file name")
-        names = sorted(set(weight_map.values()))
+        names = list(weight_map.values())
     else:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-    if not names:
-        raise ConfigError(f"checkpoint directory {directory!r} holds no *.safetensors files")
+        names = [n for n in os.listdir(directory) if n.endswith(".safetensors")]
     for name in names:
         if not isinstance(name, str) or "/" in name or name.startswith("."):
             raise FormatError(f"{index_path} maps to {name!r}, not a plain file name")
-    return [os.path.join(directory, n) for n in names]
+    if not names:
+        raise ConfigError(f"checkpoint directory {directory!r} holds no *.safetensors files")
+    return [os.path.join(directory, n) for n in sorted(set(names))]
 
 
 def scan_checkpoint(directory: str) -> dict[str, CheckpointTensor]:

@@ -244,9 +244,6 @@ def write_safetensors(
             )
     head = build_header([layout for layout, _ in tensors], metadata or {})
     out.write(head)
-    written = len(head)
     for _, data in tensors:
-        view = memoryview(data).cast("B")
-        out.write(view)
-        written += len(view)
-    return written
+        out.write(memoryview(data).cast("B"))
+    return len(head) + sum(layout.nbytes for layout, _ in tensors)

@@ -124,16 +124,10 @@ class StreamedShardCheck:
             return view[len(view) :]
         parsed = parse_header(bytes(self._head[8:total]), file_size=self.size, source=self.source)
         header = unpack_header(parsed, source=self.source)
-        expected = self._expected(header)
+        entries = header.tensors
         spans = [
-            _Span(
-                name,
-                header.tensors[name].start,
-                header.tensors[name].end,
-                digest,
-                self._new_hasher(),
-            )
-            for name, digest in expected.items()
+            _Span(name, entries[name].start, entries[name].end, digest, self._new_hasher())
+            for name, digest in self._expected(header).items()
         ]
         self._spans = sorted(spans, key=lambda s: (s.start, s.end))
         self.header = header

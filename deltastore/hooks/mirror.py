@@ -113,8 +113,8 @@ def _caller_rank(args: Any) -> int:
     return 0
 
 
-def _local_version(version_dir: str) -> tuple[int, VersionIndex, dict[str, int]]:
-    """The version, its index (with a commit token) and shard sizes of ``version_dir``."""
+def _local_version(version_dir: str) -> tuple[VersionIndex, dict[str, int]]:
+    """The index (with a commit token) and shard sizes of the version in ``version_dir``."""
     version = version_of(version_dir)
     index_path = os.path.join(version_dir, INDEX_NAME)
     try:
@@ -137,7 +137,7 @@ def _local_version(version_dir: str) -> tuple[int, VersionIndex, dict[str, int]]
         # A foreign publisher: a token derived from the content keeps re-runs idempotent.
         digest = hashlib.sha256(raw + json.dumps(sorted(sizes.items())).encode()).hexdigest()
         index = dataclasses.replace(index, commit_token=f"mirror-{digest[:32]}")
-    return version, index, sizes
+    return index, sizes
 
 
 def _remote_index(remote: VersionStore, version: int) -> VersionIndex | None:
@@ -147,12 +147,14 @@ def _remote_index(remote: VersionStore, version: int) -> VersionIndex | None:
         return None
 
 
-def _verify_remote(remote: VersionStore, version: int, sizes: dict[str, int], token: str) -> None:
-    index = remote.index(version)
-    if index.commit_token != token:
+def _verify_remote(remote: VersionStore, ours: VersionIndex, sizes: dict[str, int]) -> None:
+    version = ours.version
+    theirs = remote.index(version)
+    if theirs.commit_token != ours.commit_token:
         raise HookError(
             f"weight_v{version:06d} in {remote.url} was committed by another writer (token "
-            f"{index.commit_token}, ours {token}); two trainers publish to one remote store"
+            f"{theirs.commit_token}, ours {ours.commit_token}); two trainers publish to one "
+            "remote store"
         )
     for shard, size in sizes.items():
         remote_size = remote.file_size(version, shard)
@@ -201,11 +203,11 @@ def _copier(src: RangeSource, dst: VersionStore, reads: ThreadPoolExecutor) -> F
 
 
 def _upload(
-    version_dir: str, remote: VersionStore, version: int, index: VersionIndex, sizes: dict[str, int]
+    version_dir: str, remote: VersionStore, index: VersionIndex, sizes: dict[str, int]
 ) -> None:
     """Write the version through the store's transaction (re-claiming with the same token
     resumes an upload that crashed); a version committed meanwhile with our token is fine."""
-    assert index.commit_token is not None
+    version = index.version
     try:
         writer = remote.begin(version, token=index.commit_token)
     except VersionConflictError:
@@ -231,14 +233,13 @@ def mirror_to_store(version_dir: str, remote: VersionStore, *, upload: bool = Tr
     if not upload:
         # The uploading rank may still be writing the local index: wait for its commit.
         _wait_for_commit(remote, version_of(version_dir))
-    version, index, sizes = _local_version(version_dir)
-    assert index.commit_token is not None
-    if upload and _remote_index(remote, version) is None:
-        _upload(version_dir, remote, version, index, sizes)
-    _verify_remote(remote, version, sizes, index.commit_token)
+    index, sizes = _local_version(version_dir)
+    if upload and _remote_index(remote, index.version) is None:
+        _upload(version_dir, remote, index, sizes)
+    _verify_remote(remote, index, sizes)
     if upload:
-        log.info("mirrored %s to %s/%s", version_dir, remote.url, version_dir_name(version))
-    return version
+        log.info("mirrored %s to %s/%s", version_dir, remote.url, version_dir_name(index.version))
+    return index.version
 
 
 @contextlib.contextmanager
@@ -370,7 +371,6 @@ def mirror_from_store(remote: VersionStore, delta_dir: str, target_version: int)
                     create_new_file(index_path, raw)
                 except FileExistsError:
                     _same_index(index_path, raw, f"the index of {remote.url}")
-                fsync_path(version_dir)
         fsync_path(delta_dir)
     done = [index.version for index, _ in todo]
     if done:

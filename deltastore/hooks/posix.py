@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -54,20 +55,14 @@ def posix_refresh(delta_dir: str, target_version: int) -> bool:
     version_dir = os.path.join(delta_dir, version_dir_name(target_version))
     deadline = time.monotonic() + wait_s
     while True:
-        try:
-            names = set(os.listdir(delta_dir))
-        except FileNotFoundError:
-            names = set()
-        index_path = os.path.join(version_dir, INDEX_NAME)
-        if version_dir_name(target_version) in names:
-            try:
-                with open(index_path, "rb") as fh:
+        data = None
+        with contextlib.suppress(FileNotFoundError):  # no delta_dir, or no index yet
+            if version_dir_name(target_version) in os.listdir(delta_dir):
+                with open(os.path.join(version_dir, INDEX_NAME), "rb") as fh:
                     data = fh.read()
-            except FileNotFoundError:
-                data = None
-            if data is not None:
-                _revalidate_shards(version_dir, data, target_version)
-                return True
+        if data is not None:
+            _revalidate_shards(version_dir, data, target_version)
+            return True
         if time.monotonic() >= deadline:
             log.info(
                 "posix_refresh: %s has no committed weight_v%06d yet", delta_dir, target_version

@@ -24,7 +24,7 @@ from deltastore.format.index import VersionIndex
 from deltastore.format.names import INDEX_NAME, version_dir_name
 from deltastore.format.safetensors_io import SafetensorsHeader
 from deltastore.storage import DownloadSink, VersionStore
-from deltastore.storage.listing import require_store
+from deltastore.storage.store import require_store
 
 log = logging.getLogger("deltastore.pull")
 
@@ -55,7 +55,7 @@ def each_store(store: VersionStore) -> tuple[VersionStore, ...]:
 
 def require_stores(store: VersionStore) -> None:
     """Raise the no-store :class:`ConfigError` when none of the stores a pull reads holds
-    anything a publisher wrote (:func:`~deltastore.storage.listing.require_store`); one that
+    anything a publisher wrote (:func:`~deltastore.storage.store.require_store`); one that
     cannot be listed now is not taken for absent (its own error shows where it is read)."""
     errors: list[ConfigError] = []
     for one in each_store(store):

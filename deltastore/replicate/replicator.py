@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from deltastore.errors import ConfigError, StreamError, TransientStoreError, VersionNotFoundError
+from deltastore.errors import ConfigError, StreamError, VersionNotFoundError
 from deltastore.format.index import VersionIndex
 from deltastore.format.names import version_dir_name
 from deltastore.replicate.report import (
@@ -101,20 +101,25 @@ def prune_keep(dst: VersionStore, src_versions: set[int], dst_versions: list[int
     return keep if droppable else None
 
 
-def newest_common_check(
+def check_same_run(
     src: VersionStore, dst: VersionStore, src_versions: list[int], dst_versions: list[int]
-) -> tuple[int, VersionIndex, VersionIndex] | None:
-    """The newest version both stores list, with both indexes, if they differ (another stream
-    in the destination); None when they agree or share no version."""
+) -> None:
+    """:class:`StreamError` when the newest version both stores list differs between them
+    (the destination replicates another run)."""
     common = sorted(set(src_versions) & set(dst_versions))
     if not common:
-        return None
+        return
     version = common[-1]
     try:
         ours, theirs = src.index(version), dst.index(version)
     except VersionNotFoundError:
-        return None  # pruned meanwhile: the next round looks again
-    return None if same_content(ours, theirs) else (version, ours, theirs)
+        return  # pruned meanwhile: the next round looks again
+    if not same_content(ours, theirs):
+        raise StreamError(
+            f"{version_dir_name(version)} differs between {src.url} (stream "
+            f"{ours.stream_id}) and {dst.url} (stream {theirs.stream_id}); the "
+            "destination replicates another run: point the replicator at an empty one"
+        )
 
 
 class Replicator:
@@ -140,7 +145,7 @@ class Replicator:
                 if prune:
                     self.pruned.extend(self.mirror_pruning())
             except Exception as exc:
-                if not follow or not (isinstance(exc, TransientStoreError) or is_transient(exc)):
+                if not follow or not is_transient(exc):
                     raise
                 log.warning("replicating %s to %s: %s; trying again", self.src, self.dst, exc)
                 found = False
@@ -167,14 +172,7 @@ class Replicator:
         self.src.refresh()
         self.dst.refresh()
         src_versions, dst_versions = self.src.versions(), self.dst.versions()
-        differ = newest_common_check(self.src, self.dst, src_versions, dst_versions)
-        if differ is not None:
-            version, ours, theirs = differ
-            raise StreamError(
-                f"{version_dir_name(version)} differs between {self.src.url} (stream "
-                f"{ours.stream_id}) and {self.dst.url} (stream {theirs.stream_id}); the "
-                "destination replicates another run: point the replicator at an empty one"
-            )
+        check_same_run(self.src, self.dst, src_versions, dst_versions)
         if self._start is None and src_versions:
             self._start = start_version(self.src, src_versions, from_version)
         todo, skipped = versions_to_copy(src_versions, dst_versions, self._start or 0)

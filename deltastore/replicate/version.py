@@ -15,6 +15,7 @@ source's index (stamped with this writer's token), create-only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
@@ -38,7 +39,7 @@ from deltastore.format.safetensors_io import SafetensorsHeader
 from deltastore.format.shard_stream import StreamedShardCheck
 from deltastore.replicate.report import Observer, ReplicationPolicy, VersionCopy
 from deltastore.storage import VersionStore, new_token, store_objects
-from deltastore.storage.copy import CopyJob, FileCopier
+from deltastore.storage.copy import CopyJob, FileCopier, wait_before_retry
 from deltastore.storage.writer import VersionWriter
 
 log = logging.getLogger("deltastore.replicate")
@@ -149,15 +150,7 @@ class VersionCopier:
                 if isinstance(exc, PermissionError) or retries + 1 >= self.policy.attempts:
                     raise
                 retries += 1
-                wait_s = random.uniform(0, min(10.0, 0.5 * 2**retries))
-                log.warning(
-                    "%s: try %d failed (%s); again in %.1f s",
-                    version_dir_name(version),
-                    retries,
-                    exc,
-                    wait_s,
-                )
-                time.sleep(wait_s)
+                wait_before_retry(version_dir_name(version), retries, exc, 0.5, 10)
 
     def _jobs(self, version: int, index: VersionIndex) -> list[CopyJob]:
         shards = index.shards()
@@ -227,12 +220,10 @@ class VersionCopier:
         cancel = threading.Event()
         futures = [self.files.submit(copier.copy, writer, job, cancel) for job in jobs]
         try:
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            if any(f.exception() for f in done):
-                cancel.set()
+            wait(futures, return_when=FIRST_EXCEPTION)
         finally:
             if not all(f.done() for f in futures):
-                cancel.set()  # interrupted (Ctrl-C): stop the others before the abort
+                cancel.set()  # one failed, or Ctrl-C: stop the others before the abort
             wait(futures)
         return [f.result() for f in futures]
 
@@ -251,11 +242,8 @@ class VersionCopier:
         delay = self.policy.poll_min_s / 4
         while True:
             self.dst.refresh()
-            try:
-                theirs: VersionIndex | None = self.dst.index(version)
-            except VersionNotFoundError:
-                theirs = None
-            if theirs is not None:
+            with contextlib.suppress(VersionNotFoundError):  # not committed (yet)
+                theirs = self.dst.index(version)
                 if not same_content(theirs, index):
                     raise StreamError(
                         f"{version_dir_name(version)} in {self.dst.url} was committed with "

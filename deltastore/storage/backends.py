@@ -95,9 +95,7 @@ def is_transient(exc: BaseException) -> bool:
     if any(code in text for code in _TRANSIENT_CODES):
         return True
     cause = exc.__cause__ or exc.__context__
-    if cause is not None and cause is not exc:
-        return is_transient(cause)
-    return False
+    return cause is not None and cause is not exc and is_transient(cause)
 
 
 def _stop_by_deadline(deadline_s: float) -> tenacity.stop.stop_base:

@@ -51,17 +51,10 @@ def walk_chain(store: IndexSource, target: int) -> tuple[VersionIndex | None, li
                 "(publish(..., full=True)) so hosts can reseed, or start a new stream"
             ) from None
 
-    deltas: list[VersionIndex] = []
-    start: VersionIndex | None = None
-    for index in iter_chain(target, read):
-        if index.is_delta:
-            deltas.append(index)
-        else:
-            start = index
-    deltas.reverse()
-    streams = {d.stream_id for d in deltas if d.stream_id is not None}
-    if start is not None and start.stream_id is not None:
-        streams.add(start.stream_id)
+    chain = list(iter_chain(target, read))  # newest first; a full version only at the end
+    start = chain[-1] if chain and not chain[-1].is_delta else None
+    deltas = [index for index in reversed(chain) if index.is_delta]
+    streams = {index.stream_id for index in chain if index.stream_id is not None}
     if len(streams) > 1:
         raise FormatError(
             f"the chain to weight_v{target:06d} in {store.url} mixes streams {sorted(streams)}; "

@@ -112,16 +112,9 @@ class FileCopier:
                 if retries + 1 >= self.attempts or not _worth_retrying(exc):
                     raise
                 retries += 1
-                wait = random.uniform(0, min(5.0, 0.2 * 2**retries))
-                log.warning(
-                    "%s of %s: try %d failed (%s); again in %.2f s",
-                    job.name,
-                    version_dir_name(job.version),
-                    retries,
-                    exc,
-                    wait,
+                wait_before_retry(
+                    f"{job.name} of {version_dir_name(job.version)}", retries, exc, 0.2, 5
                 )
-                time.sleep(wait)
 
     def _copy_once(
         self,
@@ -186,6 +179,15 @@ class FileCopier:
                 f"{where} reads back other bytes than were read from the source (digest "
                 f"{read_back.hexdigest()} vs {source_digest}); the destination corrupted it"
             )
+
+
+def wait_before_retry(
+    what: str, retries: int, exc: BaseException, first_s: float, max_s: float
+) -> None:
+    """Log that try ``retries`` of ``what`` failed, then sleep a jittered, doubling wait."""
+    wait = random.uniform(0, min(max_s, first_s * 2**retries))
+    log.warning("%s: try %d failed (%s); again in %.2f s", what, retries, exc, wait)
+    time.sleep(wait)
 
 
 def _write_all(out: BinaryIO, data: bytes) -> None:

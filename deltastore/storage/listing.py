@@ -7,7 +7,7 @@ import dataclasses
 import datetime as _dt
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from deltastore.errors import ConfigError
 from deltastore.format.names import INDEX_NAME, parse_version_dir, version_dir_name
@@ -87,35 +87,6 @@ def no_store_error(url: str) -> ConfigError:
     return ConfigError(f"no store at {url}: nothing was ever published there; check the store URL")
 
 
-class _ListedStore(Protocol):
-    """What :func:`require_store` reads of a ``VersionStore`` (which imports this module)."""
-
-    url: str
-    root: str
-
-    @property
-    def fs(self) -> Any: ...
-
-    def listing(self) -> StoreListing: ...
-
-
-def require_store(store: _ListedStore, listing: StoreListing | None = None) -> None:
-    """Raise :class:`ConfigError` when nothing under ``store``'s root was written by a
-    publisher (a mistyped path, or a model directory passed for a store)."""
-    listing = store.listing() if listing is None else listing
-    if not listing.holds_nothing:
-        return
-    root = store.root.rstrip("/")
-    checkpoint = store.fs.glob(f"{root}/*.safetensors") if store.fs.exists(root) else []
-    if checkpoint:
-        raise ConfigError(
-            f"{store.url} holds a checkpoint ({len(checkpoint)} .safetensors file(s)) but no "
-            "published versions: it is a model directory, not a store; pass the URL that "
-            "`deltastore publish --store` wrote weight_v*/ into"
-        )
-    raise no_store_error(store.url)
-
-
 def _internal(rel: str, path: str, entry: FileEntry, listing: StoreListing) -> None:
     if rel.endswith(".lock") or SUCCESSOR_SUFFIX in rel:
         return  # a local mirror's lock file, or a successor: never garbage
@@ -133,7 +104,6 @@ def parse_listing(found: dict[str, dict[str, Any]], root: str) -> StoreListing:
     version directory names count: readers open only those, so listing and reading agree."""
     prefix = root.rstrip("/") + "/"
     listing = StoreListing(frozenset(), {}, {}, {})
-    indexes: set[int] = set()
     for path, info in found.items():
         if info.get("type", "file") != "file":
             continue
@@ -152,6 +122,5 @@ def parse_listing(found: dict[str, dict[str, Any]], root: str) -> StoreListing:
             log.debug("%s: ignoring non-canonical version directory %s", root, top)
             continue
         listing.files.setdefault(version, {})[rest] = entry
-        if rest == INDEX_NAME:
-            indexes.add(version)
-    return dataclasses.replace(listing, indexes=frozenset(indexes))
+    indexes = frozenset(v for v, files in listing.files.items() if INDEX_NAME in files)
+    return dataclasses.replace(listing, indexes=indexes)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import fsspec
@@ -30,12 +31,11 @@ from deltastore.format.packed import unpack_header
 from deltastore.format.safetensors_io import SafetensorsHeader, header_length, parse_header
 from deltastore.progress import ProgressCallback
 from deltastore.storage.backends import REMOTE_PROTOCOLS, Backend, RetryPolicy, make_backend
-from deltastore.storage.listing import StoreListing, parse_listing
-from deltastore.storage.streams import DownloadSink, read_back
+from deltastore.storage.listing import StoreListing, no_store_error, parse_listing
+from deltastore.storage.streams import DownloadSink, feed
 from deltastore.storage.writer import (
     StoreObjects,
     VersionWriter,
-    begin_next_version,
     begin_version,
     new_token,
 )
@@ -196,8 +196,7 @@ class VersionStore:
 
     def latest(self) -> int:
         """The newest committed version, or 0."""
-        versions = self.versions()
-        return versions[-1] if versions else 0
+        return max(self.versions(), default=0)
 
     def index(self, version: int) -> VersionIndex:
         """The parsed index of a committed version (see :meth:`index_bytes`)."""
@@ -247,12 +246,7 @@ class VersionStore:
         cannot tell) or fenced are skipped for good, which is safe because a delta's commit
         must also take its base's one successor object. :class:`VersionConflictError` if
         ``version`` is taken, or a later one committed, or ``max_skip`` in a row are taken."""
-        if (version is None) == (after is None):
-            raise ConfigError("begin() takes a version, or after= (the version to follow)")
-        if after is not None:
-            return begin_next_version(self._objects, after, token or new_token(), max_skip)
-        assert version is not None
-        return begin_version(self._objects, version, token or new_token())
+        return begin_version(self._objects, version, after, token or new_token(), max_skip)
 
     def join(self, version: int, token: str) -> VersionWriter:
         """A writer for the files of ``version``, claimed by another rank with ``token`` (a
@@ -311,27 +305,21 @@ class VersionStore:
             if sink is not None:
                 sink.restart()
             blocks = self._backend.read_blocks(path, self.block_size)
-            if blocks is None:
+            if blocks is None:  # no streamed read: the sink reads the downloaded copy back
                 self.fs.get_file(path, dst)
-                return read_back(dst, sink, self.block_size)
-            size = 0
+                if sink is None:
+                    return os.path.getsize(dst)
+                with open(dst, "rb") as fh:
+                    return feed(sink, iter(lambda: fh.read(self.block_size), b""))
             with contextlib.closing(blocks), open(dst, "wb") as out:
-                for data in blocks:
-                    out.write(data)
-                    if sink is not None:
-                        sink.update(data)
-                    size += len(data)
-            return size
+                return feed(sink, blocks, out)
 
         return self._file_step("downloading", version, name, attempt)
 
-    @contextlib.contextmanager
-    def open_read(self, version: int, name: str) -> Iterator[BinaryIO]:
+    def open_read(self, version: int, name: str) -> AbstractContextManager[BinaryIO]:
         """A readable binary stream of a file of a version (read-ahead of ``block_size``)."""
         kwargs = self._backend.read_options(self.block_size)
-        fh = self._file_step("opening", version, name, lambda p: self.fs.open(p, "rb", **kwargs))
-        with fh:
-            yield fh
+        return self._file_step("opening", version, name, lambda p: self.fs.open(p, "rb", **kwargs))
 
     def list_files(self, version: int) -> list[str]:
         """Plain file names inside a version's directory."""
@@ -360,6 +348,23 @@ class VersionStore:
         from deltastore.storage.prune import prune
 
         return prune(self._objects, keep, grace_s, dry_run, progress)
+
+
+def require_store(store: VersionStore, listing: StoreListing | None = None) -> None:
+    """Raise :class:`ConfigError` when nothing under ``store``'s root was written by a
+    publisher (a mistyped path, or a model directory passed for a store)."""
+    listing = store.listing() if listing is None else listing
+    if not listing.holds_nothing:
+        return
+    root = store.root.rstrip("/")
+    checkpoint = store.fs.glob(f"{root}/*.safetensors") if store.fs.exists(root) else []
+    if checkpoint:
+        raise ConfigError(
+            f"{store.url} holds a checkpoint ({len(checkpoint)} .safetensors file(s)) but no "
+            "published versions: it is a model directory, not a store; pass the URL that "
+            "`deltastore publish --store` wrote weight_v*/ into"
+        )
+    raise no_store_error(store.url)
 
 
 def store_objects(store: VersionStore) -> StoreObjects:

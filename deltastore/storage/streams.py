@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import os
-from collections.abc import Coroutine, Generator
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Coroutine, Generator, Iterable
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -96,13 +95,13 @@ class DownloadSink(Protocol):
     def update(self, data: bytes) -> None: ...
 
 
-def read_back(path: str, sink: DownloadSink | None, block_size: int) -> int:
-    """Feed a downloaded local file to ``sink``; its size."""
-    if sink is None:
-        return os.path.getsize(path)
+def feed(sink: DownloadSink | None, blocks: Iterable[bytes], out: BinaryIO | None = None) -> int:
+    """Pass ``blocks`` in order to ``sink`` and to ``out`` (each when given); their size."""
     size = 0
-    with open(path, "rb") as fh:
-        while data := fh.read(block_size):
+    for data in blocks:
+        if out is not None:
+            out.write(data)
+        if sink is not None:
             sink.update(data)
-            size += len(data)
+        size += len(data)
     return size

@@ -40,7 +40,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from types import TracebackType
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from deltastore.errors import (
@@ -321,12 +321,7 @@ class VersionWriter:
     def __enter__(self) -> VersionWriter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         if exc_type is not None and not self.committed and self.claimant:
             self.abort()
 
@@ -334,11 +329,9 @@ class VersionWriter:
         if self.step_hook is not None:
             self.step_hook(name)
 
-    @contextlib.contextmanager
-    def open_write(self, name: str) -> Iterator[BinaryIO]:
+    def open_write(self, name: str) -> AbstractContextManager[BinaryIO]:
         """A writable stream for one non-index file (see :meth:`StoreObjects.open_write`)."""
-        with self.objects.open_write(self.version, name) as fh:
-            yield fh
+        return self.objects.open_write(self.version, name)
 
     def write_file(self, name: str, data: bytes | memoryview) -> None:
         """Write one whole non-index file of this version (retried as a whole)."""
@@ -528,16 +521,19 @@ _REFUSED = {
 }
 
 
-def begin_version(store: StoreObjects, version: int, token: str) -> VersionWriter:
-    """Claim ``version`` (see :meth:`VersionStore.begin`)."""
-    why = _try_claim(store, version, token)
-    if why is not None:
-        raise VersionConflictError(f"weight_v{version:06d} in {store.url} {_REFUSED[why]}")
-    return VersionWriter(store, version, token)
-
-
-def begin_next_version(store: StoreObjects, after: int, token: str, max_skip: int) -> VersionWriter:
-    """Claim the first claimable version above ``after`` (see :meth:`VersionStore.begin`)."""
+def begin_version(
+    store: StoreObjects, version: int | None, after: int | None, token: str, max_skip: int
+) -> VersionWriter:
+    """Claim ``version``, or the first claimable version above ``after`` (see
+    :meth:`VersionStore.begin`)."""
+    if (version is None) == (after is None):
+        raise ConfigError("begin() takes a version, or after= (the version to follow)")
+    if version is not None:
+        why = _try_claim(store, version, token)
+        if why is not None:
+            raise VersionConflictError(f"weight_v{version:06d} in {store.url} {_REFUSED[why]}")
+        return VersionWriter(store, version, token)
+    assert after is not None
     for version in range(after + 1, after + 1 + max_skip):
         why = _try_claim(store, version, token)
         if why is None:

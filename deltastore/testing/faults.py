@@ -11,6 +11,7 @@ A test utility: one thread per connection, whole bodies held in memory, no TLS.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import http.client
 import socket
@@ -231,10 +232,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     def _drop(self) -> None:
         self.close_connection = True
-        try:
+        with contextlib.suppress(OSError):  # the client hung up first
             self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def _answer(self, fault: Fault) -> None:
         """Answer with the fault's status and body instead of forwarding."""

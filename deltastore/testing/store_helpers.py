@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,10 +46,7 @@ def start_version(
     token: str | None = None,
 ) -> tuple[VersionWriter, VersionIndex]:
     """Claim a version and write its one shard; returns the writer and the index to commit.
-
-    ``base=None`` makes a full version, otherwise a delta on ``base``. Raises whatever the
-    store raises (e.g. VersionConflictError).
-    """
+    ``base=None`` makes a full version, otherwise a delta on ``base``."""
     writer = store.begin(version, token=token)
     return writer, fill_version(writer, base=base, tensors=tensors)
 
@@ -89,6 +85,13 @@ def write_version(
     return writer.commit(index) if commit else index
 
 
+def committed_w(store: VersionStore, version: int) -> bytes:
+    """The bytes of tensor ``w`` in the one shard of the committed ``version``."""
+    shard = next(iter(store.index(version).shards()))
+    entry = store.read_shard_header(version, shard).tensors["w"]
+    return store.read_range(version, shard, entry.start, entry.end)
+
+
 def race_worker(
     url: str,
     options: dict[str, Any],
@@ -96,31 +99,20 @@ def race_worker(
     token: str,
     barrier: Any,
     results: Any,
+    base: int | None = None,
 ) -> None:
-    """One writer process of a commit race: reports (token, outcome) on ``results``."""
+    """One writer process (of a commit race, once ``barrier`` lets it go; None: at once):
+    reports (token, outcome) on ``results``."""
     try:
         store = VersionStore(url, options, retry=FAST_RETRY)
-        barrier.wait(timeout=60)
-        write_version(store, version, token=token)
+        if barrier is not None:
+            barrier.wait(timeout=60)
+        write_version(store, version, base=base, token=token)
         results.put((token, "committed"))
     except VersionConflictError:
         results.put((token, "conflict"))
     except BaseException as exc:  # reported to the parent, which fails the test
         results.put((token, f"error {exc!r}"))
-
-
-def publish_in_child(
-    url: str, options: dict[str, Any], version: int, base: int, token: str, results: Any
-) -> None:
-    try:
-        write_version(VersionStore(url, options, retry=FAST_RETRY), version, base=base, token=token)
-        results.put("ok")
-    except BaseException as exc:
-        results.put(f"error {exc!r}")
-
-
-def fork_context() -> Any:
-    return multiprocessing.get_context("fork")
 
 
 class ConformanceBase:

@@ -23,7 +23,9 @@ and :class:`VersionWriter`'s ``step_hook`` to pause a writer between protocol st
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +43,8 @@ from deltastore.storage.writer import VersionWriter
 from deltastore.testing.faults import Fault, FaultProxy
 from deltastore.testing.store_helpers import (
     FAST_RETRY,
+    committed_w,
     fill_version,
-    fork_context,
-    publish_in_child,
     race_worker,
     shard_bytes,
     start_version,
@@ -117,10 +118,7 @@ class StoreConformance(PruneConformance, RaceConformance):
         with pytest.raises(VersionConflictError):
             VersionWriter(store_objects(other), 1, new_token()).commit(winner)
         assert store.index(1).commit_token == winner.commit_token
-        shard = next(iter(winner.shards()))
-        header = store.read_shard_header(1, shard)
-        entry = header.tensors["w"]
-        assert store.read_range(1, shard, entry.start, entry.end) == b"winner"
+        assert committed_w(store, 1) == b"winner"
 
     def test_concurrent_committers_threads(
         self, store_url: str, storage_options: dict[str, Any]
@@ -129,23 +127,19 @@ class StoreConformance(PruneConformance, RaceConformance):
         stores = [self.make_store(store_url, storage_options) for _ in range(writers)]
         tokens = [new_token() for _ in range(writers)]
         barrier = threading.Barrier(writers)
-        outcomes: dict[str, str] = {}
 
-        def race(i: int) -> None:
+        def race(i: int) -> str:
             barrier.wait(timeout=60)
             try:
                 write_version(stores[i], 1, token=tokens[i])
-                outcomes[tokens[i]] = "committed"
+                return "committed"
             except VersionConflictError:
-                outcomes[tokens[i]] = "conflict"
+                return "conflict"
             except BaseException as exc:
-                outcomes[tokens[i]] = f"error {exc!r}"
+                return f"error {exc!r}"
 
-        threads = [threading.Thread(target=race, args=(i,)) for i in range(writers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        with ThreadPoolExecutor(writers) as pool:
+            outcomes = dict(zip(tokens, pool.map(race, range(writers))))
         self._check_race(store_url, storage_options, outcomes, writers)
 
     def test_concurrent_committers_processes(
@@ -154,7 +148,7 @@ class StoreConformance(PruneConformance, RaceConformance):
         if not self.supports_processes:
             pytest.skip("this store lives inside one process")
         writers = 4
-        ctx = fork_context()
+        ctx = multiprocessing.get_context("fork")
         barrier = ctx.Barrier(writers)
         results = ctx.Queue()
         tokens = [new_token() for _ in range(writers)]
@@ -183,11 +177,8 @@ class StoreConformance(PruneConformance, RaceConformance):
         assert len(winners) == 1, outcomes
         reader = self.make_store(url, options)
         assert reader.versions() == [1]
-        index = reader.index(1)
-        assert index.commit_token == winners[0]
-        shard = next(iter(index.shards()))
-        entry = reader.read_shard_header(1, shard).tensors["w"]
-        assert reader.read_range(1, shard, entry.start, entry.end) == f"v1-{winners[0]}".encode()
+        assert reader.index(1).commit_token == winners[0]
+        assert committed_w(reader, 1) == f"v1-{winners[0]}".encode()
 
     # ----------------------------------------------------------------- refresh
     def test_refresh_sees_a_commit_from_another_process(
@@ -198,14 +189,14 @@ class StoreConformance(PruneConformance, RaceConformance):
         write_version(store, 1)
         assert store.versions() == [1]
         assert store.list_files(1)  # warm whatever listing the reader keeps
-        ctx = fork_context()
+        ctx = multiprocessing.get_context("fork")
         results = ctx.Queue()
         token = new_token()
         child = ctx.Process(
-            target=publish_in_child, args=(store_url, storage_options, 2, 1, token, results)
+            target=race_worker, args=(store_url, storage_options, 2, token, None, results, 1)
         )
         child.start()
-        assert results.get(timeout=120) == "ok"
+        assert results.get(timeout=120) == (token, "committed")
         child.join(30)
         store.refresh()
         assert store.versions() == [1, 2]
@@ -302,23 +293,19 @@ class StoreConformance(PruneConformance, RaceConformance):
         stores = [self.make_store(store_url, storage_options) for _ in range(writers)]
         path = store_objects(stores[0]).claim_path(1)
         barrier = threading.Barrier(writers)
-        outcomes: dict[int, str] = {}
 
-        def race(i: int) -> None:
+        def race(i: int) -> str:
             barrier.wait(timeout=60)
             try:
                 store_objects(stores[i]).create_only(path, f"writer {i}".encode())
-                outcomes[i] = "created"
+                return "created"
             except FileExistsError:
-                outcomes[i] = "exists"
+                return "exists"
             except BaseException as exc:
-                outcomes[i] = f"error {exc!r}"
+                return f"error {exc!r}"
 
-        threads = [threading.Thread(target=race, args=(i,)) for i in range(writers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        with ThreadPoolExecutor(writers) as pool:
+            outcomes = dict(enumerate(pool.map(race, range(writers))))
         winners = [i for i, outcome in outcomes.items() if outcome == "created"]
         assert sorted(outcomes.values()) == ["created"] + ["exists"] * (writers - 1), outcomes
         assert store_objects(stores[0]).read_optional(path) == f"writer {winners[0]}".encode()

@@ -117,22 +117,22 @@ def _parse(index: VersionIndex) -> tuple[str, dict[str, str]] | None:
 
 def check_base_names(
     base_dir: str, first_delta: VersionIndex, tensors: dict[str, CheckpointTensor]
-) -> bool:
+) -> tuple[str, dict[str, str]] | None:
     """The cheap half of :func:`check_base`, from the headers alone (``tensors`` is
     ``scan_checkpoint(base_dir)``): a :class:`NameMismatchError` naming what the base lacks and
-    adds."""
+    adds; the record (checksum, digest by tensor), None when ``first_delta`` carries none."""
     parsed = _parse(first_delta)
     if parsed is None:
-        return False
+        return None
     expected = set(parsed[1]).union(first_delta.weight_map)  # the record omits what it carries
     if set(tensors) != expected:
         raise NameMismatchError(
             f"base {base_dir} (checked against weight_v{first_delta.version:06d}): the base "
-            f"lacks {sorted(set(expected) - set(tensors))[:5]} and has "
-            f"{sorted(set(tensors) - set(expected))[:5]} that the trainer's base does not; "
+            f"lacks {sorted(expected - set(tensors))[:5]} and has "
+            f"{sorted(set(tensors) - expected)[:5]} that the trainer's base does not; "
             "pass the model the trainer was seeded from as --base"
         )
-    return True
+    return parsed
 
 
 def check_base(
@@ -150,10 +150,9 @@ def check_base(
     here). :class:`IntegrityError` naming the first differing tensors, :class:`NameMismatchError`
     when the base lacks or adds tensors."""
     local = tensors if tensors is not None else scan_checkpoint(base_dir)
-    if not check_base_names(base_dir, first_delta, local):
+    parsed = check_base_names(base_dir, first_delta, local)
+    if parsed is None:
         return False
-    parsed = _parse(first_delta)
-    assert parsed is not None
     checksum, expected = parsed
     algorithm = get_checksum(checksum)
     where = f"base {base_dir} (checked against weight_v{first_delta.version:06d})"
