@@ -24,6 +24,7 @@ from deltastore.codecs.sparse_format import (
     MARK,
     Positions,
     element_size,
+    read_header,
     read_varint,
     varint,
 )
@@ -259,13 +260,12 @@ def read_unary(stream: ByteArray, count: int) -> np.ndarray | None:
     return quotients
 
 
-def decode(
-    raw: ByteArray, header: tuple[int, int, int, int, int], nbytes: int, what: str
-) -> tuple[Positions, np.ndarray]:
-    """(positions, step fields as uint64) of the streams after the ``header``
-    :func:`~deltastore.codecs.sparse_format.read_header` read; :class:`FormatError` naming
-    ``what`` for streams that do not fit the ``nbytes``-byte tensor."""
-    itemsize, count, k, width, at = header
+def decode(raw: ByteArray, nbytes: int, what: str) -> tuple[Positions, np.ndarray, int]:
+    """(positions, step fields as uint64, itemsize) of a payload, every bound checked;
+    :class:`FormatError` naming ``what`` for one that does not fit the ``nbytes``-byte tensor."""
+    itemsize, count, k, width, at = read_header(raw, nbytes, what)
+    if not count:
+        return np.zeros(0, np.int64), np.zeros(0, np.uint64), itemsize
     fields_at = at + (count * k + 7) // 8
     patches_at = fields_at + (count * width + 7) // 8
     if width == 1:  # the usual ±1-ulp steps: one bit each, two numpy calls
@@ -279,23 +279,26 @@ def decode(
     fields[indices] |= high << np.uint64(width)
     quotients = read_unary(raw[unary_at:], count)
     positions = None
+    nelements = nbytes // itemsize
     if quotients is not None and not int(quotients.max()) >> (63 - k):
         gaps = quotients.astype(np.uint64) << np.uint64(k)
         if k:
             gaps |= bits_to_fields(raw[at:fields_at], k, count)
-        positions = decode_gaps(gaps, nbytes // itemsize)
+        positions = decode_gaps(gaps, nelements)
     if positions is None:
         raise FormatError(
-            f"{what} has positions that are not ascending inside its {nbytes // itemsize} "
-            "elements; it is corrupt"
+            f"{what} has positions that are not ascending inside its {nelements} elements; it "
+            "is corrupt"
         )
-    return positions, fields
+    return positions, fields, itemsize
 
 
-def apply_steps(target: ByteArray, itemsize: int, positions: Positions, fields: np.ndarray) -> None:
-    """Move the ``itemsize``-byte elements ``positions`` of ``target`` by their steps."""
-    elements = target.view(ELEMENT_DTYPES[itemsize])
-    elements[positions] = moved(elements[positions], fields.astype(elements.dtype))
+def apply(target: ByteArray, raw: ByteArray, what: str) -> None:
+    """Apply the payload ``raw`` to ``target`` in place, as :func:`decode` checks it first."""
+    positions, fields, itemsize = decode(raw, target.size, what)
+    if positions.size:
+        elements = target.view(ELEMENT_DTYPES[itemsize])
+        elements[positions] = moved(elements[positions], fields.astype(elements.dtype))
 
 
 def xor_at(elements: np.ndarray, positions: Positions, values: np.ndarray) -> None:

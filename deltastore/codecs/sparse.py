@@ -47,7 +47,6 @@ from deltastore.codecs.sparse_format import (
     TAG_XOR,
     element_size,
     max_payload_size,
-    read_header,
 )
 from deltastore.errors import ConfigError, FormatError
 
@@ -60,6 +59,7 @@ COMPILED_XOR_CHANGES = 256
 Ints = npt.NDArray[np.int64]
 SPARSE_WITHOUT_COMPARING = 16
 """``auto`` keeps a sparse-v2 payload at most 1/16 of the tensor without trying the others."""
+XOR = XorEncoding()
 
 
 def compiled_backend(use_jit: bool | None) -> Any:
@@ -139,7 +139,25 @@ class _SparseFamily(Encoding):
 
     def apply_numpy(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
         """:meth:`apply` by the numpy backend, worded for a payload that does not fit."""
-        raise NotImplementedError
+        raw = np.frombuffer(payload, np.uint8)
+        if self.tag >= 0:
+            if not raw.size:
+                raise FormatError(f"auto payload of tensor {tensor!r} is empty; it is corrupt")
+            tag, raw = int(raw[0]), raw[1:]
+            if tag == TAG_XOR:
+                XOR.apply(target, raw, tensor=tensor)
+                return
+            if tag == TAG_SPARSE_V1:
+                raise FormatError(
+                    f"auto payload of tensor {tensor!r} is coded with sparse-v1 (tag 1), which "
+                    f"deltastore no longer reads; {REMOVED_ENCODINGS['sparse-v1']}"
+                )
+            if tag != TAG_COMPACT:
+                raise FormatError(
+                    f"auto payload of tensor {tensor!r} names encoding tag {tag}, which this "
+                    "deltastore does not know (0 = xor, 2 = sparse-v2); upgrade deltastore"
+                )
+        numpy_backend.apply(target, raw, f"{NAME} payload of tensor {tensor!r}")
 
     def encode_framed(
         self, olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsizes: Sequence[int]
@@ -240,16 +258,7 @@ class CompactSparseEncoding(_SparseFamily):
         """(positions as int64, step fields as uint64, itemsize) of a payload, every bound
         checked; raises :class:`FormatError` naming ``tensor`` for a corrupt one."""
         raw = np.frombuffer(payload, dtype=np.uint8)
-        what = f"{NAME} payload of tensor {tensor!r}"
-        header = read_header(raw, nbytes, what)
-        if not header[1]:
-            return np.zeros(0, np.int64), np.zeros(0, np.uint64), header[0]
-        return (*numpy_backend.decode(raw, header, nbytes, what), header[0])
-
-    def apply_numpy(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
-        positions, fields, itemsize = self.decode(payload, target.size, tensor=tensor)
-        if positions.size:
-            numpy_backend.apply_steps(target, itemsize, positions, fields)
+        return numpy_backend.decode(raw, nbytes, f"{NAME} payload of tensor {tensor!r}")
 
 
 class AutoEncoding(_SparseFamily):
@@ -261,7 +270,6 @@ class AutoEncoding(_SparseFamily):
 
     def __init__(self, *, use_jit: bool | None = None) -> None:
         super().__init__(use_jit=use_jit)
-        self.xor = XorEncoding()
         self.compact = CompactSparseEncoding(use_jit=use_jit)
 
     def choose(
@@ -271,7 +279,7 @@ class AutoEncoding(_SparseFamily):
         compact = self.compact.encode(old, new, itemsize=itemsize)
         if len(compact.payload) * SPARSE_WITHOUT_COMPARING <= old.size:
             return TAG_COMPACT, compact
-        dense = self.xor.encode(old, new)
+        dense = XOR.encode(old, new)
         if len(compact.payload) <= len(compress(dense.payload)):  # sparse-v2 on a tie
             return TAG_COMPACT, compact
         return TAG_XOR, dense
@@ -285,24 +293,4 @@ class AutoEncoding(_SparseFamily):
         return EncodedDelta(memoryview(out), inner.changed_bytes, inner.xor_changes)
 
     def max_payload_size(self, nbytes: int) -> int:
-        return 1 + max(self.xor.max_payload_size(nbytes), self.compact.max_payload_size(nbytes))
-
-    def apply_numpy(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
-        raw = memoryview(payload).cast("B")
-        if not len(raw):
-            raise FormatError(f"auto payload of tensor {tensor!r} is empty; it is corrupt")
-        tag, inner = raw[0], raw[1:]
-        if tag == TAG_COMPACT:
-            self.compact.apply_numpy(target, inner, tensor=tensor)
-        elif tag == TAG_XOR:
-            self.xor.apply(target, inner, tensor=tensor)
-        elif tag == TAG_SPARSE_V1:
-            raise FormatError(
-                f"auto payload of tensor {tensor!r} is coded with sparse-v1 (tag 1), which "
-                f"deltastore no longer reads; {REMOVED_ENCODINGS['sparse-v1']}"
-            )
-        else:
-            raise FormatError(
-                f"auto payload of tensor {tensor!r} names encoding tag {tag}, which this "
-                "deltastore does not know (0 = xor, 2 = sparse-v2); upgrade deltastore"
-            )
+        return 1 + max(XOR.max_payload_size(nbytes), self.compact.max_payload_size(nbytes))
