@@ -430,7 +430,7 @@ def _words(data: ByteArray) -> npt.NDArray[np.uint64]:
 
 
 def _changes(
-    olds: Sequence[npt.NDArray[np.uint64]], news: Sequence[npt.NDArray[np.uint64]], itemsize: int
+    old_bytes: Sequence[ByteArray], new_bytes: Sequence[ByteArray], itemsize: int
 ) -> tuple[Ints, np.ndarray, np.ndarray, Ints]:
     """(positions of the changed elements, counted over the tensors' words end to end; their
     old values; their XOR values; each tensor's first element, one more than tensors).
@@ -439,6 +439,7 @@ def _changes(
     differing words gathered whenever it fills, while they are still in cache: copying the
     tensors end to end first cost as much again as the compare, and a mask allocated per call
     a page fault per 4 KB."""
+    olds, news = [_words(o) for o in old_bytes], [_words(n) for n in new_bytes]
     mask = getattr(_masks, "mask", None)
     if mask is None:
         mask = _masks.mask = np.empty(CHUNK_WORDS, dtype=bool)
@@ -533,24 +534,14 @@ def encode_group(
 ) -> list[tuple[bytes, int, XorChanges]]:
     """(sparse-v2 payload, changed bytes, changes) of each tensor, all coded with
     ``itemsize``-byte elements."""
-    return _encode_words([_words(o) for o in olds], [_words(n) for n in news], olds, itemsize)
-
-
-def _encode_words(
-    old_words: list[npt.NDArray[np.uint64]],
-    new_words: list[npt.NDArray[np.uint64]],
-    olds: Sequence[ByteArray],
-    itemsize: int,
-) -> list[tuple[bytes, int, XorChanges]]:
-    """:func:`encode_group` of the tensors ``olds`` as ``old_words`` and ``new_words``."""
-    positions, before, xored, starts = _changes(old_words, new_words, itemsize)
+    positions, before, xored, starts = _changes(olds, news, itemsize)
     if positions.size > GROUP_CHANGES and len(olds) > 1:
         # A dense group: halved (by changes) so the pass's memory stays bounded.
         bounds = np.searchsorted(positions, starts[1:])
         half = min(max(int(np.searchsorted(bounds, positions.size // 2)) + 1, 1), len(olds) - 1)
         del positions, before, xored
-        return _encode_words(old_words[:half], new_words[:half], olds[:half], itemsize) + (
-            _encode_words(old_words[half:], new_words[half:], olds[half:], itemsize)
+        return encode_group(olds[:half], news[:half], itemsize) + (
+            encode_group(olds[half:], news[half:], itemsize)
         )
     bounds = np.searchsorted(positions, starts)
     counts = bounds[1:] - bounds[:-1]
@@ -594,9 +585,6 @@ def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[bytes, XorCha
     return payload, changes
 
 
-UNCHANGED = FramedDelta(b"", 0)
-
-
 def encode_framed(
     olds: Sequence[ByteArray],
     news: Sequence[ByteArray],
@@ -613,7 +601,7 @@ def encode_framed(
         encoded = encode_group([olds[i] for i in indices], [news[i] for i in indices], size)
         for i, (payload, changed, changes) in zip(indices, encoded, strict=True):
             if not changed:
-                framed[i] = UNCHANGED
+                framed[i] = FramedDelta(b"", 0)
             elif not dense_ratio or len(payload) * dense_ratio <= olds[i].size:
                 framed[i] = FramedDelta(compress(prefix + payload), changed, changes)
     return framed

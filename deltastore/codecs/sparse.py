@@ -145,7 +145,7 @@ class _SparseFamily(Encoding):
                 raise FormatError(f"auto payload of tensor {tensor!r} is empty; it is corrupt")
             tag, raw = int(raw[0]), raw[1:]
             if tag == TAG_XOR:
-                XOR.apply(target, raw, tensor=tensor)
+                XOR.apply(target, raw.data, tensor=tensor)
                 return
             if tag == TAG_SPARSE_V1:
                 raise FormatError(
