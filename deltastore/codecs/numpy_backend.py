@@ -48,20 +48,6 @@ PACK_IN_WORDS = 512
 """From this many values on, :func:`fields_to_bits` packs them a group to a 64-bit word."""
 
 
-def split_words(
-    words: Ints, old_words: np.ndarray, new_words: np.ndarray, itemsize: int
-) -> tuple[Positions, np.ndarray, np.ndarray]:
-    """(positions, old values, XOR values) of the changed ``itemsize``-byte elements inside the
-    differing u64 ``words`` (their indices, and their old and new values)."""
-    dtype = ELEMENT_DTYPES[itemsize]
-    values = (old_words ^ new_words).view(dtype)
-    inside = values.nonzero()[0]
-    # Shifts, not // and %: numpy's integer division was a fifth of the chunk loop's time.
-    shift = LOG2[8 // itemsize]  # elements per word: 2**shift
-    positions = (words[inside >> shift] << shift) | (inside & ((1 << shift) - 1))
-    return positions, old_words.view(dtype)[inside], values[inside]
-
-
 def encode_gaps(positions: Positions) -> npt.NDArray[np.uint64]:
     """``gap - 1`` between consecutive ascending positions (the first counts from -1), as
     uint64."""
@@ -224,42 +210,6 @@ def bits_to_fields(packed: ByteArray, k: int, count: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ decoding
-def read_patches(
-    raw: ByteArray, at: int, count: int, width: int, bits: int
-) -> tuple[np.ndarray, np.ndarray, int] | None:
-    """(patch indices, high parts (uint64), offset after them) of the patch varint and stream
-    at ``at``; None when truncated, or the indices are not ascending below ``count``."""
-    counted = read_varint(raw, at)
-    if counted is None or counted[0] > count or (width == bits and counted[0]):
-        return None
-    patches, at = counted
-    if not patches:
-        return np.zeros(0, np.int64), np.zeros(0, np.uint64), at
-    index_width = (count - 1).bit_length()
-    end = at + (patches * (index_width + bits - width) + 7) // 8
-    if end > raw.size:
-        return None
-    flat = np.unpackbits(raw[at:end], count=patches * (index_width + bits - width))
-    rows = flat.reshape(patches, index_width + bits - width)
-    indices = _row_values(rows[:, :index_width])
-    if patches and (int(indices[-1]) >= count or not bool(np.all(indices[1:] > indices[:-1]))):
-        return None
-    return indices.astype(np.int64), _row_values(rows[:, index_width:]), end
-
-
-def read_unary(stream: ByteArray, count: int) -> np.ndarray | None:
-    """Quotients (int64) of a unary stream; None unless it holds exactly ``count`` codes
-    and fewer than 8 padding bits, all ones."""
-    ends = np.flatnonzero(np.unpackbits(stream) == 0)
-    if ends.size != count or stream.size * 8 - int(ends[-1]) - 1 >= 8:
-        return None
-    quotients = np.empty(count, dtype=np.int64)  # ends[i] - ends[i-1] - 1, ends[-1] = -1
-    quotients[0] = ends[0]
-    np.subtract(ends[1:], ends[:-1], out=quotients[1:])
-    quotients[1:] -= 1
-    return quotients
-
-
 def decode(raw: ByteArray, nbytes: int, what: str) -> tuple[Positions, np.ndarray, int]:
     """(positions, step fields as uint64, itemsize) of a payload, every bound checked;
     :class:`FormatError` naming ``what`` for one that does not fit the ``nbytes``-byte tensor."""
@@ -272,19 +222,34 @@ def decode(raw: ByteArray, nbytes: int, what: str) -> tuple[Positions, np.ndarra
         fields = np.unpackbits(raw[fields_at:patches_at], count=count).astype(np.uint64)
     else:
         fields = bits_to_fields(raw[fields_at:patches_at], width, count)
-    patches = read_patches(raw, patches_at, count, width, itemsize * 8)
-    if patches is None:
-        raise FormatError(f"{what} has patched steps that are truncated or out of order")
-    indices, high, unary_at = patches
-    fields[indices] |= high << np.uint64(width)
-    quotients = read_unary(raw[unary_at:], count)
+    patched = f"{what} has patched steps that are truncated or out of order"
+    patches, unary_at = read_varint(raw, patches_at) or (count + 1, 0)
+    index_width = (count - 1).bit_length()
+    row_bits = index_width + itemsize * 8 - width
+    end = unary_at + (patches * row_bits + 7) // 8
+    if patches > count or (row_bits == index_width and patches) or end > raw.size:
+        raise FormatError(patched)
+    if patches:
+        rows = np.unpackbits(raw[unary_at:end], count=patches * row_bits).reshape(patches, -1)
+        indices = _row_values(rows[:, :index_width])
+        if int(indices[-1]) >= count or not bool(np.all(indices[1:] > indices[:-1])):
+            raise FormatError(patched)
+        fields[indices.astype(np.int64)] |= _row_values(rows[:, index_width:]) << np.uint64(width)
+        unary_at = end
+    # The unary stream: exactly ``count`` codes, then fewer than 8 padding bits (all ones).
+    ends = np.flatnonzero(np.unpackbits(raw[unary_at:]) == 0)
     positions = None
     nelements = nbytes // itemsize
-    if quotients is not None and not int(quotients.max()) >> (63 - k):
-        gaps = quotients.astype(np.uint64) << np.uint64(k)
-        if k:
-            gaps |= bits_to_fields(raw[at:fields_at], k, count)
-        positions = decode_gaps(gaps, nelements)
+    if ends.size == count and (raw.size - unary_at) * 8 - int(ends[-1]) - 1 < 8:
+        quotients = np.empty(count, dtype=np.int64)  # ends[i] - ends[i-1] - 1, ends[-1] = -1
+        quotients[0] = ends[0]
+        np.subtract(ends[1:], ends[:-1], out=quotients[1:])
+        quotients[1:] -= 1
+        if not int(quotients.max()) >> (63 - k):
+            gaps = quotients.astype(np.uint64) << np.uint64(k)
+            if k:
+                gaps |= bits_to_fields(raw[at:fields_at], k, count)
+            positions = decode_gaps(gaps, nelements)
     if positions is None:
         raise FormatError(
             f"{what} has positions that are not ascending inside its {nelements} elements; it "
@@ -440,6 +405,8 @@ def _changes(
     tensors end to end first cost as much again as the compare, and a mask allocated per call
     a page fault per 4 KB."""
     olds, news = [_words(o) for o in old_bytes], [_words(n) for n in new_bytes]
+    dtype = ELEMENT_DTYPES[itemsize]
+    shift = LOG2[8 // itemsize]  # elements per word: 2**shift
     mask = getattr(_masks, "mask", None)
     if mask is None:
         mask = _masks.mask = np.empty(CHUNK_WORDS, dtype=bool)
@@ -461,8 +428,14 @@ def _changes(
                 parts[2].append(news[i][inside])
         pieces.clear()
         if parts[0]:
-            joined = [part[0] if len(part) == 1 else np.concatenate(part) for part in parts]
-            found.append(split_words(joined[0], joined[1], joined[2], itemsize))
+            indices, old_words, new_words = (
+                part[0] if len(part) == 1 else np.concatenate(part) for part in parts
+            )
+            values = (old_words ^ new_words).view(dtype)
+            inside = values.nonzero()[0]
+            # Shifts, not // and %: numpy's integer division was a fifth of the chunk loop's time.
+            positions = (indices[inside >> shift] << shift) | (inside & ((1 << shift) - 1))
+            found.append((positions, old_words.view(dtype)[inside], values[inside]))
 
     filled = 0
     for i, (old, new) in enumerate(zip(olds, news, strict=True)):
@@ -476,15 +449,12 @@ def _changes(
             pieces.append((i, first, filled))
             filled += size
     gather(filled)
-    if len(found) == 1:
-        positions, before, xored = found[0]
-    else:
-        empty = (np.zeros(0, np.int64), np.zeros(0, ELEMENT_DTYPES[itemsize]))
-        positions, before, xored = (
-            np.concatenate(part)
-            for part in zip(*found or [(empty[0], empty[1], empty[1])], strict=True)
-        )
-    return positions, before, xored, word_at << LOG2[8 // itemsize]
+    if not found:
+        found.append((np.zeros(0, np.int64), np.zeros(0, dtype), np.zeros(0, dtype)))
+    positions, before, xored = (
+        found[0] if len(found) == 1 else (np.concatenate(part) for part in zip(*found, strict=True))
+    )
+    return positions, before, xored, word_at << shift
 
 
 def _layout(streams: _Streams, itemsize: int) -> tuple[ByteWriter, Ints, Ints, list[int]]:
