@@ -292,9 +292,10 @@ def _width(fields, bits):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _write(old_at, new_at, nbytes, element, bits, mark):  # type: ignore[no-untyped-def]
-    """(payload, positions, XOR values as uint64) of the tensor at ``old_at`` / ``new_at`` read
-    as ``element`` ints (a numpy integer type: one compiled copy per element size)."""
+def _write(old_at, new_at, nbytes, element, bits, mark, tag):  # type: ignore[no-untyped-def]
+    """(payload after the byte ``tag`` where it is ≥ 0, positions, XOR values as uint64) of the
+    tensor at ``old_at`` / ``new_at`` read as ``element`` ints (a numpy integer type: one
+    compiled copy per element size)."""
     positions, xored, fields = _changes(
         numba.carray(_pointer(old_at), nbytes // 8, np.uint64),
         numba.carray(_pointer(new_at), nbytes // 8, np.uint64),
@@ -303,9 +304,11 @@ def _write(old_at, new_at, nbytes, element, bits, mark):  # type: ignore[no-unty
         bits,
     )
     count = positions.size
-    head = np.empty(21, np.uint8)
-    head[0] = mark
-    head_size = _varint(head, _varint(head, 1, nbytes), count)
+    first = 1 if tag >= 0 else 0
+    head = np.empty(22, np.uint8)
+    head[0] = max(tag, 0)
+    head[first] = mark
+    head_size = _varint(head, _varint(head, first + 1, nbytes), count)
     if count == 0:
         return head[:head_size].copy(), positions, xored.astype(np.uint64)
     k = _rice_k(positions)
@@ -355,16 +358,16 @@ def _write(old_at, new_at, nbytes, element, bits, mark):  # type: ignore[no-unty
 
 
 @numba.njit(cache=True, nogil=True)
-def _one(old_at, new_at, nbytes, size):  # type: ignore[no-untyped-def]
-    """(payload, positions, XOR values as uint64) of one tensor of ``size``-byte elements: the
-    one writer of a single tensor and of a batch's."""
+def _one(old_at, new_at, nbytes, size, tag):  # type: ignore[no-untyped-def]
+    """:func:`_write` of one tensor of ``size``-byte elements: the one writer of a single tensor
+    and of a batch's."""
     if size == 8:
-        return _write(old_at, new_at, nbytes, np.uint64, 64, MARK | 3)
+        return _write(old_at, new_at, nbytes, np.uint64, 64, MARK | 3, tag)
     if size == 4:
-        return _write(old_at, new_at, nbytes, np.uint32, 32, MARK | 2)
+        return _write(old_at, new_at, nbytes, np.uint32, 32, MARK | 2, tag)
     if size == 2:
-        return _write(old_at, new_at, nbytes, np.uint16, 16, MARK | 1)
-    return _write(old_at, new_at, nbytes, np.uint8, 8, MARK)
+        return _write(old_at, new_at, nbytes, np.uint16, 16, MARK | 1, tag)
+    return _write(old_at, new_at, nbytes, np.uint8, 8, MARK, tag)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -396,17 +399,6 @@ def _xor_at(elements, positions, values):  # type: ignore[no-untyped-def]
 
 
 # ------------------------------------------------------------------ a batch
-@numba.njit(cache=True, nogil=True)
-def _tagged(payload, tag):  # type: ignore[no-untyped-def]
-    """``payload`` after the byte ``tag`` when it is ≥ 0."""
-    if tag < 0:
-        return payload
-    content = np.empty(payload.size + 1, np.uint8)
-    content[0] = tag
-    content[1:] = payload
-    return content
-
-
 @numba.njit(cache=True, nogil=True)
 def _framed(content):  # type: ignore[no-untyped-def]
     """``content`` in the zstd frame zstd-1 writes for it where it does not compress (single
@@ -477,7 +469,8 @@ def _encode_batch(old_at, new_at, nbytes, sizes, tag, dense_ratio):  # type: ign
     changed = np.zeros(n, np.int64)
     kinds = np.zeros(n, np.int8)
     for i in range(n):
-        payload, where, xored = _one(old_at[i], new_at[i], nbytes[i], sizes[i])
+        content, where, xored = _one(old_at[i], new_at[i], nbytes[i], sizes[i], tag)
+        payload = content[1:] if tag >= 0 else content
         changed[i] = _changed_bytes(xored)
         if not changed[i]:
             frames.append(np.empty(0, np.uint8))
@@ -486,9 +479,9 @@ def _encode_batch(old_at, new_at, nbytes, sizes, tag, dense_ratio):  # type: ign
             frames.append(np.empty(0, np.uint8))
         elif _compressible(payload):
             kinds[i] = CONTENT
-            frames.append(_tagged(payload, tag))
+            frames.append(content)
         else:
-            frames.append(_framed(_tagged(payload, tag)))
+            frames.append(_framed(content))
         positions.append(where)
         values.append(xored)
     frame_at = np.zeros(n + 1, np.int64)
@@ -704,9 +697,8 @@ def apply_batch(target, starts, sizes, data, offsets, tagged):  # type: ignore[n
 def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[memoryview, XorChanges]:
     """The payload turning ``old`` into ``new`` (``itemsize`` one ``element_size`` gives) and
     the changes: a batch's writer on one tensor (``old`` and ``new`` are held for the call)."""
-    out, positions, xored = _one(
-        np.int64(old.ctypes.data), np.int64(new.ctypes.data), np.int64(old.size), np.int64(itemsize)
-    )
+    addresses = np.int64(old.ctypes.data), np.int64(new.ctypes.data)
+    out, positions, xored = _one(*addresses, np.int64(old.size), np.int64(itemsize), np.int64(-1))
     return memoryview(out), XorChanges(positions, xored.astype(ELEMENT_DTYPES[itemsize]))
 
 
@@ -732,11 +724,8 @@ def encode_framed(
     change_at, value_at = change_at.tolist(), value_at.tolist()
     framed: list[FramedDelta | None] = []
     for i, size in enumerate(sizes):
-        if not changed[i]:
-            framed.append(FramedDelta(b"", 0))
-            continue
-        if kinds[i] == DENSE:
-            framed.append(None)
+        if not changed[i] or kinds[i] == DENSE:  # None: encoded again alone
+            framed.append(FramedDelta(b"", 0) if not changed[i] else None)
             continue
         raw = frame_bytes[frame_at[i] : frame_at[i + 1]]
         frame = compress(raw) if kinds[i] == CONTENT else raw.tobytes()

@@ -1,27 +1,11 @@
-"""deltastore's own encodings: ``sparse-v2`` (the format is
+"""deltastore's own encodings (see docs/encodings.md): ``sparse-v2`` (the format is
 :mod:`~deltastore.codecs.sparse_format`) and ``auto``, per tensor the smaller of ``xor`` and
-``sparse-v2``. A reference reader knows neither name and refuses the version. The store wraps
-every payload in one zstd-1 frame as for any encoding; inside, nothing is compressed again.
-
-The kernels come from :mod:`~deltastore.codecs.numba_backend` where numba is installed (``pip
-install 'deltastore[fast]'``) and ``DELTASTORE_NO_JIT`` is unset, else from
-:mod:`~deltastore.codecs.numpy_backend` (the same bytes). They compile on their first use on a
-machine (or at :func:`warm_up`, never at ``import deltastore``), then load from numba's on-disk
-cache (next to the module or in ``NUMBA_CACHE_DIR``).
-
-An ``auto`` payload is one tag byte, then that encoding's payload unchanged::
-
-    0x00 ‖ xor payload        (new XOR old, the tensor's full size)
-    0x02 ‖ sparse-v2 payload
-
-Tag 1 was the removed ``sparse-v1``, refused with what to do; a deltastore older than
-``sparse-v2`` refuses tag 2 with a message that says to upgrade. Every choice is self-inverse
-(applied twice, a payload reverts). sparse-v2 is encoded first; a payload at most 1/16 of the
-tensor is kept without trying anything else (its streams are then smaller than a zstd-1 frame
-of a XOR of zero runs); otherwise (a dense change, rare in a training step) the XOR is
-compressed too and the smaller kept. Encoding holds up to 24 bytes per changed element
-(position, step field, XOR value; the compiled encoder's growing buffers twice that for a
-moment).
+``sparse-v2`` after a tag byte naming it; a reference reader refuses both. The kernels come
+from :mod:`~deltastore.codecs.numba_backend` where numba is installed and ``DELTASTORE_NO_JIT``
+is unset, else from :mod:`~deltastore.codecs.numpy_backend` (the same bytes), compiled on their
+first use on a machine (or at :func:`warm_up`, never at import). Encoding holds up to 24 bytes
+per changed element (position, step field, XOR value; the compiled encoder's growing buffers
+twice that for a moment).
 """
 
 from __future__ import annotations
@@ -58,7 +42,8 @@ COMPILED_XOR_CHANGES = 256
 """Fewer changes than this are XORed in by numpy (a compiled call's fixed cost is more)."""
 Ints = npt.NDArray[np.int64]
 SPARSE_WITHOUT_COMPARING = 16
-"""``auto`` keeps a sparse-v2 payload at most 1/16 of the tensor without trying the others."""
+"""``auto`` keeps a sparse-v2 payload at most 1/16 of the tensor without trying the others (it
+is then smaller than a zstd-1 frame of the XOR); otherwise the smaller of the two is kept."""
 XOR = XorEncoding()
 
 
@@ -165,9 +150,8 @@ class _SparseFamily(Encoding):
         """As :meth:`Encoding.encode_framed`: with numba, a batch in one call without the GIL;
         with numpy, in groups of one pass each; a tensor over ``dense_ratio`` encoded again
         alone."""
-        if len(olds) < 2:
-            return super().encode_framed(olds, news, itemsizes)
-        if not all(a.dtype == np.uint8 and a.flags.c_contiguous for a in (*olds, *news)):
+        contiguous = all(a.dtype == np.uint8 and a.flags.c_contiguous for a in (*olds, *news))
+        if len(olds) < 2 or not contiguous:
             return super().encode_framed(olds, news, itemsizes)
         for index, (old, new) in enumerate(zip(olds, news, strict=True)):
             if old.size != new.size:  # the kernel reads both sizes from the old bytes
