@@ -515,12 +515,10 @@ def _header(raw, nbytes):  # type: ignore[no-untyped-def]
         return False, 1, 0, 0, 0, 0
     itemsize = 1 << (raw[0] & 3)
     declared, at, ok = _read_varint(raw, 1)
-    if not ok:
+    counted, at, ok_too = _read_varint(raw, at)  # (read from anywhere when the first is not ok)
+    if not (ok and ok_too) or declared != U64(nbytes) or nbytes % itemsize:
         return False, 1, 0, 0, 0, 0
-    counted, at, ok = _read_varint(raw, at)
-    if not ok or declared != U64(nbytes):
-        return False, 1, 0, 0, 0, 0
-    if nbytes % itemsize or counted > U64(nbytes // itemsize):
+    if counted > U64(nbytes // itemsize):
         return False, 1, 0, 0, 0, 0
     count = np.int64(counted)
     if count == 0:
