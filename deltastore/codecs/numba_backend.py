@@ -430,16 +430,6 @@ def _framed(content):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _changed_bytes(xored):  # type: ignore[no-untyped-def]
-    changed = 0
-    for value in xored:
-        while value:
-            changed += (value & U64(0xFF)) != U64(0)
-            value >>= U64(8)
-    return changed
-
-
-@numba.njit(cache=True, nogil=True)
 def _compressible(payload):  # type: ignore[no-untyped-def]
     """True when zstd might store ``payload`` in fewer bytes than it has: its byte entropy plus
     half a byte per distinct byte value (about what a Huffman table costs) is under 103 % of
@@ -471,7 +461,10 @@ def _encode_batch(old_at, new_at, nbytes, sizes, tag, dense_ratio):  # type: ign
     for i in range(n):
         content, where, xored = _one(old_at[i], new_at[i], nbytes[i], sizes[i], tag)
         payload = content[1:] if tag >= 0 else content
-        changed[i] = _changed_bytes(xored)
+        for value in xored:  # changed bytes
+            while value:
+                changed[i] += (value & U64(0xFF)) != U64(0)
+                value >>= U64(8)
         if not changed[i]:
             frames.append(np.empty(0, np.uint8))
         elif dense_ratio and payload.size * dense_ratio > nbytes[i]:
@@ -566,25 +559,6 @@ def _get(raw, bit, width):  # type: ignore[no-untyped-def]
     return (high << U64(32)) | low, bit + width
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _quotient(raw, bit, end):  # type: ignore[no-untyped-def]
-    """(one bits from ``bit`` up to the next zero, the offset after that zero, ok): not ok when
-    the stream (``end`` bits) ends first."""
-    quotient = 0
-    while True:
-        valid = min(57, end - bit)
-        if valid <= 0:
-            return quotient, bit, False
-        window = _window(raw, bit)
-        ones = 0
-        while ones < valid and (window >> U64(63 - ones)) & U64(1):
-            ones += 1
-        if ones < valid:
-            return quotient + ones, bit + ones + 1, True
-        quotient += ones
-        bit += ones
-
-
 @numba.njit(cache=True, nogil=True)
 def _decode_into(  # type: ignore[no-untyped-def]
     raw, at, count, k, width, itemsize, nelements, positions, fields
@@ -618,9 +592,22 @@ def _decode_into(  # type: ignore[no-untyped-def]
     position = -1
     for j in range(count):
         low, low_bit = _get(raw, low_bit, k)
-        quotient, bit, ok = _quotient(raw, bit, end)
+        quotient = 0  # the one bits up to the next zero, a window's 57 valid bits at a time
+        while True:
+            valid = min(57, end - bit)
+            if valid <= 0:  # the stream ends first
+                return 1
+            window = _window(raw, bit)
+            ones = 0
+            while ones < valid and (window >> U64(63 - ones)) & U64(1):
+                ones += 1
+            quotient += ones
+            bit += ones
+            if ones < valid:
+                bit += 1  # the zero
+                break
         # Refused: a gap over 63 bits, or one that leads past the last element.
-        if not ok or quotient >> (63 - k) or quotient << k >= nelements:
+        if quotient >> (63 - k) or quotient << k >= nelements:
             return 1
         gap = (quotient << k) | np.int64(low)
         if gap >= nelements - position - 1:
