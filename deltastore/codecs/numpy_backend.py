@@ -11,7 +11,6 @@ import itertools
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -273,22 +272,6 @@ def xor_at(elements: np.ndarray, positions: Positions, values: np.ndarray) -> No
 
 
 # ------------------------------------------------------------------ writing a group
-@dataclass(frozen=True)
-class _Streams:
-    """What a group's payloads hold besides their headers, per tensor and per change."""
-
-    counts: Ints
-    bounds: Ints
-    """Tensor ``t``'s changes are ``bounds[t] : bounds[t + 1]``."""
-    k: Ints
-    widths: Ints
-    gaps: np.ndarray
-    fields: np.ndarray
-    tensor_of: Ints
-    ordinals: Ints
-    """Each change's index among its tensor's changes."""
-
-
 class ByteWriter:
     """Byte values to add at byte indices, summed into one buffer by :meth:`build`, and whole
     byte runs copied in after."""
@@ -303,14 +286,15 @@ class ByteWriter:
         self._indices.append(at)
         self._values.append(values)
 
-    def streams(self, at: Ints, values: np.ndarray, widths: Ints, streams: _Streams) -> None:
-        """Each tensor's ``values`` (one a change), ``widths[t]`` bits each, back to back from
-        byte ``at[t]``. A group of one packs its run whole."""
+    def streams(
+        self, at: Ints, values: np.ndarray, widths: Ints, tensor_of: Ints, ordinals: Ints
+    ) -> None:
+        """Each tensor's ``values`` (one a change: its tensor, its index there), ``widths[t]``
+        bits each, back to back from byte ``at[t]``. A group of one packs its run whole."""
         if at.size == 1:
             if widths[0] and values.size:
                 self._runs.append((int(at[0]), fields_to_bits(values, int(widths[0]))))
             return
-        tensor_of, ordinals = streams.tensor_of, streams.ordinals
         width_of = widths[tensor_of]
         self.bits(8 * at[tensor_of] + ordinals * width_of, values, width_of)
 
@@ -458,45 +442,46 @@ def _changes(
     return positions, before, xored, word_at << shift
 
 
-def _layout(streams: _Streams, itemsize: int) -> tuple[ByteWriter, Ints, Ints, list[int]]:
+def _layout(
+    gaps: np.ndarray, fields: np.ndarray, k: Ints, widths: Ints, bounds: Ints, tensor_of: Ints
+) -> tuple[ByteWriter, Ints, Ints, list[int]]:
     """The bodies of the group's payloads (their streams: a payload without its header and
     patch count) written into one :class:`ByteWriter`, each after the one before; returns it,
     the bodies' byte offsets (one more than tensors), each one's patch rows' offset and each
-    one's patch count."""
-    s = streams
-    bits = 8 * itemsize
+    one's patch count. Tensor ``t``'s changes are ``bounds[t] : bounds[t + 1]``."""
+    counts = bounds[1:] - bounds[:-1]
+    ordinals = np.arange(gaps.size) - np.repeat(bounds[:-1], counts)  # index in its tensor
+    bits = 8 * fields.dtype.itemsize
     # int64 where the fields fit (numpy is faster on it than on uint64).
-    wide = s.fields.astype(np.int64 if itemsize < 8 else np.uint64)
-    tensor_widths = per_change(s.widths, s.tensor_of)
+    wide = fields.astype(np.int64 if bits < 64 else np.uint64)
+    tensor_widths = per_change(widths, tensor_of)
     shifts = tensor_widths.astype(wide.dtype)
     patched = ((wide >> shifts) * (tensor_widths < bits)).nonzero()[0]
-    patches = np.bincount(s.tensor_of[patched], minlength=s.counts.size).astype(np.int64)
-    index_bits = bit_length(np.maximum(s.counts - 1, 0))
-    quotients = s.gaps >> per_change(s.k, s.tensor_of)
+    patches = np.bincount(tensor_of[patched], minlength=counts.size).astype(np.int64)
+    index_bits = bit_length(np.maximum(counts - 1, 0))
+    quotients = gaps >> per_change(k, tensor_of)
     zeros = np.cumsum(quotients + 1) - 1  # each unary code's zero bit, over all tensors
-    unary_bits = segment_sums(quotients + 1, s.bounds)
-    section_bits = (s.counts * s.k, s.counts * s.widths, patches * (index_bits + bits - s.widths))
+    unary_bits = segment_sums(quotients + 1, bounds)
+    section_bits = (counts * k, counts * widths, patches * (index_bits + bits - widths))
     sections = (np.array((*section_bits, unary_bits)) + 7) // 8
     ends = np.cumsum(sections.T)  # each tensor's four sections, one after the other
     remainder_at, field_at, patch_at, unary_at = (ends - sections.T.ravel()).reshape(-1, 4).T
     at = np.append(remainder_at, ends[-1])
     writer = ByteWriter()
-    writer.streams(remainder_at, s.gaps, s.k, s)
-    writer.streams(field_at, wide, s.widths, s)
+    writer.streams(remainder_at, gaps, k, tensor_of, ordinals)
+    writer.streams(field_at, wide, widths, tensor_of, ordinals)
     if patched.size:
-        owner = s.tensor_of[patched]
-        row_bits = index_bits + bits - s.widths
+        owner = tensor_of[patched]
+        row_bits = index_bits + bits - widths
         first_patch = np.cumsum(patches) - patches
         row_at = (
             8 * patch_at[owner] + (np.arange(patched.size) - first_patch[owner]) * row_bits[owner]
         )
-        writer.bits(row_at, s.ordinals[patched], index_bits[owner])
-        high = wide[patched] >> s.widths[owner].astype(wide.dtype)
-        writer.bits(row_at + index_bits[owner], high, bits - s.widths[owner])
+        writer.bits(row_at, ordinals[patched], index_bits[owner])
+        high = wide[patched] >> widths[owner].astype(wide.dtype)
+        writer.bits(row_at + index_bits[owner], high, bits - widths[owner])
     unary_before = np.cumsum(unary_bits) - unary_bits
-    writer.unary(
-        unary_at, sections[-1], per_change(8 * unary_at - unary_before, s.tensor_of) + zeros
-    )
+    writer.unary(unary_at, sections[-1], per_change(8 * unary_at - unary_before, tensor_of) + zeros)
     return writer, at, patch_at, patches.tolist()
 
 
@@ -522,21 +507,13 @@ def encode_group(
     gaps = encode_gaps(local).view(np.int64)
     gaps[firsts] = local[firsts]  # each tensor's first counts from -1
     fields = step_fields(before, before ^ xored)
-    streams = _Streams(
-        counts=counts,
-        bounds=bounds,
-        k=rice_parameters(gaps, bounds, tensor_of),
-        widths=field_widths(fields, tensor_of, counts, 8 * itemsize),
-        gaps=gaps,
-        fields=fields,
-        tensor_of=tensor_of,
-        ordinals=np.arange(positions.size) - np.repeat(bounds[:-1], counts),
-    )
-    writer, at, patch_at, patches = _layout(streams, itemsize)
+    k = rice_parameters(gaps, bounds, tensor_of)
+    widths = field_widths(fields, tensor_of, counts, 8 * itemsize)
+    writer, at, patch_at, patches = _layout(gaps, fields, k, widths, bounds, tensor_of)
     bodies = writer.build(int(at[-1])).tobytes()
     changed_bytes = segment_sums(xored.view(np.uint8) != 0, bounds * itemsize).tolist()
     at_list, patch_list, bounds_list = at.tolist(), patch_at.tolist(), bounds.tolist()
-    k_list, width_list = streams.k.tolist(), streams.widths.tolist()
+    k_list, width_list = k.tolist(), widths.tolist()
     mark = bytes((MARK | LOG2[itemsize],))
     out = []
     for i, (lo, hi) in enumerate(itertools.pairwise(bounds_list)):
