@@ -682,8 +682,7 @@ def apply_batch(target, starts, sizes, data, offsets, tagged):  # type: ignore[n
 def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[memoryview, XorChanges]:
     """The payload turning ``old`` into ``new`` (``itemsize`` one ``element_size`` gives) and
     the changes: a batch's writer on one tensor (``old`` and ``new`` are held for the call)."""
-    addresses = np.int64(old.ctypes.data), np.int64(new.ctypes.data)
-    out, positions, xored = _one(*addresses, np.int64(old.size), np.int64(itemsize), np.int64(-1))
+    out, positions, xored = _one(old.ctypes.data, new.ctypes.data, old.size, itemsize, -1)
     return memoryview(out), XorChanges(positions, xored.astype(ELEMENT_DTYPES[itemsize]))
 
 
