@@ -700,9 +700,7 @@ def encode_framed(
     new_at = np.array([new.ctypes.data for new in news], dtype=np.int64)
     sizes = [element_size(old.size, s) for old, s in zip(olds, itemsizes, strict=True)]
     nbytes = np.array([old.size for old in olds], dtype=np.int64)
-    out = _encode_batch(
-        old_at, new_at, nbytes, np.array(sizes, np.int64), np.int64(tag), np.int64(dense_ratio)
-    )
+    out = _encode_batch(old_at, new_at, nbytes, np.array(sizes, np.int64), tag, dense_ratio)
     frame_bytes, frame_at, changed, kinds, positions, change_at, value_bytes, value_at = out
     frame_at, changed, kinds = frame_at.tolist(), changed.tolist(), kinds.tolist()
     change_at, value_at = change_at.tolist(), value_at.tolist()
