@@ -19,10 +19,9 @@ from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding, apply_
 from deltastore.codecs.sparse_format import itemsize_of_dtype
 from deltastore.errors import ConfigError
 
-ENCODINGS: dict[str, Encoding] = {e.name: e for e in (XorEncoding(), OverwriteEncoding())}
-ENCODINGS.update(  # deltastore's own
-    {e.name: e for e in (CompactSparseEncoding(), AutoEncoding())}
-)
+ENCODINGS: dict[str, Encoding] = {
+    e.name: e for e in (XorEncoding(), OverwriteEncoding(), CompactSparseEncoding(), AutoEncoding())
+}
 CHECKSUMS: dict[str, Checksum] = {
     c.name: c for c in (Xxh3Checksum(), Blake3Checksum(), Adler32Checksum())
 }

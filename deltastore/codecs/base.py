@@ -48,14 +48,12 @@ class XorChanges:
 
 @dataclass(frozen=True)
 class FramedDelta:
-    """One tensor's delta as the store keeps it: the payload already in its zstd frame."""
+    """One tensor's delta as the store keeps it: the payload's zstd frame (empty where nothing
+    changed); ``changed_bytes`` and ``xor_changes`` as in :class:`EncodedDelta`."""
 
     frame: bytes
-    """The zstd frame of the payload (empty where nothing changed)."""
     changed_bytes: int
-    """How many bytes of the tensor differ between old and new."""
     xor_changes: XorChanges | None = None
-    """As :attr:`EncodedDelta.xor_changes`."""
 
 
 class Encoding(ABC):

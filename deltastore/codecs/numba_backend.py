@@ -3,15 +3,10 @@
 on-disk cache (keyed on a kernel's own file) never runs a kernel compiled against an older
 version of one it calls. Imported only by :func:`deltastore.codecs.sparse.compiled_backend`.
 
-One writer, for a batch (a single tensor is a batch of one): one pass over both tensors finds
-the changes (32 words compared at a time, each 32 KB chunk recorded while still in cache), then
-the payload is written. A batch is one call without the GIL, on addresses of each tensor's
-bytes, that writes every payload already in its zstd frame: a payload is near its entropy, so
-zstd-1 stores it as raw blocks anyway, and the frame here is the one zstd writes then (single
-segment, content size, raw blocks of at most 128 KiB, no checksum). One decoder, for a batch of
-payloads: each is read and checked before its tensor is touched. Elements are read and written
-byte by byte, little-endian, so a tensor at any offset of a file works; arithmetic is on uint64
-(numba turns mixed signed and unsigned integers into floats).
+One writer (a single tensor is a batch of one) and one decoder, each a batch in one call
+without the GIL. Elements are read and written byte by byte, little-endian, so a tensor at any
+offset of a file works; arithmetic is on uint64 (numba turns mixed signed and unsigned integers
+into floats).
 """
 
 from __future__ import annotations
@@ -38,10 +33,9 @@ from deltastore.codecs.sparse_format import (
 U64 = np.uint64
 BLOCK = 128 * 1024
 """Largest zstd block (bytes of content)."""
-FRAMED = 0
-"""Kind of a tensor whose bytes in the batch are its whole zstd frame (the default)."""
 CONTENT = 1
-"""Kind of a tensor whose bytes are its (tagged) payload, for the caller to compress."""
+"""Kind of a tensor whose bytes are its (tagged) payload, for the caller to compress (kind 0:
+its whole zstd frame)."""
 DENSE = 2
 """Kind of a tensor whose payload is over the dense ratio: nothing is written."""
 HEADER = 4 + 1 + 8
@@ -80,21 +74,18 @@ def _trailing_zeros_of(typingctx, value):  # type: ignore[no-untyped-def]
     return value(value), codegen
 
 
-_trailing_zeros: Any = intrinsic(_trailing_zeros_of)
-
-
 def _pointer_of(typingctx, address):  # type: ignore[no-untyped-def]
     """The integer ``address`` as a ``void*`` (what :func:`numba.carray` takes)."""
-    signature = types.voidptr(types.int64)
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
 
-    return signature, codegen
+    return types.voidptr(types.int64), codegen
 
 
+# Called in kernels as ``_pointer(address)``: numba passes the typing context itself.
+_trailing_zeros: Any = intrinsic(_trailing_zeros_of)
 _pointer: Any = intrinsic(_pointer_of)
-"""Called in kernels as ``_pointer(address)`` (numba passes the typing context itself)."""
 
 
 WORDS_PER_BLOCK = 32
@@ -250,10 +241,10 @@ def _put(out, at, acc, held, value, width):  # type: ignore[no-untyped-def]
 @numba.njit(cache=True, nogil=True, inline="always")
 def _flush(out, at, acc, held, ones):  # type: ignore[no-untyped-def]
     """Pad the last partial byte with zeros (or ones) and write it."""
-    if held:
-        pad = U64((1 << (8 - held)) - 1) if ones else U64(0)
-        at, acc, held = _put(out, at, acc, held, pad, 8 - held)
-    return at
+    if not held:
+        return at, acc, held
+    pad = U64((1 << (8 - held)) - 1) if ones else U64(0)
+    return _put(out, at, acc, held, pad, 8 - held)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -285,7 +276,7 @@ def _rice_k(positions):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True, nogil=True)
 def _width(fields, bits):  # type: ignore[no-untyped-def]
-    """As :func:`deltastore.codecs.numpy_backend.field_width`."""
+    """As :func:`deltastore.codecs.numpy_backend.field_widths`, for one tensor."""
     histogram = np.zeros(65, np.int64)
     for f in fields:
         histogram[_bit_length(f)] += 1
@@ -301,9 +292,10 @@ def _width(fields, bits):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _write(old_at, new_at, nbytes, element, bits, mark):  # type: ignore[no-untyped-def]
-    """(payload, positions, XOR values as uint64) of the tensor at ``old_at`` / ``new_at`` read
-    as ``element`` ints (a numpy integer type: one compiled copy per element size)."""
+def _write(old_at, new_at, nbytes, element, bits, mark, tag):  # type: ignore[no-untyped-def]
+    """(payload after the byte ``tag`` where it is ≥ 0, positions, XOR values as uint64) of the
+    tensor at ``old_at`` / ``new_at`` read as ``element`` ints (a numpy integer type: one
+    compiled copy per element size)."""
     positions, xored, fields = _changes(
         numba.carray(_pointer(old_at), nbytes // 8, np.uint64),
         numba.carray(_pointer(new_at), nbytes // 8, np.uint64),
@@ -312,9 +304,11 @@ def _write(old_at, new_at, nbytes, element, bits, mark):  # type: ignore[no-unty
         bits,
     )
     count = positions.size
-    head = np.empty(21, np.uint8)
-    head[0] = mark
-    head_size = _varint(head, _varint(head, 1, nbytes), count)
+    first = 1 if tag >= 0 else 0
+    head = np.empty(22, np.uint8)
+    head[0] = max(tag, 0)
+    head[first] = mark
+    head_size = _varint(head, _varint(head, first + 1, nbytes), count)
     if count == 0:
         return head[:head_size].copy(), positions, xored.astype(np.uint64)
     k = _rice_k(positions)
@@ -340,20 +334,17 @@ def _write(old_at, new_at, nbytes, element, bits, mark):  # type: ignore[no-unty
         gap = U64(positions[i] - previous - 1)
         previous = positions[i]
         at, acc, held = _put(out, at, acc, held, gap, k)
-    at = _flush(out, at, acc, held, False)
-    held = 0
+    at, acc, held = _flush(out, at, acc, held, False)
     for f in fields:
         at, acc, held = _put(out, at, acc, held, f, width)
-    at = _flush(out, at, acc, held, False)
-    held = 0
+    at, acc, held = _flush(out, at, acc, held, False)
     at = _varint(out, at, patches)
     if patches:
         for j in range(count):
             if _bit_length(fields[j]) > width:
                 at, acc, held = _put(out, at, acc, held, U64(j), index_width)
                 at, acc, held = _put(out, at, acc, held, fields[j] >> U64(width), bits - width)
-        at = _flush(out, at, acc, held, False)
-        held = 0
+        at, acc, held = _flush(out, at, acc, held, False)
     previous = -1
     for i in range(count):
         quotient = (positions[i] - previous - 1) >> k
@@ -362,46 +353,21 @@ def _write(old_at, new_at, nbytes, element, bits, mark):  # type: ignore[no-unty
             at, acc, held = _put(out, at, acc, held, U64(0xFFFFFFFF), 32)
             quotient -= 32
         at, acc, held = _put(out, at, acc, held, U64(((1 << quotient) - 1) << 1), quotient + 1)
-    at = _flush(out, at, acc, held, True)
+    at, acc, held = _flush(out, at, acc, held, True)
     return out[:at], positions, xored.astype(np.uint64)
 
 
 @numba.njit(cache=True, nogil=True)
-def _one(old_at, new_at, nbytes, size):  # type: ignore[no-untyped-def]
-    """(payload, positions, XOR values as uint64) of one tensor of ``size``-byte elements: the
-    one writer of a single tensor and of a batch's."""
+def _one(old_at, new_at, nbytes, size, tag):  # type: ignore[no-untyped-def]
+    """:func:`_write` of one tensor of ``size``-byte elements: the one writer of a single tensor
+    and of a batch's."""
     if size == 8:
-        return _write(old_at, new_at, nbytes, np.uint64, 64, MARK | 3)
+        return _write(old_at, new_at, nbytes, np.uint64, 64, MARK | 3, tag)
     if size == 4:
-        return _write(old_at, new_at, nbytes, np.uint32, 32, MARK | 2)
+        return _write(old_at, new_at, nbytes, np.uint32, 32, MARK | 2, tag)
     if size == 2:
-        return _write(old_at, new_at, nbytes, np.uint16, 16, MARK | 1)
-    return _write(old_at, new_at, nbytes, np.uint8, 8, MARK)
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _next_position(previous, quotient, low, k, nelements):  # type: ignore[no-untyped-def]
-    """(the position a gap of ``quotient`` << k | ``low`` leads to after ``previous``, ok): not
-    ok when the gap overflows 63 bits or the position is not below ``nelements``."""
-    if quotient >> (63 - k) or quotient << k >= nelements:
-        return previous, False
-    gap = (quotient << k) | np.int64(low)
-    if gap >= nelements - previous - 1:
-        return previous, False
-    return previous + gap + 1, True
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _ones_to_the_end(raw, bit, end):  # type: ignore[no-untyped-def]
-    """True when the bits from ``bit`` to ``end`` are fewer than 8 and all ones (the padding
-    after a unary stream)."""
-    if end - bit >= 8:
-        return False
-    while bit < end:
-        if not (raw[bit >> 3] >> (7 - (bit & 7))) & 1:
-            return False
-        bit += 1
-    return True
+        return _write(old_at, new_at, nbytes, np.uint16, 16, MARK | 1, tag)
+    return _write(old_at, new_at, nbytes, np.uint8, 8, MARK, tag)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -433,10 +399,14 @@ def _xor_at(elements, positions, values):  # type: ignore[no-untyped-def]
 
 
 # ------------------------------------------------------------------ a batch
-@numba.njit(cache=True, nogil=True, inline="always")
-def _frame_header(out, at, size):  # type: ignore[no-untyped-def]
-    """zstd's frame header for ``size`` bytes of content (as zstd-1 writes it)."""
-    out[at : at + 4] = np.array([0x28, 0xB5, 0x2F, 0xFD], np.uint8)
+@numba.njit(cache=True, nogil=True)
+def _framed(content):  # type: ignore[no-untyped-def]
+    """``content`` in the zstd frame zstd-1 writes for it where it does not compress (single
+    segment, content size, raw blocks, no checksum): a payload is near its entropy."""
+    size = content.size
+    blocks = max(1, (size + BLOCK - 1) // BLOCK)
+    out = np.empty(HEADER + 3 * blocks + size, np.uint8)
+    out[:4] = np.array([0x28, 0xB5, 0x2F, 0xFD], np.uint8)
     if size < 256:
         code, width, stored = 0, 1, size
     elif size < 65536 + 256:
@@ -445,30 +415,10 @@ def _frame_header(out, at, size):  # type: ignore[no-untyped-def]
         code, width, stored = 2, 4, size
     else:
         code, width, stored = 3, 8, size
-    out[at + 4] = np.uint8((code << 6) | 0x20)  # single segment, no checksum, no dictionary
+    out[4] = np.uint8((code << 6) | 0x20)  # single segment, no checksum, no dictionary
     for i in range(width):
-        out[at + 5 + i] = np.uint8((stored >> (8 * i)) & 0xFF)
-    return at + 5 + width
-
-
-@numba.njit(cache=True, nogil=True)
-def _tagged(payload, tag):  # type: ignore[no-untyped-def]
-    """``payload`` after the byte ``tag`` when it is ≥ 0."""
-    if tag < 0:
-        return payload
-    content = np.empty(payload.size + 1, np.uint8)
-    content[0] = tag
-    content[1:] = payload
-    return content
-
-
-@numba.njit(cache=True, nogil=True)
-def _framed(content):  # type: ignore[no-untyped-def]
-    """``content`` in a zstd frame of raw blocks."""
-    size = content.size
-    blocks = max(1, (size + BLOCK - 1) // BLOCK)
-    out = np.empty(HEADER + 3 * blocks + size, np.uint8)
-    at = _frame_header(out, 0, size)
+        out[5 + i] = np.uint8((stored >> (8 * i)) & 0xFF)
+    at = 5 + width
     for b in range(blocks):
         start = b * BLOCK
         length = min(BLOCK, size - start)
@@ -477,16 +427,6 @@ def _framed(content):  # type: ignore[no-untyped-def]
         out[at + 3 : at + 3 + length] = content[start : start + length]
         at += 3 + length
     return out[:at]
-
-
-@numba.njit(cache=True, nogil=True)
-def _changed_bytes(xored):  # type: ignore[no-untyped-def]
-    changed = 0
-    for value in xored:
-        while value:
-            changed += (value & U64(0xFF)) != U64(0)
-            value >>= U64(8)
-    return changed
 
 
 @numba.njit(cache=True, nogil=True)
@@ -519,8 +459,12 @@ def _encode_batch(old_at, new_at, nbytes, sizes, tag, dense_ratio):  # type: ign
     changed = np.zeros(n, np.int64)
     kinds = np.zeros(n, np.int8)
     for i in range(n):
-        payload, where, xored = _one(old_at[i], new_at[i], nbytes[i], sizes[i])
-        changed[i] = _changed_bytes(xored)
+        content, where, xored = _one(old_at[i], new_at[i], nbytes[i], sizes[i], tag)
+        payload = content[1:] if tag >= 0 else content
+        for value in xored:  # changed bytes
+            while value:
+                changed[i] += (value & U64(0xFF)) != U64(0)
+                value >>= U64(8)
         if not changed[i]:
             frames.append(np.empty(0, np.uint8))
         elif dense_ratio and payload.size * dense_ratio > nbytes[i]:
@@ -528,9 +472,9 @@ def _encode_batch(old_at, new_at, nbytes, sizes, tag, dense_ratio):  # type: ign
             frames.append(np.empty(0, np.uint8))
         elif _compressible(payload):
             kinds[i] = CONTENT
-            frames.append(_tagged(payload, tag))
+            frames.append(content)
         else:
-            frames.append(_framed(_tagged(payload, tag)))
+            frames.append(_framed(content))
         positions.append(where)
         values.append(xored)
     frame_at = np.zeros(n + 1, np.int64)
@@ -564,12 +508,10 @@ def _header(raw, nbytes):  # type: ignore[no-untyped-def]
         return False, 1, 0, 0, 0, 0
     itemsize = 1 << (raw[0] & 3)
     declared, at, ok = _read_varint(raw, 1)
-    if not ok:
+    counted, at, ok_too = _read_varint(raw, at)  # (read from anywhere when the first is not ok)
+    if not (ok and ok_too) or declared != U64(nbytes) or nbytes % itemsize:
         return False, 1, 0, 0, 0, 0
-    counted, at, ok = _read_varint(raw, at)
-    if not ok or declared != U64(nbytes):
-        return False, 1, 0, 0, 0, 0
-    if nbytes % itemsize or counted > U64(nbytes // itemsize):
+    if counted > U64(nbytes // itemsize):
         return False, 1, 0, 0, 0, 0
     count = np.int64(counted)
     if count == 0:
@@ -617,35 +559,6 @@ def _get(raw, bit, width):  # type: ignore[no-untyped-def]
     return (high << U64(32)) | low, bit + width
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _quotient(raw, bit, end):  # type: ignore[no-untyped-def]
-    """(one bits from ``bit`` up to the next zero, the offset after that zero, ok): not ok when
-    the stream (``end`` bits) ends first."""
-    quotient = 0
-    while True:
-        valid = min(57, end - bit)
-        if valid <= 0:
-            return quotient, bit, False
-        window = _window(raw, bit)
-        ones = 0
-        while ones < valid and (window >> U64(63 - ones)) & U64(1):
-            ones += 1
-        if ones < valid:
-            return quotient + ones, bit + ones + 1, True
-        quotient += ones
-        bit += ones
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _step(current, field, mask):  # type: ignore[no-untyped-def]
-    """The other side of the pair ``field`` codes, from ``current``."""
-    magnitude = (field >> U64(1)) + U64(1)
-    lowest = magnitude & (~magnitude + U64(1))
-    if ((current & lowest) != 0) == ((field & U64(1)) != 0):
-        return (current + magnitude) & mask
-    return (current - magnitude) & mask
-
-
 @numba.njit(cache=True, nogil=True)
 def _decode_into(  # type: ignore[no-untyped-def]
     raw, at, count, k, width, itemsize, nelements, positions, fields
@@ -679,28 +592,52 @@ def _decode_into(  # type: ignore[no-untyped-def]
     position = -1
     for j in range(count):
         low, low_bit = _get(raw, low_bit, k)
-        quotient, bit, ok = _quotient(raw, bit, end)
-        if not ok:
+        quotient = 0  # the one bits up to the next zero, a window's 57 valid bits at a time
+        while True:
+            valid = min(57, end - bit)
+            if valid <= 0:  # the stream ends first
+                return 1
+            window = _window(raw, bit)
+            ones = 0
+            while ones < valid and (window >> U64(63 - ones)) & U64(1):
+                ones += 1
+            quotient += ones
+            bit += ones
+            if ones < valid:
+                bit += 1  # the zero
+                break
+        # Refused: a gap over 63 bits, or one that leads past the last element.
+        if quotient >> (63 - k) or quotient << k >= nelements:
             return 1
-        position, ok = _next_position(position, quotient, low, k, nelements)
-        if not ok:
+        gap = (quotient << k) | np.int64(low)
+        if gap >= nelements - position - 1:
             return 1
+        position += gap + 1
         positions[j] = position
-    return 0 if _ones_to_the_end(raw, bit, end) else 1
+    if end - bit >= 8:  # the unary stream's padding: fewer than 8 bits, all ones
+        return 1
+    for b in range(bit, end):
+        if not (raw[b >> 3] >> (7 - (b & 7))) & 1:
+            return 1
+    return 0
 
 
 @numba.njit(cache=True, nogil=True)
 def _apply_steps(target, start, itemsize, positions, fields, count):  # type: ignore[no-untyped-def]
     """Move each element ``positions[j]`` of the tensor at byte ``start`` by its step."""
-    mask = U64(0xFFFFFFFFFFFFFFFF) >> U64(64 - itemsize * 8)
     for j in range(count):
         byte = start + positions[j] * itemsize
         current = U64(0)
         for b in range(itemsize):
             current |= U64(target[byte + b]) << U64(8 * b)
-        moved = _step(current, fields[j], mask)
+        magnitude = (fields[j] >> U64(1)) + U64(1)
+        lowest = magnitude & (~magnitude + U64(1))
+        if ((current & lowest) != 0) == ((fields[j] & U64(1)) != 0):
+            current += magnitude  # wraps modulo 2**64: the element's own bytes are right
+        else:
+            current -= magnitude
         for b in range(itemsize):
-            target[byte + b] = np.uint8((moved >> U64(8 * b)) & U64(0xFF))
+            target[byte + b] = np.uint8((current >> U64(8 * b)) & U64(0xFF))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -745,9 +682,7 @@ def apply_batch(target, starts, sizes, data, offsets, tagged):  # type: ignore[n
 def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[memoryview, XorChanges]:
     """The payload turning ``old`` into ``new`` (``itemsize`` one ``element_size`` gives) and
     the changes: a batch's writer on one tensor (``old`` and ``new`` are held for the call)."""
-    out, positions, xored = _one(
-        np.int64(old.ctypes.data), np.int64(new.ctypes.data), np.int64(old.size), np.int64(itemsize)
-    )
+    out, positions, xored = _one(old.ctypes.data, new.ctypes.data, old.size, itemsize, -1)
     return memoryview(out), XorChanges(positions, xored.astype(ELEMENT_DTYPES[itemsize]))
 
 
@@ -765,19 +700,14 @@ def encode_framed(
     new_at = np.array([new.ctypes.data for new in news], dtype=np.int64)
     sizes = [element_size(old.size, s) for old, s in zip(olds, itemsizes, strict=True)]
     nbytes = np.array([old.size for old in olds], dtype=np.int64)
-    out = _encode_batch(
-        old_at, new_at, nbytes, np.array(sizes, np.int64), np.int64(tag), np.int64(dense_ratio)
-    )
+    out = _encode_batch(old_at, new_at, nbytes, np.array(sizes, np.int64), tag, dense_ratio)
     frame_bytes, frame_at, changed, kinds, positions, change_at, value_bytes, value_at = out
     frame_at, changed, kinds = frame_at.tolist(), changed.tolist(), kinds.tolist()
     change_at, value_at = change_at.tolist(), value_at.tolist()
     framed: list[FramedDelta | None] = []
     for i, size in enumerate(sizes):
-        if not changed[i]:
-            framed.append(FramedDelta(b"", 0))
-            continue
-        if kinds[i] == DENSE:
-            framed.append(None)
+        if not changed[i] or kinds[i] == DENSE:  # None: encoded again alone
+            framed.append(FramedDelta(b"", 0) if not changed[i] else None)
             continue
         raw = frame_bytes[frame_at[i] : frame_at[i + 1]]
         frame = compress(raw) if kinds[i] == CONTENT else raw.tobytes()

@@ -11,7 +11,6 @@ import itertools
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +23,7 @@ from deltastore.codecs.sparse_format import (
     MARK,
     Positions,
     element_size,
+    read_header,
     read_varint,
     varint,
 )
@@ -45,20 +45,6 @@ PIECE_BITS = 25
 offset then fits a 32-bit window of four bytes."""
 PACK_IN_WORDS = 512
 """From this many values on, :func:`fields_to_bits` packs them a group to a 64-bit word."""
-
-
-def split_words(
-    words: Ints, old_words: np.ndarray, new_words: np.ndarray, itemsize: int
-) -> tuple[Positions, np.ndarray, np.ndarray]:
-    """(positions, old values, XOR values) of the changed ``itemsize``-byte elements inside the
-    differing u64 ``words`` (their indices, and their old and new values)."""
-    dtype = ELEMENT_DTYPES[itemsize]
-    values = (old_words ^ new_words).view(dtype)
-    inside = values.nonzero()[0]
-    # Shifts, not // and %: numpy's integer division was a fifth of the chunk loop's time.
-    shift = LOG2[8 // itemsize]  # elements per word: 2**shift
-    positions = (words[inside >> shift] << shift) | (inside & ((1 << shift) - 1))
-    return positions, old_words.view(dtype)[inside], values[inside]
 
 
 def encode_gaps(positions: Positions) -> npt.NDArray[np.uint64]:
@@ -223,79 +209,61 @@ def bits_to_fields(packed: ByteArray, k: int, count: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ decoding
-def read_patches(
-    raw: ByteArray, at: int, count: int, width: int, bits: int
-) -> tuple[np.ndarray, np.ndarray, int] | None:
-    """(patch indices, high parts (uint64), offset after them) of the patch varint and stream
-    at ``at``; None when truncated, or the indices are not ascending below ``count``."""
-    counted = read_varint(raw, at)
-    if counted is None or counted[0] > count or (width == bits and counted[0]):
-        return None
-    patches, at = counted
-    if not patches:
-        return np.zeros(0, np.int64), np.zeros(0, np.uint64), at
-    index_width = (count - 1).bit_length()
-    end = at + (patches * (index_width + bits - width) + 7) // 8
-    if end > raw.size:
-        return None
-    flat = np.unpackbits(raw[at:end], count=patches * (index_width + bits - width))
-    rows = flat.reshape(patches, index_width + bits - width)
-    indices = _row_values(rows[:, :index_width])
-    if patches and (int(indices[-1]) >= count or not bool(np.all(indices[1:] > indices[:-1]))):
-        return None
-    return indices.astype(np.int64), _row_values(rows[:, index_width:]), end
-
-
-def read_unary(stream: ByteArray, count: int) -> np.ndarray | None:
-    """Quotients (int64) of a unary stream; None unless it holds exactly ``count`` codes
-    and fewer than 8 padding bits, all ones."""
-    ends = np.flatnonzero(np.unpackbits(stream) == 0)
-    if ends.size != count or stream.size * 8 - int(ends[-1]) - 1 >= 8:
-        return None
-    quotients = np.empty(count, dtype=np.int64)  # ends[i] - ends[i-1] - 1, ends[-1] = -1
-    quotients[0] = ends[0]
-    np.subtract(ends[1:], ends[:-1], out=quotients[1:])
-    quotients[1:] -= 1
-    return quotients
-
-
-def decode(
-    raw: ByteArray, header: tuple[int, int, int, int, int], nbytes: int, what: str
-) -> tuple[Positions, np.ndarray]:
-    """(positions, step fields as uint64) of the streams after the ``header``
-    :func:`~deltastore.codecs.sparse_format.read_header` read; :class:`FormatError` naming
-    ``what`` for streams that do not fit the ``nbytes``-byte tensor."""
-    itemsize, count, k, width, at = header
+def decode(raw: ByteArray, nbytes: int, what: str) -> tuple[Positions, np.ndarray, int]:
+    """(positions, step fields as uint64, itemsize) of a payload, every bound checked;
+    :class:`FormatError` naming ``what`` for one that does not fit the ``nbytes``-byte tensor."""
+    itemsize, count, k, width, at = read_header(raw, nbytes, what)
+    if not count:
+        return np.zeros(0, np.int64), np.zeros(0, np.uint64), itemsize
     fields_at = at + (count * k + 7) // 8
     patches_at = fields_at + (count * width + 7) // 8
     if width == 1:  # the usual ±1-ulp steps: one bit each, two numpy calls
         fields = np.unpackbits(raw[fields_at:patches_at], count=count).astype(np.uint64)
     else:
         fields = bits_to_fields(raw[fields_at:patches_at], width, count)
-    patches = read_patches(raw, patches_at, count, width, itemsize * 8)
-    if patches is None:
-        raise FormatError(f"{what} has patched steps that are truncated or out of order")
-    indices, high, unary_at = patches
-    fields[indices] |= high << np.uint64(width)
-    quotients = read_unary(raw[unary_at:], count)
+    patched = f"{what} has patched steps that are truncated or out of order"
+    patches, unary_at = read_varint(raw, patches_at) or (count + 1, 0)
+    index_width = (count - 1).bit_length()
+    row_bits = index_width + itemsize * 8 - width
+    end = unary_at + (patches * row_bits + 7) // 8
+    if patches > count or (row_bits == index_width and patches) or end > raw.size:
+        raise FormatError(patched)
+    if patches:
+        rows = np.unpackbits(raw[unary_at:end], count=patches * row_bits).reshape(patches, -1)
+        indices = _row_values(rows[:, :index_width])
+        if int(indices[-1]) >= count or not bool(np.all(indices[1:] > indices[:-1])):
+            raise FormatError(patched)
+        fields[indices.astype(np.int64)] |= _row_values(rows[:, index_width:]) << np.uint64(width)
+        unary_at = end
+    # The unary stream: exactly ``count`` codes, then fewer than 8 padding bits (all ones).
+    ends = np.flatnonzero(np.unpackbits(raw[unary_at:]) == 0)
     positions = None
-    if quotients is not None and not int(quotients.max()) >> (63 - k):
-        gaps = quotients.astype(np.uint64) << np.uint64(k)
-        if k:
-            gaps |= bits_to_fields(raw[at:fields_at], k, count)
-        positions = decode_gaps(gaps, nbytes // itemsize)
+    nelements = nbytes // itemsize
+    if ends.size == count and (raw.size - unary_at) * 8 - int(ends[-1]) - 1 < 8:
+        quotients = np.empty(count, dtype=np.int64)  # ends[i] - ends[i-1] - 1, ends[-1] = -1
+        quotients[0] = ends[0]
+        np.subtract(ends[1:], ends[:-1], out=quotients[1:])
+        quotients[1:] -= 1
+        del ends  # its memory is reused for the gaps: freed, a big decode is 4 % faster
+        if not int(quotients.max()) >> (63 - k):
+            gaps = quotients.astype(np.uint64) << np.uint64(k)
+            if k:
+                gaps |= bits_to_fields(raw[at:fields_at], k, count)
+            positions = decode_gaps(gaps, nelements)
     if positions is None:
         raise FormatError(
-            f"{what} has positions that are not ascending inside its {nbytes // itemsize} "
-            "elements; it is corrupt"
+            f"{what} has positions that are not ascending inside its {nelements} elements; it "
+            "is corrupt"
         )
-    return positions, fields
+    return positions, fields, itemsize
 
 
-def apply_steps(target: ByteArray, itemsize: int, positions: Positions, fields: np.ndarray) -> None:
-    """Move the ``itemsize``-byte elements ``positions`` of ``target`` by their steps."""
-    elements = target.view(ELEMENT_DTYPES[itemsize])
-    elements[positions] = moved(elements[positions], fields.astype(elements.dtype))
+def apply(target: ByteArray, raw: ByteArray, what: str) -> None:
+    """Apply the payload ``raw`` to ``target`` in place, as :func:`decode` checks it first."""
+    positions, fields, itemsize = decode(raw, target.size, what)
+    if positions.size:
+        elements = target.view(ELEMENT_DTYPES[itemsize])
+        elements[positions] = moved(elements[positions], fields.astype(elements.dtype))
 
 
 def xor_at(elements: np.ndarray, positions: Positions, values: np.ndarray) -> None:
@@ -304,22 +272,6 @@ def xor_at(elements: np.ndarray, positions: Positions, values: np.ndarray) -> No
 
 
 # ------------------------------------------------------------------ writing a group
-@dataclass(frozen=True)
-class _Streams:
-    """What a group's payloads hold besides their headers, per tensor and per change."""
-
-    counts: Ints
-    bounds: Ints
-    """Tensor ``t``'s changes are ``bounds[t] : bounds[t + 1]``."""
-    k: Ints
-    widths: Ints
-    gaps: np.ndarray
-    fields: np.ndarray
-    tensor_of: Ints
-    ordinals: Ints
-    """Each change's index among its tensor's changes."""
-
-
 class ByteWriter:
     """Byte values to add at byte indices, summed into one buffer by :meth:`build`, and whole
     byte runs copied in after."""
@@ -334,14 +286,15 @@ class ByteWriter:
         self._indices.append(at)
         self._values.append(values)
 
-    def streams(self, at: Ints, values: np.ndarray, widths: Ints, streams: _Streams) -> None:
-        """Each tensor's ``values`` (one a change), ``widths[t]`` bits each, back to back from
-        byte ``at[t]``. A group of one packs its run whole."""
+    def streams(
+        self, at: Ints, values: np.ndarray, widths: Ints, tensor_of: Ints, ordinals: Ints
+    ) -> None:
+        """Each tensor's ``values`` (one a change: its tensor, its index there), ``widths[t]``
+        bits each, back to back from byte ``at[t]``. A group of one packs its run whole."""
         if at.size == 1:
             if widths[0] and values.size:
                 self._runs.append((int(at[0]), fields_to_bits(values, int(widths[0]))))
             return
-        tensor_of, ordinals = streams.tensor_of, streams.ordinals
         width_of = widths[tensor_of]
         self.bits(8 * at[tensor_of] + ordinals * width_of, values, width_of)
 
@@ -427,7 +380,7 @@ def _words(data: ByteArray) -> npt.NDArray[np.uint64]:
 
 
 def _changes(
-    olds: Sequence[npt.NDArray[np.uint64]], news: Sequence[npt.NDArray[np.uint64]], itemsize: int
+    old_bytes: Sequence[ByteArray], new_bytes: Sequence[ByteArray], itemsize: int
 ) -> tuple[Ints, np.ndarray, np.ndarray, Ints]:
     """(positions of the changed elements, counted over the tensors' words end to end; their
     old values; their XOR values; each tensor's first element, one more than tensors).
@@ -436,6 +389,9 @@ def _changes(
     differing words gathered whenever it fills, while they are still in cache: copying the
     tensors end to end first cost as much again as the compare, and a mask allocated per call
     a page fault per 4 KB."""
+    olds, news = [_words(o) for o in old_bytes], [_words(n) for n in new_bytes]
+    dtype = ELEMENT_DTYPES[itemsize]
+    shift = LOG2[8 // itemsize]  # elements per word: 2**shift
     mask = getattr(_masks, "mask", None)
     if mask is None:
         mask = _masks.mask = np.empty(CHUNK_WORDS, dtype=bool)
@@ -457,8 +413,14 @@ def _changes(
                 parts[2].append(news[i][inside])
         pieces.clear()
         if parts[0]:
-            joined = [part[0] if len(part) == 1 else np.concatenate(part) for part in parts]
-            found.append(split_words(joined[0], joined[1], joined[2], itemsize))
+            indices, old_words, new_words = (
+                part[0] if len(part) == 1 else np.concatenate(part) for part in parts
+            )
+            values = (old_words ^ new_words).view(dtype)
+            inside = values.nonzero()[0]
+            # Shifts, not // and %: numpy's integer division was a fifth of the chunk loop's time.
+            positions = (indices[inside >> shift] << shift) | (inside & ((1 << shift) - 1))
+            found.append((positions, old_words.view(dtype)[inside], values[inside]))
 
     filled = 0
     for i, (old, new) in enumerate(zip(olds, news, strict=True)):
@@ -472,56 +434,54 @@ def _changes(
             pieces.append((i, first, filled))
             filled += size
     gather(filled)
-    if len(found) == 1:
-        positions, before, xored = found[0]
-    else:
-        empty = (np.zeros(0, np.int64), np.zeros(0, ELEMENT_DTYPES[itemsize]))
-        positions, before, xored = (
-            np.concatenate(part)
-            for part in zip(*found or [(empty[0], empty[1], empty[1])], strict=True)
-        )
-    return positions, before, xored, word_at << LOG2[8 // itemsize]
+    if not found:
+        found.append((np.zeros(0, np.int64), np.zeros(0, dtype), np.zeros(0, dtype)))
+    positions, before, xored = (
+        found[0] if len(found) == 1 else (np.concatenate(part) for part in zip(*found, strict=True))
+    )
+    return positions, before, xored, word_at << shift
 
 
-def _layout(streams: _Streams, itemsize: int) -> tuple[ByteWriter, Ints, Ints, list[int]]:
+def _layout(
+    gaps: np.ndarray, fields: np.ndarray, k: Ints, widths: Ints, bounds: Ints, tensor_of: Ints
+) -> tuple[ByteWriter, Ints, Ints, list[int]]:
     """The bodies of the group's payloads (their streams: a payload without its header and
     patch count) written into one :class:`ByteWriter`, each after the one before; returns it,
     the bodies' byte offsets (one more than tensors), each one's patch rows' offset and each
-    one's patch count."""
-    s = streams
-    bits = 8 * itemsize
+    one's patch count. Tensor ``t``'s changes are ``bounds[t] : bounds[t + 1]``."""
+    counts = bounds[1:] - bounds[:-1]
+    ordinals = np.arange(gaps.size) - np.repeat(bounds[:-1], counts)  # index in its tensor
+    bits = 8 * fields.dtype.itemsize
     # int64 where the fields fit (numpy is faster on it than on uint64).
-    wide = s.fields.astype(np.int64 if itemsize < 8 else np.uint64)
-    tensor_widths = per_change(s.widths, s.tensor_of)
+    wide = fields.astype(np.int64 if bits < 64 else np.uint64)
+    tensor_widths = per_change(widths, tensor_of)
     shifts = tensor_widths.astype(wide.dtype)
     patched = ((wide >> shifts) * (tensor_widths < bits)).nonzero()[0]
-    patches = np.bincount(s.tensor_of[patched], minlength=s.counts.size).astype(np.int64)
-    index_bits = bit_length(np.maximum(s.counts - 1, 0))
-    quotients = s.gaps >> per_change(s.k, s.tensor_of)
+    patches = np.bincount(tensor_of[patched], minlength=counts.size).astype(np.int64)
+    index_bits = bit_length(np.maximum(counts - 1, 0))
+    quotients = gaps >> per_change(k, tensor_of)
     zeros = np.cumsum(quotients + 1) - 1  # each unary code's zero bit, over all tensors
-    unary_bits = segment_sums(quotients + 1, s.bounds)
-    section_bits = (s.counts * s.k, s.counts * s.widths, patches * (index_bits + bits - s.widths))
+    unary_bits = segment_sums(quotients + 1, bounds)
+    section_bits = (counts * k, counts * widths, patches * (index_bits + bits - widths))
     sections = (np.array((*section_bits, unary_bits)) + 7) // 8
     ends = np.cumsum(sections.T)  # each tensor's four sections, one after the other
     remainder_at, field_at, patch_at, unary_at = (ends - sections.T.ravel()).reshape(-1, 4).T
     at = np.append(remainder_at, ends[-1])
     writer = ByteWriter()
-    writer.streams(remainder_at, s.gaps, s.k, s)
-    writer.streams(field_at, wide, s.widths, s)
+    writer.streams(remainder_at, gaps, k, tensor_of, ordinals)
+    writer.streams(field_at, wide, widths, tensor_of, ordinals)
     if patched.size:
-        owner = s.tensor_of[patched]
-        row_bits = index_bits + bits - s.widths
+        owner = tensor_of[patched]
+        row_bits = index_bits + bits - widths
         first_patch = np.cumsum(patches) - patches
         row_at = (
             8 * patch_at[owner] + (np.arange(patched.size) - first_patch[owner]) * row_bits[owner]
         )
-        writer.bits(row_at, s.ordinals[patched], index_bits[owner])
-        high = wide[patched] >> s.widths[owner].astype(wide.dtype)
-        writer.bits(row_at + index_bits[owner], high, bits - s.widths[owner])
+        writer.bits(row_at, ordinals[patched], index_bits[owner])
+        high = wide[patched] >> widths[owner].astype(wide.dtype)
+        writer.bits(row_at + index_bits[owner], high, bits - widths[owner])
     unary_before = np.cumsum(unary_bits) - unary_bits
-    writer.unary(
-        unary_at, sections[-1], per_change(8 * unary_at - unary_before, s.tensor_of) + zeros
-    )
+    writer.unary(unary_at, sections[-1], per_change(8 * unary_at - unary_before, tensor_of) + zeros)
     return writer, at, patch_at, patches.tolist()
 
 
@@ -530,24 +490,14 @@ def encode_group(
 ) -> list[tuple[bytes, int, XorChanges]]:
     """(sparse-v2 payload, changed bytes, changes) of each tensor, all coded with
     ``itemsize``-byte elements."""
-    return _encode_words([_words(o) for o in olds], [_words(n) for n in news], olds, itemsize)
-
-
-def _encode_words(
-    old_words: list[npt.NDArray[np.uint64]],
-    new_words: list[npt.NDArray[np.uint64]],
-    olds: Sequence[ByteArray],
-    itemsize: int,
-) -> list[tuple[bytes, int, XorChanges]]:
-    """:func:`encode_group` of the tensors ``olds`` as ``old_words`` and ``new_words``."""
-    positions, before, xored, starts = _changes(old_words, new_words, itemsize)
+    positions, before, xored, starts = _changes(olds, news, itemsize)
     if positions.size > GROUP_CHANGES and len(olds) > 1:
         # A dense group: halved (by changes) so the pass's memory stays bounded.
         bounds = np.searchsorted(positions, starts[1:])
         half = min(max(int(np.searchsorted(bounds, positions.size // 2)) + 1, 1), len(olds) - 1)
         del positions, before, xored
-        return _encode_words(old_words[:half], new_words[:half], olds[:half], itemsize) + (
-            _encode_words(old_words[half:], new_words[half:], olds[half:], itemsize)
+        return encode_group(olds[:half], news[:half], itemsize) + (
+            encode_group(olds[half:], news[half:], itemsize)
         )
     bounds = np.searchsorted(positions, starts)
     counts = bounds[1:] - bounds[:-1]
@@ -557,21 +507,13 @@ def _encode_words(
     gaps = encode_gaps(local).view(np.int64)
     gaps[firsts] = local[firsts]  # each tensor's first counts from -1
     fields = step_fields(before, before ^ xored)
-    streams = _Streams(
-        counts=counts,
-        bounds=bounds,
-        k=rice_parameters(gaps, bounds, tensor_of),
-        widths=field_widths(fields, tensor_of, counts, 8 * itemsize),
-        gaps=gaps,
-        fields=fields,
-        tensor_of=tensor_of,
-        ordinals=np.arange(positions.size) - np.repeat(bounds[:-1], counts),
-    )
-    writer, at, patch_at, patches = _layout(streams, itemsize)
+    k = rice_parameters(gaps, bounds, tensor_of)
+    widths = field_widths(fields, tensor_of, counts, 8 * itemsize)
+    writer, at, patch_at, patches = _layout(gaps, fields, k, widths, bounds, tensor_of)
     bodies = writer.build(int(at[-1])).tobytes()
     changed_bytes = segment_sums(xored.view(np.uint8) != 0, bounds * itemsize).tolist()
     at_list, patch_list, bounds_list = at.tolist(), patch_at.tolist(), bounds.tolist()
-    k_list, width_list = streams.k.tolist(), streams.widths.tolist()
+    k_list, width_list = k.tolist(), widths.tolist()
     mark = bytes((MARK | LOG2[itemsize],))
     out = []
     for i, (lo, hi) in enumerate(itertools.pairwise(bounds_list)):
@@ -591,9 +533,6 @@ def encode(old: ByteArray, new: ByteArray, itemsize: int) -> tuple[bytes, XorCha
     return payload, changes
 
 
-UNCHANGED = FramedDelta(b"", 0)
-
-
 def encode_framed(
     olds: Sequence[ByteArray],
     news: Sequence[ByteArray],
@@ -610,7 +549,7 @@ def encode_framed(
         encoded = encode_group([olds[i] for i in indices], [news[i] for i in indices], size)
         for i, (payload, changed, changes) in zip(indices, encoded, strict=True):
             if not changed:
-                framed[i] = UNCHANGED
+                framed[i] = FramedDelta(b"", 0)
             elif not dense_ratio or len(payload) * dense_ratio <= olds[i].size:
                 framed[i] = FramedDelta(compress(prefix + payload), changed, changes)
     return framed

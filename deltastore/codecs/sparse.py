@@ -1,27 +1,11 @@
-"""deltastore's own encodings: ``sparse-v2`` (the format is
+"""deltastore's own encodings (see docs/encodings.md): ``sparse-v2`` (the format is
 :mod:`~deltastore.codecs.sparse_format`) and ``auto``, per tensor the smaller of ``xor`` and
-``sparse-v2``. A reference reader knows neither name and refuses the version. The store wraps
-every payload in one zstd-1 frame as for any encoding; inside, nothing is compressed again.
-
-The kernels come from :mod:`~deltastore.codecs.numba_backend` where numba is installed (``pip
-install 'deltastore[fast]'``) and ``DELTASTORE_NO_JIT`` is unset, else from
-:mod:`~deltastore.codecs.numpy_backend` (the same bytes). They compile on their first use on a
-machine (or at :func:`warm_up`, never at ``import deltastore``), then load from numba's on-disk
-cache (next to the module or in ``NUMBA_CACHE_DIR``).
-
-An ``auto`` payload is one tag byte, then that encoding's payload unchanged::
-
-    0x00 ‖ xor payload        (new XOR old, the tensor's full size)
-    0x02 ‖ sparse-v2 payload
-
-Tag 1 was the removed ``sparse-v1``, refused with what to do; a deltastore older than
-``sparse-v2`` refuses tag 2 with a message that says to upgrade. Every choice is self-inverse
-(applied twice, a payload reverts). sparse-v2 is encoded first; a payload at most 1/16 of the
-tensor is kept without trying anything else (its streams are then smaller than a zstd-1 frame
-of a XOR of zero runs); otherwise (a dense change, rare in a training step) the XOR is
-compressed too and the smaller kept. Encoding holds up to 24 bytes per changed element
-(position, step field, XOR value; the compiled encoder's growing buffers twice that for a
-moment).
+``sparse-v2`` after a tag byte naming it; a reference reader refuses both. The kernels come
+from :mod:`~deltastore.codecs.numba_backend` where numba is installed and ``DELTASTORE_NO_JIT``
+is unset, else from :mod:`~deltastore.codecs.numpy_backend` (the same bytes), compiled on their
+first use on a machine (or at :func:`warm_up`, never at import). Encoding holds up to 24 bytes
+per changed element (position, step field, XOR value; the compiled encoder's growing buffers
+twice that for a moment).
 """
 
 from __future__ import annotations
@@ -47,7 +31,6 @@ from deltastore.codecs.sparse_format import (
     TAG_XOR,
     element_size,
     max_payload_size,
-    read_header,
 )
 from deltastore.errors import ConfigError, FormatError
 
@@ -59,7 +42,9 @@ COMPILED_XOR_CHANGES = 256
 """Fewer changes than this are XORed in by numpy (a compiled call's fixed cost is more)."""
 Ints = npt.NDArray[np.int64]
 SPARSE_WITHOUT_COMPARING = 16
-"""``auto`` keeps a sparse-v2 payload at most 1/16 of the tensor without trying the others."""
+"""``auto`` keeps a sparse-v2 payload at most 1/16 of the tensor without trying the others (it
+is then smaller than a zstd-1 frame of the XOR); otherwise the smaller of the two is kept."""
+XOR = XorEncoding()
 
 
 def compiled_backend(use_jit: bool | None) -> Any:
@@ -139,7 +124,25 @@ class _SparseFamily(Encoding):
 
     def apply_numpy(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
         """:meth:`apply` by the numpy backend, worded for a payload that does not fit."""
-        raise NotImplementedError
+        raw = np.frombuffer(payload, np.uint8)
+        if self.tag >= 0:
+            if not raw.size:
+                raise FormatError(f"auto payload of tensor {tensor!r} is empty; it is corrupt")
+            tag, raw = int(raw[0]), raw[1:]
+            if tag == TAG_XOR:
+                XOR.apply(target, raw.data, tensor=tensor)
+                return
+            if tag == TAG_SPARSE_V1:
+                raise FormatError(
+                    f"auto payload of tensor {tensor!r} is coded with sparse-v1 (tag 1), which "
+                    f"deltastore no longer reads; {REMOVED_ENCODINGS['sparse-v1']}"
+                )
+            if tag != TAG_COMPACT:
+                raise FormatError(
+                    f"auto payload of tensor {tensor!r} names encoding tag {tag}, which this "
+                    "deltastore does not know (0 = xor, 2 = sparse-v2); upgrade deltastore"
+                )
+        numpy_backend.apply(target, raw, f"{NAME} payload of tensor {tensor!r}")
 
     def encode_framed(
         self, olds: Sequence[ByteArray], news: Sequence[ByteArray], itemsizes: Sequence[int]
@@ -147,9 +150,8 @@ class _SparseFamily(Encoding):
         """As :meth:`Encoding.encode_framed`: with numba, a batch in one call without the GIL;
         with numpy, in groups of one pass each; a tensor over ``dense_ratio`` encoded again
         alone."""
-        if len(olds) < 2:
-            return super().encode_framed(olds, news, itemsizes)
-        if not all(a.dtype == np.uint8 and a.flags.c_contiguous for a in (*olds, *news)):
+        contiguous = all(a.dtype == np.uint8 and a.flags.c_contiguous for a in (*olds, *news))
+        if len(olds) < 2 or not contiguous:
             return super().encode_framed(olds, news, itemsizes)
         for index, (old, new) in enumerate(zip(olds, news, strict=True)):
             if old.size != new.size:  # the kernel reads both sizes from the old bytes
@@ -240,16 +242,7 @@ class CompactSparseEncoding(_SparseFamily):
         """(positions as int64, step fields as uint64, itemsize) of a payload, every bound
         checked; raises :class:`FormatError` naming ``tensor`` for a corrupt one."""
         raw = np.frombuffer(payload, dtype=np.uint8)
-        what = f"{NAME} payload of tensor {tensor!r}"
-        header = read_header(raw, nbytes, what)
-        if not header[1]:
-            return np.zeros(0, np.int64), np.zeros(0, np.uint64), header[0]
-        return (*numpy_backend.decode(raw, header, nbytes, what), header[0])
-
-    def apply_numpy(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
-        positions, fields, itemsize = self.decode(payload, target.size, tensor=tensor)
-        if positions.size:
-            numpy_backend.apply_steps(target, itemsize, positions, fields)
+        return numpy_backend.decode(raw, nbytes, f"{NAME} payload of tensor {tensor!r}")
 
 
 class AutoEncoding(_SparseFamily):
@@ -261,7 +254,6 @@ class AutoEncoding(_SparseFamily):
 
     def __init__(self, *, use_jit: bool | None = None) -> None:
         super().__init__(use_jit=use_jit)
-        self.xor = XorEncoding()
         self.compact = CompactSparseEncoding(use_jit=use_jit)
 
     def choose(
@@ -271,7 +263,7 @@ class AutoEncoding(_SparseFamily):
         compact = self.compact.encode(old, new, itemsize=itemsize)
         if len(compact.payload) * SPARSE_WITHOUT_COMPARING <= old.size:
             return TAG_COMPACT, compact
-        dense = self.xor.encode(old, new)
+        dense = XOR.encode(old, new)
         if len(compact.payload) <= len(compress(dense.payload)):  # sparse-v2 on a tie
             return TAG_COMPACT, compact
         return TAG_XOR, dense
@@ -285,24 +277,4 @@ class AutoEncoding(_SparseFamily):
         return EncodedDelta(memoryview(out), inner.changed_bytes, inner.xor_changes)
 
     def max_payload_size(self, nbytes: int) -> int:
-        return 1 + max(self.xor.max_payload_size(nbytes), self.compact.max_payload_size(nbytes))
-
-    def apply_numpy(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
-        raw = memoryview(payload).cast("B")
-        if not len(raw):
-            raise FormatError(f"auto payload of tensor {tensor!r} is empty; it is corrupt")
-        tag, inner = raw[0], raw[1:]
-        if tag == TAG_COMPACT:
-            self.compact.apply_numpy(target, inner, tensor=tensor)
-        elif tag == TAG_XOR:
-            self.xor.apply(target, inner, tensor=tensor)
-        elif tag == TAG_SPARSE_V1:
-            raise FormatError(
-                f"auto payload of tensor {tensor!r} is coded with sparse-v1 (tag 1), which "
-                f"deltastore no longer reads; {REMOVED_ENCODINGS['sparse-v1']}"
-            )
-        else:
-            raise FormatError(
-                f"auto payload of tensor {tensor!r} names encoding tag {tag}, which this "
-                "deltastore does not know (0 = xor, 2 = sparse-v2); upgrade deltastore"
-            )
+        return 1 + max(XOR.max_payload_size(nbytes), self.compact.max_payload_size(nbytes))
