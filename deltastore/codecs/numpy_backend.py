@@ -222,7 +222,10 @@ def decode(raw: ByteArray, nbytes: int, what: str) -> tuple[Positions, np.ndarra
     else:
         fields = bits_to_fields(raw[fields_at:patches_at], width, count)
     patched = f"{what} has patched steps that are truncated or out of order"
-    patches, unary_at = read_varint(raw, patches_at) or (count + 1, 0)
+    counted = read_varint(raw, patches_at)
+    if counted is None:
+        raise FormatError(patched)
+    patches, unary_at = counted
     index_width = (count - 1).bit_length()
     row_bits = index_width + itemsize * 8 - width
     end = unary_at + (patches * row_bits + 7) // 8
