@@ -27,7 +27,7 @@ import tenacity
 
 from deltastore.errors import ConfigError, StoreError, TransientStoreError
 from deltastore.storage.durable import atomic_writer, create_new_file, fsync_path
-from deltastore.storage.streams import file_blocks, streamed_blocks, streams_async
+from deltastore.storage.streams import PartUploads, file_blocks, streamed_blocks, streams_async
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -302,10 +302,14 @@ class ObjectStoreBackend(Backend):
 
     @contextlib.contextmanager
     def open_write(self, path: str, block_size: int, guard: Guard) -> Iterator[BinaryIO]:
-        # At most block_size bytes buffered; a caller's exception abandons the upload.
-        remote = guard(
-            f"opening {path} for writing", lambda: self.fs.open(path, "wb", block_size=block_size)
-        )
+        # A few block_size parts buffered at most; a caller's exception abandons the upload.
+        if self.protocol in ("s3", "s3a"):
+            remote: Any = PartUploads(self.fs, path, block_size)
+        else:
+            remote = guard(
+                f"opening {path} for writing",
+                lambda: self.fs.open(path, "wb", block_size=block_size),
+            )
         try:
             yield remote
         except BaseException:

@@ -61,9 +61,10 @@ class VersionStore:
     """Published versions under one root URL (a local path, ``memory://``, ``s3://``, ``gs://``).
 
     ``storage_options`` go to fsspec (with ``use_listings_cache=False`` on S3 and GCS unless
-    set). ``block_size`` bounds the bytes buffered per open remote stream (at least 5 MiB on
-    S3, a multiple of 256 KiB on GCS). Raises :class:`ConfigError` if the URL's protocol has no
-    installed fsspec implementation or an option is invalid. No request is sent until first use.
+    set). ``block_size`` is the part, chunk or read-ahead of an open remote stream (at least
+    5 MiB on S3, a multiple of 256 KiB on GCS); an S3 upload holds up to three parts. Raises
+    :class:`ConfigError` if the URL's protocol has no installed fsspec implementation or an
+    option is invalid. No request is sent until first use.
     """
 
     retry: RetryPolicy = RetryPolicy()
