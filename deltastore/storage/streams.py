@@ -132,6 +132,7 @@ class PartUploads:
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
+        size = view.nbytes
         while view:  # a large write is taken a part at a time, never held whole
             room = self.part_size - len(self.buffer)
             self.buffer += view[:room]
@@ -139,7 +140,7 @@ class PartUploads:
             if len(self.buffer) == self.part_size:
                 part, self.buffer = self.buffer, bytearray()
                 self._or_discard(self._send, part)
-        return len(data)
+        return size
 
     def close(self) -> None:
         if self.closed:

@@ -4,6 +4,7 @@ an early close that releases the response, a missing object, and which filesyste
 from __future__ import annotations
 
 import fsspec
+import numpy as np
 import pytest
 
 from deltastore.storage.streams import PartUploads, streamed_blocks, streams_async
@@ -122,6 +123,11 @@ def test_a_file_under_one_part_is_one_put(s3_fs) -> None:
         upload.close()
         assert fs.cat_file(f"{root}/{name}") == data
     assert calls.methods.count("put_object") == 2 and "create_multipart_upload" not in calls.methods
+    words = np.arange(1000, dtype=np.uint16)  # a view of 2-byte items: counted in bytes
+    upload = PartUploads(fs, f"{root}/words", 5 * MiB)
+    assert upload.write(memoryview(words)) == 2000
+    upload.close()
+    assert fs.cat_file(f"{root}/words") == words.tobytes()
 
 
 def test_a_failed_part_fails_the_upload_and_leaves_nothing(s3_fs) -> None:
