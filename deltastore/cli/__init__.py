@@ -7,6 +7,7 @@ exit non-zero; ``--debug`` shows the traceback.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import difflib
@@ -15,6 +16,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 from deltastore.cli.common import (
@@ -82,25 +85,72 @@ def _drop_stdout() -> None:
 class _Interrupts:
     """Notes a Ctrl-C as it arrives. An extension module whose import it interrupts can turn
     the KeyboardInterrupt into an ImportError of its own (numpy does: "PyCapsule_Import could
-    not import module 'datetime'"), so "was there a Ctrl-C" is asked, not the exception."""
+    not import module 'datetime'"), so "was there a Ctrl-C" is asked, not the exception.
 
-    def __init__(self) -> None:
+    A Ctrl-C whose KeyboardInterrupt is raised inside a callback from C (numba compiling
+    through llvmlite's ctypes callbacks) or a finalizer is swallowed there as "unraisable",
+    and the command would run on as if never interrupted: such a one is delivered again.
+    After a Ctrl-C, the finalizers of objects it left half built fail ("Exception ignored
+    in ..."): noise, not reported (to the process's end when it is the command's own)."""
+
+    def __init__(self, *, own_process: bool = False) -> None:
+        self.own_process = own_process
         self.seen = False
+        self.active = False
 
     def __call__(self, signum: int, frame: object) -> None:
         self.seen = True
         raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable: sys.UnraisableHookArgs) -> None:
+        if self.active and isinstance(unraisable.exc_value, KeyboardInterrupt):
+            # A little later, from another thread: raised inside this hook, it would be
+            # swallowed once more (and unseen: the hook is not called for its own errors).
+            later = threading.Timer(0.05, self._deliver_again)
+            later.daemon = True
+            later.start()
+        elif not self.seen:
+            self.previous_hook(unraisable)
+
+    def _deliver_again(self) -> None:
+        if self.active:
+            _thread.interrupt_main()
 
     def __enter__(self) -> _Interrupts:
         try:
             self.previous = signal.signal(signal.SIGINT, self)
         except ValueError:  # not the main thread: signals go to the main thread's handler
             self.previous = None
+        self.previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        self.active = True
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self.active = False
+        if not (self.seen and self.own_process):
+            sys.unraisablehook = self.previous_hook
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
+
+
+_EXIT_GRACE_S = 10.0
+"""How long an interrupted command's process may take to exit before it is ended."""
+
+
+def _exit_within_grace() -> None:
+    """End the interrupted process if its exit waits on a thread for longer than
+    :data:`_EXIT_GRACE_S`. Python joins every pool thread at exit, and a thread whose start the
+    Ctrl-C interrupted was never registered with its pool, so nothing ever tells it to stop.
+    What the command had to undo ran as it unwound; what a kill leaves, the next pull repairs."""
+
+    def end() -> None:
+        time.sleep(_EXIT_GRACE_S)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
+
+    threading.Thread(target=end, name="deltastore-exit", daemon=True).start()
 
 
 def _interrupted() -> int:
@@ -109,19 +159,24 @@ def _interrupted() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 1 failed, 2 usage, 130 interrupted)."""
-    with _Interrupts() as interrupts:
+    """Run the command line; returns the exit code (0 ok, 1 failed, 2 usage, 130 interrupted).
+    ``argv`` None: this process is the command's own (`deltastore ...`), which an interrupt
+    ends within :data:`_EXIT_GRACE_S` of the command's return."""
+    with _Interrupts(own_process=argv is None) as interrupts:
         try:
-            return _main(list(sys.argv[1:] if argv is None else argv))
+            code = _main(list(sys.argv[1:] if argv is None else argv), interrupts)
         except KeyboardInterrupt:
-            return _interrupted()
+            code = _interrupted()
         except Exception:
-            if interrupts.seen:
-                return _interrupted()
-            raise
+            if not interrupts.seen:
+                raise
+            code = _interrupted()
+    if code == EXIT_INTERRUPTED and argv is None:
+        _exit_within_grace()
+    return code
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], interrupts: _Interrupts) -> int:
     # Building the parser imports every subcommand (numpy, torch among them): seconds in
     # which a Ctrl-C must end the command as it does later, not with a traceback.
     parser = build_parser()
@@ -144,6 +199,8 @@ def _main(argv: list[str]) -> int:
         _drop_stdout()
         return EXIT_ERROR
     except (DeltastoreError, OSError) as exc:
+        if interrupts.seen:  # the error is the interrupt's doing (a write it cut short)
+            return _interrupted()
         if args.debug:
             raise
         return report_error(args, str(exc))

@@ -169,6 +169,11 @@ def run(args: argparse.Namespace) -> int:
         )
 
         store = VersionStore(url, options)
+        if store.versions():
+            raise ConfigError(
+                f"{url} already holds versions (an earlier demo's?); the demo starts a new "
+                "stream: pass an empty --store or a new --workdir"
+            )
         publisher = DeltaPublisher(store, base, encoding=args.encoding, checksum=args.checksum)
         started = time.perf_counter()
         with phase(args, "seeding the snapshot and the two hosts"):

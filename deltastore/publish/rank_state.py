@@ -71,7 +71,12 @@ class RankSnapshot:
             started = threading.Barrier(self.workers + 1)
             for _ in range(self.workers):  # each waits for the others: every thread starts
                 pool.submit(started.wait)
-            started.wait()
+            try:
+                started.wait()
+            except BaseException:  # (a Ctrl-C): the threads must not wait on forever
+                started.abort()
+                pool.shutdown(wait=False)
+                raise
             self._pool = (os.getpid(), pool)
         return self._pool[1]
 

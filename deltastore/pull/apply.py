@@ -454,7 +454,7 @@ def flush_applied(files: MappedFiles, last: str, local_dir: str) -> None:
     (every tensor is written but maybe not durable: neither version can be named)."""
     try:
         files.flush()
-    except BaseException as exc:
+    except Exception as exc:  # (a Ctrl-C stays one: the pending record stays all the same)
         raise PutBackError(
             f"the tensors of {last} were applied in {local_dir} but could not be flushed "
             f"({exc}); its pending record stays and the next pull repairs it"

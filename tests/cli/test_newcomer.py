@@ -245,6 +245,14 @@ def test_demo_size_means_what_it_says(tmp_path: Path) -> None:
     assert 7 <= model_mb <= 9.5, out.stdout
 
 
+def test_a_second_demo_in_the_same_workdir_is_told_what_to_pass(tmp_path: Path) -> None:
+    args = ("demo", "--size", "1", "--steps", "1", "--workdir", str(tmp_path / "d"))
+    deltastore(*args)
+    again = deltastore(*args, check=False)
+    _one_line_error(again, "already holds versions", "a new --workdir")
+    assert "resume=True" not in again.stderr  # (the Python API's words, not the command's)
+
+
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
 def test_a_reader_that_goes_away_ends_the_command_quietly(store3, json_flag: list[str]) -> None:  # type: ignore[no-untyped-def]
     """`deltastore ls STORE --json | head -1`: the pipe closes before the output is written."""

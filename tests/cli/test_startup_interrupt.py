@@ -3,6 +3,7 @@ the command like one later on: exit 130, one line, no traceback."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -67,3 +68,71 @@ def test_importing_the_command_loads_neither_numpy_nor_torch() -> None:
     code = "import sys, deltastore.cli; print('numpy' in sys.modules or 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_an_interrupt_a_c_callback_swallowed_is_delivered_again() -> None:
+    """A KeyboardInterrupt raised inside a callback from C (where a Ctrl-C lands while numba
+    compiles through llvmlite's ctypes callbacks) is only printed as "Exception ignored"; the
+    command must still stop, and say nothing of the swallowed one."""
+
+    def callback_hit_by_ctrl_c() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt), cli._Interrupts() as interrupts:
+        ctypes.CFUNCTYPE(None)(callback_hit_by_ctrl_c)()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the command's work, carrying on
+            time.sleep(0.005)
+    assert interrupts.seen
+
+
+_HELD_EXIT = """
+import sys, threading
+from deltastore.cli import main
+# A thread nothing tells to stop, as a pool thread whose start a Ctrl-C interrupted is:
+# Python's exit would join it forever.
+threading.Thread(target=threading.Event().wait, name="never-ends").start()
+sys.argv = ["deltastore", "demo", "--size", "8", "--steps", "200", "--workdir", sys.argv[1]]
+raise SystemExit(main())
+"""
+
+
+def test_an_interrupted_command_exits_though_a_thread_would_hold_its_exit(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HELD_EXIT, str(tmp_path / "demo")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "seeded snapshot" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=cli._EXIT_GRACE_S + 60)
+    assert proc.returncode == cli.EXIT_INTERRUPTED, (proc.returncode, err)
+    assert err.strip() == "deltastore: interrupted"
+
+
+@pytest.mark.parametrize("own_process", [False, True])
+def test_after_a_ctrl_c_the_finalizers_it_broke_are_not_reported(
+    monkeypatch: pytest.MonkeyPatch, own_process: bool
+) -> None:
+    """llvmlite's objects, half built when a Ctrl-C landed, fail in ``__del__``: "Exception
+    ignored ... Traceback" after "interrupted" is noise. A failure before any Ctrl-C is
+    reported; the command's own process stays quiet to its end."""
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(u.exc_value))
+
+    class HalfBuilt:
+        def __del__(self) -> None:
+            raise AttributeError("'PassBuilder' object has no attribute '_as_parameter_'")
+
+    with cli._Interrupts(own_process=own_process) as interrupts:
+        HalfBuilt()  # before any Ctrl-C: reported
+        with pytest.raises(KeyboardInterrupt):
+            interrupts(signal.SIGINT, None)
+        HalfBuilt()
+    HalfBuilt()
+    assert len(reported) == (1 if own_process else 2)
+    assert all(isinstance(exc, AttributeError) for exc in reported)

@@ -184,11 +184,17 @@ def test_reseeds_from_full_version_when_off_the_chain(tmp_path: Path):
     assert set(scan_checkpoint(str(host))) == set(base)
 
 
+@pytest.mark.parametrize(
+    ("failure", "raised"),
+    [(OSError(5, "Input/output error"), PutBackError), (KeyboardInterrupt(), KeyboardInterrupt)],
+    ids=["io-error", "ctrl-c"],
+)
 def test_a_flush_that_fails_after_the_apply_names_no_version(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException, raised: type
 ) -> None:
     """Every tensor is written when the flush fails, so the state must not name the old
-    version (nor the new one): the pending record stays and the next pull repairs."""
+    version (nor the new one): the pending record stays and the next pull repairs. A Ctrl-C
+    there stays a KeyboardInterrupt (the command says "interrupted", not a flush error)."""
     base = many_tensors(12, seed=51, elements=1024)
     write_checkpoint(tmp_path / "base", base)
     published = publish_versions(tmp_path / "store", tmp_path / "base", base, 3, seed=52)
@@ -196,12 +202,13 @@ def test_a_flush_that_fails_after_the_apply_names_no_version(
     pull_weights(host, published.store_dir, 1, published.base_dir)
 
     def failing_flush(self: MappedFiles) -> None:
-        raise OSError(5, "Input/output error")
+        raise failure
 
     with monkeypatch.context() as patch:
         patch.setattr(MappedFiles, "flush", failing_flush)
-        with pytest.raises(PutBackError, match="could not be flushed"):
+        with pytest.raises(raised) as caught:
             pull_weights(host, published.store_dir, 3, published.base_dir)
+    assert raised is KeyboardInterrupt or "could not be flushed" in str(caught.value)
     checkpoint = LocalCheckpoint(host)
     assert checkpoint.read_pending() is not None
     pull_weights(host, published.store_dir, 3, published.base_dir)
