@@ -97,10 +97,12 @@ class _Interrupts:
         self.own_process = own_process
         self.seen = False
         self.active = False
+        self._lock = threading.Lock()
 
     def __call__(self, signum: int, frame: object) -> None:
         self.seen = True
-        raise KeyboardInterrupt
+        if self.active:  # (once the command has ended there is nothing left to interrupt)
+            raise KeyboardInterrupt
 
     def _unraisable(self, unraisable: sys.UnraisableHookArgs) -> None:
         if self.active and isinstance(unraisable.exc_value, KeyboardInterrupt):
@@ -113,8 +115,9 @@ class _Interrupts:
             self.previous_hook(unraisable)
 
     def _deliver_again(self) -> None:
-        if self.active:
-            _thread.interrupt_main()
+        with self._lock:
+            if self.active:
+                _thread.interrupt_main()
 
     def __enter__(self) -> _Interrupts:
         try:
@@ -126,15 +129,27 @@ class _Interrupts:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.active = False
-        if not (self.seen and self.own_process):
-            sys.unraisablehook = self.previous_hook
+        with self._lock:
+            self.active = False
+        if self.seen and self.own_process:
+            # The process only exits now: a second Ctrl-C ends it at once.
+            if self.previous is not None:
+                signal.signal(signal.SIGINT, lambda signum, frame: _end_process())
+            return
+        sys.unraisablehook = self.previous_hook
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
 
 
 _EXIT_GRACE_S = 10.0
 """How long an interrupted command's process may take to exit before it is ended."""
+
+
+def _end_process() -> None:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
 
 
 def _exit_within_grace() -> None:
@@ -145,17 +160,9 @@ def _exit_within_grace() -> None:
 
     def end() -> None:
         time.sleep(_EXIT_GRACE_S)
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(EXIT_INTERRUPTED)
+        _end_process()
 
     threading.Thread(target=end, name="deltastore-exit", daemon=True).start()
-
-
-def _interrupted() -> int:
-    print("deltastore: interrupted", file=sys.stderr)
-    return EXIT_INTERRUPTED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -166,13 +173,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             code = _main(list(sys.argv[1:] if argv is None else argv), interrupts)
         except KeyboardInterrupt:
-            code = _interrupted()
+            code = EXIT_INTERRUPTED
         except Exception:
             if not interrupts.seen:
                 raise
-            code = _interrupted()
-    if code == EXIT_INTERRUPTED and argv is None:
-        _exit_within_grace()
+            code = EXIT_INTERRUPTED
+    # (Said once the handler no longer raises: an interrupt delivered again late is ignored.)
+    if code == EXIT_INTERRUPTED:
+        print("deltastore: interrupted", file=sys.stderr)
+        if argv is None:
+            _exit_within_grace()
     return code
 
 
@@ -200,7 +210,7 @@ def _main(argv: list[str], interrupts: _Interrupts) -> int:
         return EXIT_ERROR
     except (DeltastoreError, OSError) as exc:
         if interrupts.seen:  # the error is the interrupt's doing (a write it cut short)
-            return _interrupted()
+            return EXIT_INTERRUPTED
         if args.debug:
             raise
         return report_error(args, str(exc))

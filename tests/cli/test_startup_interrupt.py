@@ -84,6 +84,7 @@ def test_an_interrupt_a_c_callback_swallowed_is_delivered_again() -> None:
         while time.monotonic() < deadline:  # the command's work, carrying on
             time.sleep(0.005)
     assert interrupts.seen
+    interrupts(signal.SIGINT, None)  # one delivered again after the command ended: ignored
 
 
 _HELD_EXIT = """
@@ -128,11 +129,17 @@ def test_after_a_ctrl_c_the_finalizers_it_broke_are_not_reported(
         def __del__(self) -> None:
             raise AttributeError("'PassBuilder' object has no attribute '_as_parameter_'")
 
-    with cli._Interrupts(own_process=own_process) as interrupts:
-        HalfBuilt()  # before any Ctrl-C: reported
-        with pytest.raises(KeyboardInterrupt):
-            interrupts(signal.SIGINT, None)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with cli._Interrupts(own_process=own_process) as interrupts:
+            HalfBuilt()  # before any Ctrl-C: reported
+            with pytest.raises(KeyboardInterrupt):
+                interrupts(signal.SIGINT, None)
+            HalfBuilt()
         HalfBuilt()
-    HalfBuilt()
+        # The command's own process: a second Ctrl-C from now on ends it at once.
+        assert (signal.getsignal(signal.SIGINT) is handler) is not own_process
+    finally:
+        signal.signal(signal.SIGINT, handler)
     assert len(reported) == (1 if own_process else 2)
     assert all(isinstance(exc, AttributeError) for exc in reported)
