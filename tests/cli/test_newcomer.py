@@ -231,7 +231,10 @@ def test_interrupt_exits_130(tmp_path: Path) -> None:
             break
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    # 130, or ended by the SIGINT itself once the message is out (a shell shows 130 for both;
+    # seen once in 90 runs on a loaded box).
+    assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
+    assert err.strip() == "deltastore: interrupted"
 
 
 def test_demo_size_means_what_it_says(tmp_path: Path) -> None:
