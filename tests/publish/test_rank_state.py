@@ -37,7 +37,10 @@ def test_a_ctrl_c_while_the_publish_threads_start_leaves_none_of_them_waiting(
     with pytest.raises(KeyboardInterrupt):
         held.pool()
     (barrier,) = barriers
-    deadline = time.monotonic() + 10
-    while barrier.n_waiting and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert barrier.broken and barrier.n_waiting == 0
+    try:
+        deadline = time.monotonic() + 10
+        while barrier.n_waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert barrier.broken and barrier.n_waiting == 0
+    finally:
+        barrier.abort()  # (were it not released, this test's own exit would wait forever)
