@@ -11,7 +11,6 @@ import json
 import os
 import pty
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -205,36 +204,6 @@ def test_progress_on_a_terminal_only(store3, tmp_path: Path) -> None:  # type: i
     assert "hashing every tensor" in stderr_on_tty()
     assert "hashing every tensor" not in stderr_on_tty("--quiet")
     assert "hashing" not in deltastore(*args).stderr  # not a terminal: no progress
-
-
-def test_interrupt_exits_130(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deltastore.cli",
-            "demo",
-            "--size",
-            "96",
-            "--steps",
-            "50",
-            "--workdir",
-            str(tmp_path / "demo"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "synthetic model" in line:
-            break
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    # 130, or ended by the SIGINT itself once the message is out (a shell shows 130 for both;
-    # seen once in 90 runs on a loaded box).
-    assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
-    assert err.strip() == "deltastore: interrupted"
 
 
 def test_demo_size_means_what_it_says(tmp_path: Path) -> None:

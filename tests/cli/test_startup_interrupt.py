@@ -1,5 +1,6 @@
-"""A Ctrl-C while the command starts up (building the parser imports every subcommand) ends
-the command like one later on: exit 130, one line, no traceback."""
+"""A Ctrl-C ends the command with exit 130, one line and no traceback, wherever it lands:
+while the command starts up (building the parser imports every subcommand), while numba
+compiles (where Python swallows it), or while a thread would hold the process's exit."""
 
 from __future__ import annotations
 
@@ -87,6 +88,28 @@ def test_an_interrupt_a_c_callback_swallowed_is_delivered_again() -> None:
     interrupts(signal.SIGINT, None)  # one delivered again after the command ended: ignored
 
 
+def _interrupted_after(argv: list[str], line: str) -> tuple[int, str]:
+    """Run ``argv``, send one SIGINT once it prints ``line``: (exit status, stderr)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for out in proc.stdout:
+        if line in out:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=cli._EXIT_GRACE_S + 110)
+    return proc.returncode, err
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_in_the_demo_exits_130(tmp_path: Path) -> None:
+    demo = ["demo", "--size", "96", "--steps", "50", "--workdir", str(tmp_path / "demo")]
+    code, err = _interrupted_after([sys.executable, "-m", "deltastore.cli", *demo], "synthetic")
+    # 130, or ended by the SIGINT itself once the message is out (a shell shows 130 for both;
+    # seen once in 90 runs on a loaded box).
+    assert code in (cli.EXIT_INTERRUPTED, -signal.SIGINT), (code, err)
+    assert err.strip() == "deltastore: interrupted"
+
+
 _HELD_EXIT = """
 import sys, threading
 from deltastore.cli import main
@@ -99,19 +122,9 @@ raise SystemExit(main())
 
 
 def test_an_interrupted_command_exits_though_a_thread_would_hold_its_exit(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _HELD_EXIT, str(tmp_path / "demo")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "seeded snapshot" in line:
-            break
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=cli._EXIT_GRACE_S + 60)
-    assert proc.returncode == cli.EXIT_INTERRUPTED, (proc.returncode, err)
+    argv = [sys.executable, "-c", _HELD_EXIT, str(tmp_path / "demo")]
+    code, err = _interrupted_after(argv, "seeded snapshot")
+    assert code == cli.EXIT_INTERRUPTED, (code, err)
     assert err.strip() == "deltastore: interrupted"
 
 
