@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 import torch.distributed as dist
@@ -54,4 +55,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # torch's teardown of a gloo group at the interpreter's exit aborts now and then
+    # ("terminate called without an active exception": 3 in 100 runs on a loaded 2-core box,
+    # a barrier before destroy_process_group or not). This rank's outcome is in its JSON and
+    # the group is destroyed; what torch's C++ destructors do at exit is not under test.
+    os._exit(code)
