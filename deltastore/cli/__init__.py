@@ -181,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (Said once the handler no longer raises: an interrupt delivered again late is ignored.)
     if code == EXIT_INTERRUPTED:
         print("deltastore: interrupted", file=sys.stderr)
-        if argv is None:
+        if interrupts.own_process:
             _exit_within_grace()
     return code
 
