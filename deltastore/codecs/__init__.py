@@ -16,7 +16,7 @@ from deltastore.codecs.checksums import Adler32Checksum, Blake3Checksum, Xxh3Che
 from deltastore.codecs.compression import COMPRESSION_NAME, compress, decompress
 from deltastore.codecs.encodings import REMOVED_ENCODINGS, OverwriteEncoding, XorEncoding
 from deltastore.codecs.sparse import AutoEncoding, CompactSparseEncoding, apply_changes, warm_up
-from deltastore.codecs.sparse_format import itemsize_of_dtype
+from deltastore.codecs.sparse_format import element_size, itemsize_of_dtype
 from deltastore.errors import ConfigError
 
 ENCODINGS: dict[str, Encoding] = {
@@ -87,6 +87,7 @@ __all__ = [
     "check_compression",
     "compress",
     "decompress",
+    "element_size",
     "get_checksum",
     "get_encoding",
     "itemsize_of_dtype",

@@ -102,6 +102,18 @@ class Encoding(ABC):
             framed.append(FramedDelta(frame, delta.changed_bytes, delta.xor_changes))
         return framed
 
+    def encode_changes(
+        self, old: ByteArray, changes: XorChanges, *, itemsize: int = 1
+    ) -> FramedDelta:
+        """:meth:`encode_framed` of one tensor whose new bytes are ``old`` with ``changes``
+        XORed in: a diff found elsewhere (on the trainer's device), the same frame contents as
+        from the new bytes. This default builds those bytes; an override codes the changes."""
+        new = old.copy()
+        if changes.positions.size:
+            new.view(changes.values.dtype)[changes.positions] ^= changes.values
+        (framed,) = self.encode_framed([old], [new], [itemsize])
+        return framed
+
     @abstractmethod
     def max_payload_size(self, nbytes: int) -> int:
         """Largest valid decompressed payload for a tensor of ``nbytes`` bytes."""

@@ -24,6 +24,7 @@ from deltastore.codecs.base import ByteArray, FramedDelta, XorChanges
 from deltastore.codecs.compression import compress
 from deltastore.codecs.sparse_format import (
     ELEMENT_DTYPES,
+    LOG2,
     MARK,
     TAG_COMPACT,
     TAG_XOR,
@@ -303,6 +304,13 @@ def _write(old_at, new_at, nbytes, element, bits, mark, tag):  # type: ignore[no
         numba.carray(_pointer(new_at), nbytes // (bits // 8), element),
         bits,
     )
+    return _payload(positions, fields, nbytes, bits, mark, tag), positions, xored.astype(np.uint64)
+
+
+@numba.njit(cache=True, nogil=True)
+def _payload(positions, fields, nbytes, bits, mark, tag):  # type: ignore[no-untyped-def]
+    """The payload (after the byte ``tag`` where it is ≥ 0) of a tensor's changed elements:
+    ascending ``positions`` and their step ``fields``."""
     count = positions.size
     first = 1 if tag >= 0 else 0
     head = np.empty(22, np.uint8)
@@ -310,7 +318,7 @@ def _write(old_at, new_at, nbytes, element, bits, mark, tag):  # type: ignore[no
     head[first] = mark
     head_size = _varint(head, _varint(head, first + 1, nbytes), count)
     if count == 0:
-        return head[:head_size].copy(), positions, xored.astype(np.uint64)
+        return head[:head_size].copy()
     k = _rice_k(positions)
     width = _width(fields, bits)
     index_width = _bit_length(U64(count - 1))
@@ -354,7 +362,7 @@ def _write(old_at, new_at, nbytes, element, bits, mark, tag):  # type: ignore[no
             quotient -= 32
         at, acc, held = _put(out, at, acc, held, U64(((1 << quotient) - 1) << 1), quotient + 1)
     at, acc, held = _flush(out, at, acc, held, True)
-    return out[:at], positions, xored.astype(np.uint64)
+    return out[:at]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -716,6 +724,16 @@ def encode_framed(
         changes = XorChanges(positions[change_at[i] : change_at[i + 1]], values)
         framed.append(FramedDelta(frame, changed[i], changes))
     return framed
+
+
+def encode_changes(
+    nbytes: int, positions: np.ndarray, fields: np.ndarray, itemsize: int
+) -> memoryview:
+    """The payload of a tensor of ``nbytes`` (``itemsize``-byte elements) whose changed
+    elements are at ascending ``positions``, with step ``fields`` (uint64): the writer without
+    the search for changes (they were found elsewhere)."""
+    mark = MARK | LOG2[itemsize]
+    return memoryview(_payload(positions, fields, nbytes, 8 * itemsize, mark, -1))
 
 
 def xor_at(elements: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:

@@ -502,10 +502,25 @@ def encode_group(
         return encode_group(olds[:half], news[:half], itemsize) + (
             encode_group(olds[half:], news[half:], itemsize)
         )
+    return code_changes([old.size for old in olds], positions, before, xored, starts, itemsize)
+
+
+def code_changes(
+    nbytes: Sequence[int],
+    positions: Ints,
+    before: np.ndarray,
+    xored: np.ndarray,
+    starts: Ints,
+    itemsize: int,
+) -> list[tuple[bytes, int, XorChanges]]:
+    """(sparse-v2 payload, changed bytes, changes) of each of a group's tensors (``nbytes``
+    each) from its changed elements, wherever they were found: ``positions`` ascending and
+    counted over the tensors end to end (tensor ``t``'s first element is ``starts[t]``, one more
+    start than tensors), their old and their XOR values as ``itemsize``-byte unsigned ints."""
     bounds = np.searchsorted(positions, starts)
     counts = bounds[1:] - bounds[:-1]
     firsts = bounds[:-1][counts > 0]
-    tensor_of = np.repeat(np.arange(len(olds)), counts)
+    tensor_of = np.repeat(np.arange(len(nbytes)), counts)
     local = positions - per_change(starts[:-1], tensor_of)
     gaps = encode_gaps(local).view(np.int64)
     gaps[firsts] = local[firsts]  # each tensor's first counts from -1
@@ -521,7 +536,7 @@ def encode_group(
     out = []
     for i, (lo, hi) in enumerate(itertools.pairwise(bounds_list)):
         # The header and patch count in Python: fewer calls than numpy's varints for a group.
-        parts = [mark, varint(olds[i].size), varint(hi - lo)]
+        parts = [mark, varint(nbytes[i]), varint(hi - lo)]
         if hi > lo:
             parts += [bytes((k_list[i], width_list[i])), bodies[at_list[i] : patch_list[i]]]
             parts += [varint(patches[i]), bodies[patch_list[i] : at_list[i + 1]]]

@@ -89,6 +89,9 @@ def warm_up(use_jit: bool | None = None, *, changes_only: bool = False) -> bool:
         payload = bytes(encoding.encode(old, new, itemsize=itemsize).payload)
         encoding.apply(old.copy(), payload, tensor="")  # a batch of one, as a pull's
         encoding.encode_framed([old, old], [new, new], [itemsize, itemsize])
+        dtype = ELEMENT_DTYPES[itemsize]
+        changes = XorChanges(np.array([1], np.int64), np.ones(1, dtype))
+        encoding.encode_changes(old, changes, itemsize=itemsize)  # device_snapshot's coding
     return True
 
 
@@ -167,6 +170,39 @@ class _SparseFamily(Encoding):
                     olds[i : i + 1], news[i : i + 1], [itemsizes[i]]
                 )
         return cast("list[FramedDelta]", framed)
+
+    def encode_changes(
+        self, old: ByteArray, changes: XorChanges, *, itemsize: int = 1
+    ) -> FramedDelta:
+        """As :meth:`Encoding.encode_changes`, coded from the changes: no pass over the
+        tensor's unchanged bytes."""
+        size = element_size(old.size, itemsize)
+        positions, values = changes.positions, changes.values
+        if values.dtype.itemsize != size:  # changes of another element size: from the bytes
+            return super().encode_changes(old, changes, itemsize=itemsize)
+        if not positions.size:
+            return FramedDelta(b"", 0)
+        before = old.view(ELEMENT_DTYPES[size])[positions]
+        compiled = compiled_backend(self.use_jit)
+        payload: bytes | memoryview
+        if compiled is not None:
+            fields = numpy_backend.step_fields(before, before ^ values).astype(np.uint64)
+            payload = compiled.encode_changes(old.size, positions, fields, size)
+            changed = int(np.count_nonzero(values.view(np.uint8)))
+        else:
+            starts = np.array([0, old.size // size], np.int64)
+            ((payload, changed, _),) = numpy_backend.code_changes(
+                [old.size], positions, before, values, starts, size
+            )
+        if self.tag < 0:
+            return FramedDelta(compress(payload), changed, changes)
+        if len(payload) * SPARSE_WITHOUT_COMPARING > old.size:  # as :meth:`AutoEncoding.choose`
+            tagged = np.zeros(1 + old.size, np.uint8)
+            tagged[0] = TAG_XOR
+            tagged[1:].view(values.dtype)[positions] = values
+            if len(payload) > len(compress(memoryview(tagged[1:]))):
+                return FramedDelta(compress(memoryview(tagged)), changed, changes)
+        return FramedDelta(compress(bytes((TAG_COMPACT,)) + payload), changed, changes)
 
     def apply(self, target: ByteArray, payload: bytes | memoryview, *, tensor: str) -> None:
         if compiled_backend(self.use_jit) is None:

@@ -36,6 +36,7 @@ class PublisherConfig:
     preload: bool | None = None  # load the whole snapshot at seed() (None: single process)
     pin_memory: bool | None = None  # pinned host buffers (None: when CUDA is available)
     stage_host_tensors: bool = False  # copy host tensors too (the trainer may change them)
+    device_snapshot: bool = False  # diff torch tensors on their device against a copy there
     signing_key: Any = None  # sign every version: a key file path or a SigningKey (signing.md)
     require_signed: bool = False  # seed() refuses unsigned publishing onto a signed store
     record_base_digests: bool = True  # base digests in each delta built on version 0

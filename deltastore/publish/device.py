@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from deltastore.codecs import ByteArray
+from deltastore.codecs import ByteArray, Checksum, XorChanges, element_size
 from deltastore.errors import PublishError
 
 log = logging.getLogger("deltastore.publish")
@@ -43,6 +43,13 @@ class StagerStats:
     pinned: bool | None = None
     budget_wait_s: float = 0.0
     copy_wait_s: float = 0.0
+    device_diffed: int = 0
+    """Tensors diffed against their copy on the device (``device_snapshot``)."""
+    device_uploads: int = 0
+    """Tensors whose device copy was made from the host snapshot (first use, or after it was
+    dropped)."""
+    device_bytes_to_host: int = 0
+    """Bytes of changes (positions and XOR values) the device diff sent to the host."""
 
 
 @dataclass(eq=False)
@@ -280,3 +287,96 @@ def not_a_tensor(name: str, tensor: Any) -> PublishError:
     return PublishError(
         f"tensor {name!r} is a {type(tensor).__name__}; pass a torch.Tensor or numpy.ndarray"
     )
+
+
+DEVICE_INTS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+"""torch's integer type of each element size: the device diff compares and XORs in these
+(signed: torch's unsigned types lack the bitwise operators on some devices)."""
+DIGEST_CHUNK = 1024**2
+"""Bytes of the new state rebuilt at a time for its digest: the piece stays in cache."""
+
+
+class DeviceSnapshot:
+    """``device_snapshot``: each tensor's last published state beside the trainer's tensor, on
+    its device, so the diff runs there and only the changed elements (positions, XOR values)
+    cross to the host: torch ops, so the same code runs on CPU tensors. It costs one more copy
+    of the rank's tensors in device memory, made from the host snapshot on first use; the host
+    snapshot stays the state every other step reads."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, Any] = {}
+
+    def changes(
+        self, name: str, tensor: Any, old: ByteArray, itemsize: int, stats: StagerStats
+    ) -> XorChanges | None:
+        """The change from the published ``old`` (host bytes) to ``tensor``, found on its
+        device; None for what is not a torch tensor, or where the change would be larger than
+        the tensor (a dense step): staged whole instead."""
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(tensor, torch.Tensor):
+            return None
+        flat = _flat_bytes(torch, tensor)
+        held = self._held.get(name)
+        if held is None or held.device != flat.device:
+            held = torch.from_numpy(old).to(flat.device, copy=True)  # (on CPU: not the host's)
+            self._held[name] = held
+            stats.device_uploads += 1
+        size = element_size(old.size, itemsize)
+        kind = getattr(torch, DEVICE_INTS[size])
+        before, after = held.view(kind), flat.view(kind)
+        differs = before != after
+        count = int(differs.sum())
+        stats.device_diffed += 1
+        if count * (8 + size) > old.size:
+            return None
+        positions = differs.nonzero().reshape(-1)
+        values = before[positions] ^ after[positions]
+        unsigned = np.dtype(f"<u{size}")
+        changes = XorChanges(positions.cpu().numpy(), values.cpu().numpy().view(unsigned))
+        stats.device_bytes_to_host += changes.nbytes
+        return changes
+
+    def advance(self, name: str, changes: XorChanges | None) -> None:
+        """Move a tensor's device copy to the committed version (None: drop it, to be made
+        again from the host snapshot on its next use)."""
+        held = self._held.get(name)
+        if held is None:
+            return
+        if changes is None:
+            del self._held[name]
+            return
+        if not changes.positions.size:
+            return
+        import torch
+
+        size = changes.values.dtype.itemsize
+        kind = getattr(torch, DEVICE_INTS[size])
+        positions = torch.from_numpy(changes.positions).to(held.device)
+        values = torch.from_numpy(changes.values.view(f"<i{size}")).to(held.device)
+        held.view(kind)[positions] ^= values
+
+    def forget(self, name: str) -> None:
+        self._held.pop(name, None)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(int(t.numel()) for t in self._held.values())
+
+
+def hexdigest_after(checksum: Checksum, old: ByteArray, changes: XorChanges) -> str:
+    """The digest of ``old`` with ``changes`` XORed in, without a copy of the whole tensor:
+    rebuilt :data:`DIGEST_CHUNK` bytes at a time into one buffer that stays in cache."""
+    size = changes.values.dtype.itemsize
+    per_chunk = DIGEST_CHUNK // size
+    positions = changes.positions
+    hasher = checksum.hasher()
+    piece = np.empty(min(DIGEST_CHUNK, old.size), np.uint8)
+    for first in range(0, old.size // size, per_chunk):
+        start = first * size
+        chunk = piece[: min(DIGEST_CHUNK, old.size - start)]
+        chunk[:] = old[start : start + chunk.size]
+        lo, hi = np.searchsorted(positions, (first, first + per_chunk))
+        if hi > lo:
+            chunk.view(changes.values.dtype)[positions[lo:hi] - first] ^= changes.values[lo:hi]
+        hasher.update(memoryview(chunk))
+    return hasher.hexdigest()

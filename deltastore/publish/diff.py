@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from deltastore.codecs import ByteArray, XorChanges, itemsize_of_dtype
+from deltastore.codecs import ByteArray, FramedDelta, XorChanges, itemsize_of_dtype
 from deltastore.errors import PublishError
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.publish.config import Settings
-from deltastore.publish.device import HostStager, Staged, StagerStats
+from deltastore.publish.device import HostStager, Staged, StagerStats, hexdigest_after
 from deltastore.publish.messages import (
     METRIC_KEYS,
     DiffReport,
@@ -87,8 +87,10 @@ class _Item:
 
     name: str
     old: ByteArray
-    staged: Staged
+    staged: Staged | None
     itemsize: int
+    changes: XorChanges | None = None
+    """The change found on the tensor's device (``device_snapshot``; then nothing is staged)."""
 
 
 BATCH_BYTES = 4 * 1024**2
@@ -133,23 +135,28 @@ class _Diff:
         self.seen: set[str] = set()
 
     def take(self, name: str, tensor: Any) -> None:
-        """Check, load and stage one tensor into the open batch."""
+        """Check and load one tensor, diff it on its device or stage it, into the open batch."""
         nbytes, itemsize = self._check(name, tensor)
-        charge = self.stager.charge_for(tensor, nbytes)
-        # The open batch holds budget nobody releases: it must leave room for this tensor, or
-        # staging it would wait forever.
-        if self.batch and self.batch_bytes + charge > self.batch_limit:
-            self.submit()
         stats = self.stager.stats
         begun = time.perf_counter()
         old = self.held.old_bytes(name, self.stream)
         loaded = time.perf_counter()
-        waited = stats.budget_wait_s
-        staged = self.stager.stage(name, tensor)
         self.metrics["load_s"] += loaded - begun
+        device = self.held.device
+        changes = None if device is None else device.changes(name, tensor, old, itemsize, stats)
+        charge = self.stager.charge_for(tensor, nbytes) if changes is None else changes.nbytes
+        # The open batch holds budget nobody releases: it must leave room for this tensor, or
+        # staging it would wait forever.
+        if self.batch and self.batch_bytes + charge > self.batch_limit:
+            self.submit()
+        staged = None
+        waited, staging = stats.budget_wait_s, time.perf_counter()
+        if changes is None:
+            staged = self.stager.stage(name, tensor)
         # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
-        self.metrics["copy_s"] += time.perf_counter() - loaded - (stats.budget_wait_s - waited)
-        self.batch.append(_Item(name, old, staged, itemsize))
+        self.metrics["copy_s"] += time.perf_counter() - staging - (stats.budget_wait_s - waited)
+        self.metrics["copy_s"] += staging - loaded  # the device diff, where there was one
+        self.batch.append(_Item(name, old, staged, itemsize, changes))
         self.batch_bytes += charge
         if self.batch_bytes >= self.batch_limit or len(self.batch) >= BATCH_TENSORS:
             self.submit()
@@ -172,31 +179,50 @@ class _Diff:
         return nbytes, itemsize_of_dtype(source.dtype)
 
     def encode(self, batch: list[_Item]) -> list[tuple[str, Encoded | None]]:
-        """Worker: a batch in one encoding call, each changed tensor's frame into the spool."""
+        """Worker: a batch in one encoding call (a tensor diffed on its device coded from its
+        changes), each changed tensor's frame into the spool."""
         begun = time.perf_counter()
+        encoding = self.settings.encoding
         try:
-            news = [item.staged.wait() for item in batch]
-            framed = self.settings.encoding.encode_framed(
-                [item.old for item in batch], news, [item.itemsize for item in batch]
+            staged = [item for item in batch if item.staged is not None]
+            staged_news = [item.staged.wait() for item in staged if item.staged is not None]
+            framed = iter(
+                encoding.encode_framed(
+                    [item.old for item in staged], staged_news, [item.itemsize for item in staged]
+                )
             )
+            news = iter(staged_news)
             results: list[tuple[str, Encoded | None]] = []
-            for item, new, delta in zip(batch, news, framed, strict=True):
-                if not delta.changed_bytes:
-                    results.append((item.name, None))
-                    continue
-                digest = self.settings.checksum.hexdigest(new)
-                offset, length = self.spool.append(delta.frame)
-                changes = delta.xor_changes
-                if changes is None:
-                    changes = word_changes(item.old, new, delta.changed_bytes)
-                encoded = Encoded(item.name, delta.changed_bytes, digest, offset, length, changes)
-                results.append((item.name, encoded))
+            for item in batch:
+                if item.changes is None:
+                    delta, new = next(framed), next(news)
+                else:
+                    delta = encoding.encode_changes(item.old, item.changes, itemsize=item.itemsize)
+                    new = None
+                results.append((item.name, self._spooled(item, delta, new)))
         finally:
             for item in batch:
-                item.staged.release()
+                if item.staged is not None:
+                    item.staged.release()
             with self.lock:
                 self.metrics["encode_s"] += time.perf_counter() - begun
         return results
+
+    def _spooled(self, item: _Item, delta: FramedDelta, new: ByteArray | None) -> Encoded | None:
+        """A changed tensor's frame appended to the spool, with its digest and changes (None:
+        unchanged); ``new``: its staged bytes, None for one diffed on its device."""
+        if not delta.changed_bytes:
+            return None
+        offset, length = self.spool.append(delta.frame)
+        checksum, changes = self.settings.checksum, delta.xor_changes or item.changes
+        if new is None:
+            assert item.changes is not None
+            digest = hexdigest_after(checksum, item.old, item.changes)
+        else:
+            digest = checksum.hexdigest(new)
+            if changes is None:
+                changes = word_changes(item.old, new, delta.changed_bytes)
+        return Encoded(item.name, delta.changed_bytes, digest, offset, length, changes)
 
     def submit(self) -> None:
         self.pending.append(self.executor.submit(self.encode, self.batch))
@@ -217,7 +243,8 @@ class _Diff:
         """Release the open batch, cancel what has not started and wait for what has (the pool
         is kept: its running encodes end here)."""
         for item in self.batch:
-            item.staged.release()
+            if item.staged is not None:
+                item.staged.release()
         for future in self.pending:
             future.cancel()
         cf.wait(self.pending)

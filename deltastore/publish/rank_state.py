@@ -27,6 +27,7 @@ from deltastore.errors import (
 )
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.publish.config import PublisherConfig, Settings
+from deltastore.publish.device import DeviceSnapshot
 from deltastore.publish.messages import Outcome, Plan, StreamState, describe
 from deltastore.publish.snapshot import (
     Lineage,
@@ -59,6 +60,7 @@ class RankSnapshot:
     base_sources: dict[str, TensorSource]
     store: VersionStore
     workers: int = 1
+    device: DeviceSnapshot | None = None
     moved: set[str] = field(default_factory=set)
     _pool: tuple[int, cf.ThreadPoolExecutor] | None = field(default=None, init=False)
 
@@ -116,6 +118,8 @@ class RankSnapshot:
             if name not in encoded:
                 self.snapshot.evict(name)
                 self.moved.add(name)
+                if self.device is not None:
+                    self.device.forget(name)
         if not layout.full:
             return
         for name, placed in outcome.entries.items():
@@ -130,6 +134,8 @@ class RankSnapshot:
         def apply(batch: list[Encoded]) -> None:
             for entry in batch:
                 target = self.snapshot.load(entry.name)
+                if self.device is not None:
+                    self.device.advance(entry.name, entry.changes)
                 if entry.changes is not None:
                     apply_changes(target, entry.changes)
                 else:
@@ -315,7 +321,8 @@ def seed_rank(
         decision.stream.stream_id,
         f" (resumed at v{lineage.version:06d})" if lineage else "",
     )
-    held = RankSnapshot(snapshot, sources, store, workers=config.threads)
+    device = DeviceSnapshot() if config.device_snapshot else None
+    held = RankSnapshot(snapshot, sources, store, workers=config.threads, device=device)
     held.pool()  # the worker threads start here, not in the first publish
     # So are the compiled kernels (numba's import and cache: ~1 s or more): every encoding's
     # snapshot advance XORs its changes in with one; deltastore's own encode with the rest.
