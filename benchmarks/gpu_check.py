@@ -66,8 +66,11 @@ def single_process(args: argparse.Namespace, tmp: Path, base: Path) -> None:
     import deltastore as ds
 
     device = args.device
-    for pin in (None, False):
-        label = "pinned" if pin is None else "pageable"
+    for label, pin, on_device in (
+        ("pinned", None, False),
+        ("pageable", False, False),
+        ("device-snapshot", None, True),  # the diff on the device, only changes to the host
+    ):
         store = ds.VersionStore(str(tmp / f"store-{label}"))
         pub = ds.DeltaPublisher(
             store,
@@ -76,6 +79,7 @@ def single_process(args: argparse.Namespace, tmp: Path, base: Path) -> None:
             pin_memory=pin,
             stage_host_tensors=device == "cpu",
             max_inflight_bytes=args.inflight_mb * MB,
+            device_snapshot=on_device,
         )
         pub.seed()
         local = tmp / f"host-{label}"
@@ -91,9 +95,11 @@ def single_process(args: argparse.Namespace, tmp: Path, base: Path) -> None:
             metrics = pub.pop_metrics()
             staging = pub.last_staging
             assert staging is not None
-            if device == "cuda" and staging.copied != len(tensors):
+            if on_device and (staging.device_diffed, staging.copied) != (len(tensors), 0):
+                raise SystemExit(f"FAIL: {staging.device_diffed} tensors diffed on the device")
+            if device == "cuda" and not on_device and staging.copied != len(tensors):
                 raise SystemExit(f"FAIL: {staging.copied} of {len(tensors)} tensors staged")
-            if device == "cuda" and pin is None and staging.pinned is not True:
+            if device == "cuda" and pin is None and not on_device and staging.pinned is not True:
                 raise SystemExit("FAIL: pinned buffers were not used on a CUDA machine")
             if pin is False and staging.pinned:
                 raise SystemExit("FAIL: pin_memory=False still pinned")
@@ -115,6 +121,7 @@ def single_process(args: argparse.Namespace, tmp: Path, base: Path) -> None:
                         "diff_s": round(metrics["diff_s"], 3),
                         "gb_per_s": round(result.total_bytes / seconds / 1e9, 2),
                         "pinned": staging.pinned,
+                        "device_bytes_to_host": staging.device_bytes_to_host,
                         "buffers": staging.buffers_allocated,
                         "peak_in_flight_mb": round(staging.peak_in_flight_bytes / MB, 1),
                         "budget_wait_s": round(staging.budget_wait_s, 3),

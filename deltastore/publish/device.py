@@ -310,8 +310,9 @@ class DeviceSnapshot:
         self, name: str, tensor: Any, old: ByteArray, itemsize: int, stats: StagerStats
     ) -> XorChanges | None:
         """The change from the published ``old`` (host bytes) to ``tensor``, found on its
-        device; None for what is not a torch tensor, or where the change would be larger than
-        the tensor (a dense step): staged whole instead."""
+        device; None for what is not a torch tensor, where the change would be larger than the
+        tensor (a dense step), or where the device copy disagrees with ``old`` at a changed
+        element (a copy left behind by a bug: dropped, with a warning): staged whole instead."""
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(tensor, torch.Tensor):
             return None
@@ -325,15 +326,29 @@ class DeviceSnapshot:
         kind = getattr(torch, DEVICE_INTS[size])
         before, after = held.view(kind), flat.view(kind)
         differs = before != after
-        count = int(differs.sum())
+        count = int(torch.count_nonzero(differs))
         stats.device_diffed += 1
         if count * (8 + size) > old.size:
             return None
         positions = differs.nonzero().reshape(-1)
-        values = before[positions] ^ after[positions]
+        held_values = before[positions]
+        values = held_values ^ after[positions]
         unsigned = np.dtype(f"<u{size}")
         changes = XorChanges(positions.cpu().numpy(), values.cpu().numpy().view(unsigned))
-        stats.device_bytes_to_host += changes.nbytes
+        stats.device_bytes_to_host += changes.nbytes + held_values.numel() * size
+        # The copy's old values must be the host snapshot's: a stale copy would otherwise
+        # publish a version whose digest matches its own wrong bytes.
+        if not np.array_equal(
+            held_values.cpu().numpy().view(unsigned), old.view(unsigned)[changes.positions]
+        ):
+            log.warning(
+                "tensor %r: its copy on %s is not the published state; staging it whole and "
+                "making the copy again",
+                name,
+                flat.device,
+            )
+            del self._held[name]
+            return None
         return changes
 
     def advance(self, name: str, changes: XorChanges | None) -> None:

@@ -32,6 +32,10 @@ NORM = "model.norm.weight"
 FROZEN = "model.frozen.weight"
 NAMES = [*LAYERS, EMBED, NORM, FROZEN]
 
+ROWS_4 = 32
+"""Rows of the four-rank test's tensors: a step changes one, few enough that the device diff of
+a stale copy (two rows) is still sent as changes rather than staged whole as a dense step."""
+
 # Step → tensors it changes. EMBED is replicated on ranks 1 and 3 (tied embeddings).
 CHANGES_4 = {
     1: {LAYERS[0], LAYERS[1], LAYERS[3], EMBED, NORM},  # rank 2 changes nothing
@@ -57,21 +61,32 @@ def held_by(rank: int, step: int) -> list[str]:
     return names
 
 
-def _four_ranks(rank: int, world: int, base: str, store_url: str, hooks: str) -> dict[str, Any]:
+def _four_ranks(
+    rank: int, world: int, base: str, store_url: str, hooks: str, device_snapshot: bool = False
+) -> dict[str, Any]:
     def hook(args: Any, version_dir: str, engines: Any) -> None:
         with open(os.path.join(hooks, f"{args}-{os.path.basename(version_dir)}"), "w") as fh:
             fh.write(version_dir)
 
-    tensors = base_tensors(NAMES)
-    pub = ds.DeltaPublisher(store_url, base, workers=2, post_write=hook, args=f"rank{rank}")
+    tensors = base_tensors(NAMES, rows=ROWS_4)
+    pub = ds.DeltaPublisher(
+        store_url,
+        base,
+        workers=2,
+        post_write=hook,
+        args=f"rank{rank}",
+        device_snapshot=device_snapshot,
+    )
     pub.seed()
-    out: dict[str, Any] = {"results": [], "metrics": [], "loaded": []}
+    out: dict[str, Any] = {"results": [], "metrics": [], "loaded": [], "staged": []}
     for step in range(1, 6):
         model = model_at(tensors, CHANGES_4, step)
         full = step == 5 and rank == 2
         result = pub.publish(((n, model[n]) for n in held_by(rank, step)), full=full)
         out["results"].append(result)
         out["metrics"].append(pub.pop_metrics())
+        assert pub.last_staging is not None
+        out["staged"].append(pub.last_staging.staged)
         assert pub.snapshot is not None
         out["loaded"].append(sorted(n for n in NAMES if pub.snapshot.is_loaded(n)))
     return out
@@ -82,8 +97,13 @@ def _shard_names(path: Path) -> set[str]:
         return set(fh.keys())
 
 
-def test_four_ranks_numbering_completeness_dedup_and_moves(tmp_path: Path) -> None:
-    tensors = base_tensors(NAMES)
+# device_snapshot: a rank's device copy of a tensor another rank published since must be
+# dropped, or its next diff (LAYERS[0] back on rank 0 at step 4) starts from a stale state.
+@pytest.mark.parametrize("device_snapshot", [False, True], ids=["staged", "device-snapshot"])
+def test_four_ranks_numbering_completeness_dedup_and_moves(
+    tmp_path: Path, device_snapshot: bool
+) -> None:
+    tensors = base_tensors(NAMES, rows=ROWS_4)
     base = write_base(tmp_path / "base", tensors)
     store_dir = tmp_path / "store"
     hooks = tmp_path / "hooks"
@@ -95,9 +115,12 @@ def test_four_ranks_numbering_completeness_dedup_and_moves(tmp_path: Path) -> No
         base=str(base),
         store_url=str(store_dir),
         hooks=str(hooks),
+        device_snapshot=device_snapshot,
     )
     store = VersionStore(str(store_dir))
     assert store.versions() == [1, 2, 3, 4, 5]
+    if device_snapshot:  # every tensor diffed on its device: no copy was found stale
+        assert [o["staged"] for o in outs] == [[0] * 5] * 4
 
     expected_maps = {
         # Ranks 0, 1 and 3 changed something: shards 0, 1, 2 of 3, gap-free (rank 2 has none).

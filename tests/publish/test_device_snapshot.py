@@ -122,7 +122,8 @@ def test_only_the_changes_cross_to_the_host(tmp_path: Path) -> None:
     stats = publisher.last_staging
     assert stats is not None
     assert (stats.staged, stats.copied, stats.device_uploads) == (0, 0, 1)
-    assert stats.device_bytes_to_host == changed * (8 + 2)  # int64 position, bf16 XOR value
+    # An int64 position, the XOR value and the copy's old value (checked against the host's).
+    assert stats.device_bytes_to_host == changed * (8 + 2 + 2)
     publisher.publish({"w": new})  # unchanged: the device copy followed the commit
     assert publisher.last_staging is not None
     assert publisher.last_staging.device_uploads == 0
@@ -147,6 +148,24 @@ def test_the_device_copy_is_made_again_once_dropped() -> None:
     assert again is not None and again.positions.tolist() == [5]
     assert stats.device_uploads == 2
     assert held.changes("numpy", old, old, 1, stats) is None  # not a torch tensor: staged
+
+
+def test_a_copy_that_is_not_the_published_state_is_staged_instead(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    held = DeviceSnapshot()
+    stats = StagerStats()
+    old = np.arange(64, dtype=np.uint8)
+    tensor = torch.from_numpy(old.copy())
+    assert held.changes("t", tensor, old, 1, stats) is not None  # the copy is made
+    held.advance("t", XorChanges(np.array([7], np.int64), np.array([1], np.uint8)))  # wrongly
+    tensor[9] ^= 1  # the trainer's step; element 7 differs from the copy too, not from old
+    with caplog.at_level("WARNING", logger="deltastore.publish"):
+        assert held.changes("t", tensor, old, 1, stats) is None
+    assert "is not the published state" in caplog.text
+    assert held.held_bytes == 0  # dropped: made again from the host snapshot next time
+    changes = held.changes("t", tensor, old, 1, stats)
+    assert changes is not None and changes.positions.tolist() == [9]
 
 
 @pytest.mark.parametrize("checksum", sorted(CHECKSUMS))
