@@ -316,18 +316,20 @@ class DeviceSnapshot:
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(tensor, torch.Tensor):
             return None
+        size = element_size(old.size, itemsize)
+        stats.device_diffed += 1
+        if not old.size:  # nothing to change (and torch will not view an empty one as ints)
+            return XorChanges(np.zeros(0, np.int64), np.zeros(0, f"<u{size}"))
         flat = _flat_bytes(torch, tensor)
         held = self._held.get(name)
         if held is None or held.device != flat.device:
             held = torch.from_numpy(old).to(flat.device, copy=True)  # (on CPU: not the host's)
             self._held[name] = held
             stats.device_uploads += 1
-        size = element_size(old.size, itemsize)
         kind = getattr(torch, DEVICE_INTS[size])
         before, after = held.view(kind), flat.view(kind)
         differs = before != after
         count = int(torch.count_nonzero(differs))
-        stats.device_diffed += 1
         if count * (8 + size) > old.size:
             return None
         positions = differs.nonzero().reshape(-1)

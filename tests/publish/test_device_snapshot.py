@@ -38,6 +38,8 @@ def _model(seed: int = 0) -> dict[str, torch.Tensor]:
         "mlp.scale": torch.randint(-128, 128, (333,), generator=g, dtype=torch.int8),
         "norm": torch.randn(64, generator=g).half(),
         "odd": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(0.5),
+        "empty": torch.zeros(0, dtype=torch.bfloat16),
     }
 
 
@@ -49,7 +51,7 @@ def _steps(base: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
     for step in range(1, STEPS + 1):
         for name, tensor in model.items():
             flat = tensor.reshape(-1)
-            if step == 4:
+            if step == 4 or not flat.numel():
                 continue  # nothing changes
             if step == 2 and name == "embed":
                 flat.add_(1.0)
@@ -103,9 +105,10 @@ def test_versions_are_those_of_the_staged_path(tmp_path: Path, encoding: str) ->
         expected = {n: raw_bytes(t) for n, t in device_models[version].items()}
         assert checkpoint_bytes(host) == expected
     assert models.keys() == device_models.keys()
-    # Step 2 changes every element of embed: staged whole, the rest diffed on the device.
-    assert [s.device_diffed for s in stats] == [5] * 5
-    assert [s.copied + s.staged for s in stats] == [0, 1, 0, 0, 0]
+    # A change that takes more bytes than its tensor is staged whole: embed at step 2 (every
+    # element) and the 4-byte scalar whenever it changes (not at step 4).
+    assert [s.device_diffed for s in stats] == [len(_model())] * 5
+    assert [s.staged for s in stats] == [1, 2, 1, 0, 1]
 
 
 def test_only_the_changes_cross_to_the_host(tmp_path: Path) -> None:
