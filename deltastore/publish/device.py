@@ -49,7 +49,8 @@ class StagerStats:
     """Tensors whose device copy was made from the host snapshot (first use, or after it was
     dropped)."""
     device_bytes_to_host: int = 0
-    """Bytes of changes (positions and XOR values) the device diff sent to the host."""
+    """Bytes the device diff sent to the host: each changed element's position, XOR value and
+    old value (checked against the host snapshot)."""
 
 
 @dataclass(eq=False)
