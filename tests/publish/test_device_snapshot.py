@@ -92,7 +92,7 @@ def _files(store: ds.VersionStore, version: int) -> dict[str, bytes]:
 
 
 @pytest.mark.filterwarnings("ignore:weight_v000002 changed")
-@pytest.mark.parametrize("encoding", ["xor", "sparse-v2", "auto"])
+@pytest.mark.parametrize("encoding", ["xor", "overwrite", "sparse-v2", "auto"])
 def test_versions_are_those_of_the_staged_path(tmp_path: Path, encoding: str) -> None:
     base_dir = make_checkpoint(tmp_path / "base", _model())
     staged, models, _ = _publish(tmp_path, "staged", base_dir, encoding, on_device=False)
