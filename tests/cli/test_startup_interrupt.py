@@ -121,6 +121,7 @@ raise SystemExit(main())
 """
 
 
+@pytest.mark.slow  # waits out the 10 s grace
 def test_an_interrupted_command_exits_though_a_thread_would_hold_its_exit(tmp_path: Path) -> None:
     argv = [sys.executable, "-c", _HELD_EXIT, str(tmp_path / "demo")]
     code, err = _interrupted_after(argv, "seeded snapshot")
