@@ -299,10 +299,10 @@ DIGEST_CHUNK = 1024**2
 
 class DeviceSnapshot:
     """``device_snapshot``: each tensor's last published state beside the trainer's tensor, on
-    its device, so the diff runs there and only the changed elements (positions, XOR values)
-    cross to the host: torch ops, so the same code runs on CPU tensors. It costs one more copy
-    of the rank's tensors in device memory, made from the host snapshot on first use; the host
-    snapshot stays the state every other step reads."""
+    its device, so the diff runs there and only the changed elements (positions, XOR and old
+    values) cross to the host: torch ops, so the same code runs on CPU tensors. It costs one
+    more copy of the rank's tensors in device memory, made from the host snapshot on first use;
+    the host snapshot stays the state every other step reads."""
 
     def __init__(self) -> None:
         self._held: dict[str, Any] = {}
