@@ -68,11 +68,15 @@ def compiled_backend(use_jit: bool | None) -> Any:
     return _compiled[0]
 
 
-def warm_up(use_jit: bool | None = None, *, changes_only: bool = False) -> bool:
+def warm_up(
+    use_jit: bool | None = None, *, changes_only: bool = False, from_changes: bool = False
+) -> bool:
     """Load (or compile, the first time on a machine) the compiled kernels now, for every
     element size, instead of at the first encode or decode; True when the compiled backend is
     in use. ``changes_only``: just the one :func:`apply_changes` uses (a publisher of the
-    reference encodings needs no other). Cheap once done in a process."""
+    reference encodings needs no other). ``from_changes``: also the writer
+    :meth:`~deltastore.codecs.Encoding.encode_changes` calls (``device_snapshot``'s; a few
+    seconds more the first time on a machine). Cheap once done in a process."""
     if compiled_backend(use_jit) is None:
         return False
     for dtype in ELEMENT_DTYPES.values():
@@ -89,9 +93,9 @@ def warm_up(use_jit: bool | None = None, *, changes_only: bool = False) -> bool:
         payload = bytes(encoding.encode(old, new, itemsize=itemsize).payload)
         encoding.apply(old.copy(), payload, tensor="")  # a batch of one, as a pull's
         encoding.encode_framed([old, old], [new, new], [itemsize, itemsize])
-        dtype = ELEMENT_DTYPES[itemsize]
-        changes = XorChanges(np.array([1], np.int64), np.ones(1, dtype))
-        encoding.encode_changes(old, changes, itemsize=itemsize)  # device_snapshot's coding
+        if from_changes:
+            changes = XorChanges(np.array([1], np.int64), np.ones(1, ELEMENT_DTYPES[itemsize]))
+            encoding.encode_changes(old, changes, itemsize=itemsize)
     return True
 
 

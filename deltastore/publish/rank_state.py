@@ -326,7 +326,10 @@ def seed_rank(
     held.pool()  # the worker threads start here, not in the first publish
     # So are the compiled kernels (numba's import and cache: ~1 s or more): every encoding's
     # snapshot advance XORs its changes in with one; deltastore's own encode with the rest.
-    warm_up(changes_only=get_encoding(config.encoding).reference_format)
+    warm_up(
+        changes_only=get_encoding(config.encoding).reference_format,
+        from_changes=config.device_snapshot,
+    )
     return held, decision.stream
 
 

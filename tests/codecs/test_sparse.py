@@ -8,6 +8,9 @@ the old bytes back (sparse-v2 is self-inverse).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -354,6 +357,31 @@ def test_warm_up_loads_the_compiled_kernels_where_they_are_used(monkeypatch: pyt
     assert sparse.warm_up() is False
     monkeypatch.setenv(sparse.NO_JIT_VARIABLE, "0")
     assert sparse.warm_up() is HAVE_NUMBA
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="no numba")
+def test_warm_up_from_changes_leaves_the_coding_from_changes_nothing_to_compile() -> None:
+    """``device_snapshot``'s writer has a kernel entry of its own: warmed only when asked (a
+    fresh process, so no other test has called it)."""
+    script = """
+import numpy as np
+from deltastore.codecs import XorChanges, numba_backend, warm_up
+from deltastore.codecs.sparse import CompactSparseEncoding
+warm_up()
+plain = len(numba_backend._payload.signatures)
+warm_up(from_changes=True)
+warmed = len(numba_backend._payload.signatures)
+old = np.zeros(64, np.uint8)
+for size in (1, 2, 4, 8):
+    changes = XorChanges(np.array([1], np.int64), np.ones(1, f"<u{size}"))
+    CompactSparseEncoding(use_jit=True).encode_changes(old, changes, itemsize=size)
+print(plain, warmed, len(numba_backend._payload.signatures))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+    )
+    plain, warmed, used = map(int, out.stdout.split())
+    assert plain == 0 < warmed == used
 
 
 @pytest.mark.parametrize("use_jit", PATHS)
