@@ -142,20 +142,22 @@ class _Diff:
         old = self.held.old_bytes(name, self.stream)
         loaded = time.perf_counter()
         self.metrics["load_s"] += loaded - begun
-        device = self.held.device
-        changes = None if device is None else device.changes(name, tensor, old, itemsize, stats)
+        changes = None
+        if self.held.device is not None:
+            changes = self.held.device.changes(name, tensor, old, itemsize, stats)
+            self.metrics["copy_s"] += time.perf_counter() - loaded  # the diff on the device
         charge = self.stager.charge_for(tensor, nbytes) if changes is None else changes.nbytes
         # The open batch holds budget nobody releases: it must leave room for this tensor, or
         # staging it would wait forever.
         if self.batch and self.batch_bytes + charge > self.batch_limit:
             self.submit()
         staged = None
-        waited, staging = stats.budget_wait_s, time.perf_counter()
         if changes is None:
+            waited, staging = stats.budget_wait_s, time.perf_counter()
             staged = self.stager.stage(name, tensor)
-        # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
-        self.metrics["copy_s"] += time.perf_counter() - staging - (stats.budget_wait_s - waited)
-        self.metrics["copy_s"] += staging - loaded  # the device diff, where there was one
+            # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
+            waited = stats.budget_wait_s - waited
+            self.metrics["copy_s"] += time.perf_counter() - staging - waited
         self.batch.append(_Item(name, old, staged, itemsize, changes))
         self.batch_bytes += charge
         if self.batch_bytes >= self.batch_limit or len(self.batch) >= BATCH_TENSORS:
