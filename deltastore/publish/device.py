@@ -340,7 +340,9 @@ class DeviceSnapshot:
         changes = XorChanges(positions.cpu().numpy(), values.cpu().numpy().view(unsigned))
         stats.device_bytes_to_host += changes.nbytes + held_values.numel() * size
         # The copy's old values must be the host snapshot's: a stale copy would otherwise
-        # publish a version whose digest matches its own wrong bytes.
+        # publish a version whose digest matches its own wrong bytes. Only the changed
+        # elements can be checked here; an element where a stale copy equals the new value
+        # goes unseen, so correctness rests on advance() and forget(), not on this check.
         if not np.array_equal(
             held_values.cpu().numpy().view(unsigned), old.view(unsigned)[changes.positions]
         ):
