@@ -297,6 +297,14 @@ DIGEST_CHUNK = 1024**2
 """Bytes of the new state rebuilt at a time for its digest: the piece stays in cache."""
 
 
+GROUP_TENSOR_BYTES = 1 << 20
+"""Tensors smaller than this are diffed on their device in groups (:meth:`DeviceSnapshot.
+changes_of_group`): a handful of device ops and two waits for a group instead of for each
+tensor, which a model of tens of thousands of small tensors (MoE experts) would pay per tensor."""
+GROUP_BYTES = 16 << 20  # a group's tensor bytes at most (its positions take up to 8 per element)
+GROUP_TENSORS = 1024  # a group's tensors at most
+
+
 class DeviceSnapshot:
     """``device_snapshot``: each tensor's last published state beside the trainer's tensor, on
     its device, so the diff runs there and only the changed elements (positions, XOR and old
@@ -306,6 +314,43 @@ class DeviceSnapshot:
 
     def __init__(self) -> None:
         self._held: dict[str, Any] = {}
+        self._scratch: dict[tuple[str, Any], Any] = {}
+
+    def _concatenated(self, which: str, tensors: list[Any]) -> Any:
+        """``tensors`` (1-D ``uint8``, on one device) end to end in a buffer kept for the
+        next group: on CPU a fresh one would pay a page fault per 4 KiB, more than the copy."""
+        import torch
+
+        nbytes = sum(int(t.numel()) for t in tensors)
+        key = (which, tensors[0].device)
+        buffer = self._scratch.get(key)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
+            self._scratch[key] = buffer
+        return torch.cat(tensors, out=buffer[:nbytes])
+
+    @staticmethod
+    def groupable(tensor: Any, nbytes: int) -> bool:
+        """Whether ``tensor`` is diffed in a group: a non-empty torch tensor under
+        :data:`GROUP_TENSOR_BYTES`."""
+        torch = sys.modules.get("torch")
+        return (
+            torch is not None
+            and isinstance(tensor, torch.Tensor)
+            and 0 < nbytes < (GROUP_TENSOR_BYTES)
+        )
+
+    def _copy_for(self, name: str, flat: Any, old: ByteArray, stats: StagerStats) -> Any:
+        """The tensor's device copy, made from the host snapshot ``old`` where it has none on
+        ``flat``'s device."""
+        held = self._held.get(name)
+        if held is None or held.device != flat.device:
+            import torch
+
+            held = torch.from_numpy(old).to(flat.device, copy=True)  # (on CPU: not the host's)
+            self._held[name] = held
+            stats.device_uploads += 1
+        return held
 
     def changes(
         self, name: str, tensor: Any, old: ByteArray, itemsize: int, stats: StagerStats
@@ -322,13 +367,9 @@ class DeviceSnapshot:
         if not old.size:  # nothing to change (and torch will not view an empty one as ints)
             return XorChanges(np.zeros(0, np.int64), np.zeros(0, f"<u{size}"))
         flat = _flat_bytes(torch, tensor)
-        held = self._held.get(name)
-        if held is None or held.device != flat.device:
-            held = torch.from_numpy(old).to(flat.device, copy=True)  # (on CPU: not the host's)
-            self._held[name] = held
-            stats.device_uploads += 1
         kind = getattr(torch, DEVICE_INTS[size])
-        before, after = held.view(kind), flat.view(kind)
+        before = self._copy_for(name, flat, old, stats).view(kind)
+        after = flat.view(kind)
         differs = before != after
         count = int(torch.count_nonzero(differs))
         if count * (8 + size) > old.size:
@@ -337,43 +378,112 @@ class DeviceSnapshot:
         held_values = before[positions]
         values = held_values ^ after[positions]
         unsigned = np.dtype(f"<u{size}")
-        changes = XorChanges(positions.cpu().numpy(), values.cpu().numpy().view(unsigned))
-        stats.device_bytes_to_host += changes.nbytes + held_values.numel() * size
-        # The copy's old values must be the host snapshot's: a stale copy would otherwise
-        # publish a version whose digest matches its own wrong bytes. Only the changed
-        # elements can be checked here; an element where a stale copy equals the new value
-        # goes unseen, so correctness rests on advance() and forget(), not on this check.
-        if not np.array_equal(
-            held_values.cpu().numpy().view(unsigned), old.view(unsigned)[changes.positions]
-        ):
-            log.warning(
-                "tensor %r: its copy on %s is not the published state; staging it whole and "
-                "making the copy again",
-                name,
-                flat.device,
+        changed = XorChanges(positions.cpu().numpy(), values.cpu().numpy().view(unsigned))
+        stats.device_bytes_to_host += changed.nbytes + held_values.numel() * size
+        return self._checked(name, old, changed, held_values.cpu().numpy().view(unsigned))
+
+    def changes_of_group(
+        self, tensors: list[tuple[str, Any, ByteArray, int]], stats: StagerStats
+    ) -> list[XorChanges | None]:
+        """:meth:`changes` of several small torch tensors (name, tensor, ``old``, item size),
+        in input order: per element size and device, the copies and the tensors are
+        concatenated there and diffed in one pass, and one transfer brings the changes of all.
+        A group whose changes would take more bytes than its tensors goes tensor by tensor,
+        so a dense step sends no more than :meth:`changes` would."""
+        import torch
+
+        found: list[XorChanges | None] = [None] * len(tensors)
+        members: dict[tuple[int, Any], list[tuple[int, Any]]] = {}
+        for index, (_, tensor, old, itemsize) in enumerate(tensors):
+            flat = _flat_bytes(torch, tensor)
+            members.setdefault((element_size(old.size, itemsize), flat.device), []).append(
+                (index, flat)
             )
-            del self._held[name]
-            return None
-        return changes
+        for (size, _), flats in members.items():
+            kind = getattr(torch, DEVICE_INTS[size])
+            copies = [
+                self._copy_for(tensors[i][0], flat, tensors[i][2], stats) for i, flat in flats
+            ]
+            before = self._concatenated("copies", copies).view(kind)
+            after = self._concatenated("tensors", [flat for _, flat in flats]).view(kind)
+            differs = before != after
+            if int(torch.count_nonzero(differs)) * (8 + size) > before.numel() * size:
+                for i, _ in flats:
+                    found[i] = self.changes(*tensors[i], stats)
+                continue
+            stats.device_diffed += len(flats)
+            positions = differs.nonzero().reshape(-1)
+            held_values = before[positions]
+            values = held_values ^ after[positions]
+            sent = torch.cat([t.view(torch.uint8) for t in (positions, values, held_values)])
+            host = sent.cpu().numpy()
+            stats.device_bytes_to_host += host.size
+            count, unsigned = positions.numel(), np.dtype(f"<u{size}")
+            at = host[: 8 * count].view(np.int64)
+            xors = host[8 * count : (8 + size) * count].view(unsigned)
+            helds = host[(8 + size) * count :].view(unsigned)
+            starts = np.cumsum([0] + [flat.numel() // size for _, flat in flats])
+            bounds = np.searchsorted(at, starts)
+            for k, (i, _) in enumerate(flats):
+                name, _, old, _ = tensors[i]
+                lo, hi = bounds[k], bounds[k + 1]
+                if (hi - lo) * (8 + size) > old.size:
+                    continue  # dense: staged whole
+                changed = XorChanges(at[lo:hi] - starts[k], xors[lo:hi])
+                found[i] = self._checked(name, old, changed, helds[lo:hi])
+        return found
+
+    def _checked(
+        self, name: str, old: ByteArray, changed: XorChanges, held_values: np.ndarray
+    ) -> XorChanges | None:
+        """``changed``, where the copy's old values at its elements are the host snapshot's;
+        else None, the copy dropped with a warning. A stale copy would otherwise publish a
+        version whose digest matches its own wrong bytes. Only the changed elements can be
+        checked: an element where a stale copy equals the new value goes unseen, so the copy's
+        correctness rests on :meth:`advance` and :meth:`forget`, not on this check."""
+        if np.array_equal(held_values, old.view(held_values.dtype)[changed.positions]):
+            return changed
+        log.warning(
+            "tensor %r: its copy on %s is not the published state; staging it whole and "
+            "making the copy again",
+            name,
+            self._held[name].device,
+        )
+        del self._held[name]
+        return None
 
     def advance(self, name: str, changes: XorChanges | None) -> None:
         """Move a tensor's device copy to the committed version (None: drop it, to be made
         again from the host snapshot on its next use)."""
-        held = self._held.get(name)
-        if held is None:
-            return
-        if changes is None:
-            del self._held[name]
-            return
-        if not changes.positions.size:
-            return
+        self.advance_all([(name, changes)])
+
+    def advance_all(self, moved: list[tuple[str, XorChanges | None]]) -> None:
+        """:meth:`advance` of many tensors: per device and element size, their changes go
+        over in one transfer, then each copy is XORed in place there (no wait per tensor)."""
         import torch
 
-        size = changes.values.dtype.itemsize
-        kind = getattr(torch, DEVICE_INTS[size])
-        positions = torch.from_numpy(changes.positions).to(held.device)
-        values = torch.from_numpy(changes.values.view(f"<i{size}")).to(held.device)
-        held.view(kind)[positions] ^= values
+        by_kind: dict[tuple[Any, int], list[tuple[Any, XorChanges]]] = {}
+        for name, changes in moved:
+            held = self._held.get(name)
+            if held is None:
+                continue
+            if changes is None:
+                del self._held[name]
+            elif changes.positions.size:
+                size = changes.values.dtype.itemsize
+                by_kind.setdefault((held.device, size), []).append((held, changes))
+        for (device, size), pairs in by_kind.items():
+            counts = [int(changes.positions.size) for _, changes in pairs]
+            packed = np.concatenate(
+                [changes.positions.view(np.uint8) for _, changes in pairs]
+                + [changes.values.view(np.uint8) for _, changes in pairs]
+            )
+            sent = torch.from_numpy(packed).to(device)
+            total = sum(counts)
+            positions = sent[: 8 * total].view(torch.int64).split(counts)
+            values = sent[8 * total :].view(getattr(torch, DEVICE_INTS[size])).split(counts)
+            for (held, _), at, xors in zip(pairs, positions, values, strict=True):
+                held.view(xors.dtype)[at] ^= xors
 
     def forget(self, name: str) -> None:
         self._held.pop(name, None)

@@ -20,7 +20,14 @@ from deltastore.codecs import ByteArray, FramedDelta, XorChanges, itemsize_of_dt
 from deltastore.errors import PublishError
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.publish.config import Settings
-from deltastore.publish.device import HostStager, Staged, StagerStats, hexdigest_after
+from deltastore.publish.device import (
+    GROUP_BYTES,
+    GROUP_TENSORS,
+    HostStager,
+    Staged,
+    StagerStats,
+    hexdigest_after,
+)
 from deltastore.publish.messages import (
     METRIC_KEYS,
     DiffReport,
@@ -133,19 +140,54 @@ class _Diff:
         self.batch: list[_Item] = []
         self.batch_bytes = 0
         self.seen: set[str] = set()
+        self.group: list[tuple[str, Any, ByteArray, int]] = []
+        self.group_bytes = 0
 
     def take(self, name: str, tensor: Any) -> None:
-        """Check and load one tensor, diff it on its device or stage it, into the open batch."""
+        """Check and load one tensor, diff it on its device or stage it, into the open batch
+        (a small one diffed on its device waits in the device group, kept in order)."""
         nbytes, itemsize = self._check(name, tensor)
-        stats = self.stager.stats
         begun = time.perf_counter()
         old = self.held.old_bytes(name, self.stream)
         loaded = time.perf_counter()
         self.metrics["load_s"] += loaded - begun
+        device = self.held.device
+        if device is not None and device.groupable(tensor, nbytes):
+            self.group.append((name, tensor, old, itemsize))
+            self.group_bytes += nbytes
+            if self.group_bytes >= GROUP_BYTES or len(self.group) >= GROUP_TENSORS:
+                self._diff_group()
+            return
+        self._diff_group()  # the group's tensors go first, as passed
         changes = None
-        if self.held.device is not None:
-            changes = self.held.device.changes(name, tensor, old, itemsize, stats)
+        if device is not None:
+            changes = device.changes(name, tensor, old, itemsize, self.stager.stats)
             self.metrics["copy_s"] += time.perf_counter() - loaded  # the diff on the device
+        self._queue(name, tensor, nbytes, old, itemsize, changes)
+
+    def _diff_group(self) -> None:
+        """Diff the device group in one go and queue its tensors."""
+        if not self.group:
+            return
+        assert self.held.device is not None
+        group, self.group, self.group_bytes = self.group, [], 0
+        begun = time.perf_counter()
+        found = self.held.device.changes_of_group(group, self.stager.stats)
+        self.metrics["copy_s"] += time.perf_counter() - begun
+        for (name, tensor, old, itemsize), changes in zip(group, found, strict=True):
+            self._queue(name, tensor, old.size, old, itemsize, changes)
+
+    def _queue(
+        self,
+        name: str,
+        tensor: Any,
+        nbytes: int,
+        old: ByteArray,
+        itemsize: int,
+        changes: XorChanges | None,
+    ) -> None:
+        """Put a tensor into the open batch: its changes, or else its bytes staged."""
+        stats = self.stager.stats
         charge = self.stager.charge_for(tensor, nbytes) if changes is None else changes.nbytes
         # The open batch holds budget nobody releases: it must leave room for this tensor, or
         # staging it would wait forever.
@@ -233,7 +275,8 @@ class _Diff:
             self._take_oldest()
 
     def finish(self) -> DiffResult:
-        """Submit the open batch and wait for every result."""
+        """Diff the device group, submit the open batch and wait for every result."""
+        self._diff_group()
         if self.batch:
             self.submit()
         while self.pending:

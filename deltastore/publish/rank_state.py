@@ -131,11 +131,12 @@ class RankSnapshot:
         """Apply every change, split over ``workers`` threads (decompression and the XOR of
         large tensors release the GIL)."""
 
+        if self.device is not None:
+            self.device.advance_all([(entry.name, entry.changes) for entry in entries])
+
         def apply(batch: list[Encoded]) -> None:
             for entry in batch:
                 target = self.snapshot.load(entry.name)
-                if self.device is not None:
-                    self.device.advance(entry.name, entry.changes)
                 if entry.changes is not None:
                     apply_changes(target, entry.changes)
                 else:
