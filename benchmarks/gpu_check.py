@@ -40,6 +40,16 @@ def model_on(device: str, size_mb: int, step: int) -> dict[str, Any]:
         for s in range(1, step + 1):
             t[(s * 37 + i) % rows :: 97] += 0.5 * s
         tensors[f"model.layers.{i}.weight"] = t.to(device)
+    # Small tensors (MoE experts, norms) take the grouped device diff with device_snapshot.
+    for i in range(64):
+        t = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+        for s in range(1, step + 1):
+            t[(s + i) % 64 :: 13] += 0.5 * s
+        tensors[f"model.experts.{i}.weight"] = t.to(device)
+    norm = torch.randn(256, generator=g)
+    for s in range(1, step + 1):
+        norm[s * 7 % 256] += 0.5 * s
+    tensors["model.norm.weight"] = norm.to(device)
     return tensors
 
 

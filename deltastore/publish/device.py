@@ -140,11 +140,10 @@ class HostStager:
     def _take_buffer(self, size: int) -> Any:
         """An idle buffer of at least ``size`` bytes, or a new one (idle ones dropped to fit)."""
         with self._cond:
-            fitting = [b for b in self._idle if b.numel() >= size]
+            # By position: list.remove() would compare buffers with ==, elementwise on tensors.
+            fitting = [i for i, b in enumerate(self._idle) if b.numel() >= size]
             if fitting:
-                best = min(fitting, key=lambda b: b.numel())
-                self._idle.remove(best)
-                return best
+                return self._idle.pop(min(fitting, key=lambda i: self._idle[i].numel()))
             # Drop idle buffers so the pool never holds much more than the budget.
             ceiling = max(self.limit_bytes, self._in_flight)
             self._idle.sort(key=lambda b: b.numel())

@@ -64,6 +64,22 @@ def test_budget_bounds_bytes_in_flight_and_buffers_are_reused() -> None:
     assert stager.in_flight_bytes == 0
 
 
+def test_the_best_idle_buffer_is_taken_among_buffers_of_other_sizes() -> None:
+    """Idle buffers are tensors: taking one must not compare it with the others (``==`` on
+    tensors is elementwise, which raised here for a model of mixed tensor sizes)."""
+    stager = HostStager(64 * MIB, stage_host_tensors=True)
+    big = stager.stage("big", torch.ones(8 * MIB, dtype=torch.uint8))
+    small = stager.stage("small", torch.ones(MIB, dtype=torch.uint8))
+    other = stager.stage("other", torch.ones(MIB, dtype=torch.uint8))
+    for staged in (big, small, other):
+        staged.release()  # idle: 8 MiB, then two of 1 MiB
+    again = [stager.stage(f"again{i}", torch.full((MIB,), i, dtype=torch.uint8)) for i in (1, 2)]
+    assert [int(s.wait()[0]) for s in again] == [1, 2]
+    assert stager.stats.buffers_allocated == 3  # both small ones reused, nothing new
+    for staged in again:
+        staged.release()
+
+
 def test_a_tensor_larger_than_the_budget_goes_alone() -> None:
     stager = HostStager(MIB, stage_host_tensors=True)
     small = stager.stage("small", torch.zeros(MIB // 2, dtype=torch.uint8))
@@ -155,3 +171,27 @@ def test_publisher_through_the_buffer_pool_matches_the_direct_path(tmp_path: Pat
         assert all(got[n] == raw_bytes(t) for n, t in new.items())
     assert indexes[0].weight_map == indexes[1].weight_map
     assert indexes[0].totals["changed_bytes"] == indexes[1].totals["changed_bytes"]
+
+
+def test_a_model_of_mixed_tensor_sizes_publishes_through_the_buffer_pool(tmp_path: Path) -> None:
+    """Buffers of several sizes sit idle between tensors (as for a CUDA model of embeddings,
+    norms and MLPs): every version publishes and pulls to the trainer's bytes."""
+    g = torch.Generator().manual_seed(8)
+    shapes = [(1024, 1024), (64,), (256, 256), (1024, 1024), (256, 256), (64,), (512, 1024)]
+    model = {
+        f"w{i}": torch.randn(*shape, generator=g).to(torch.bfloat16)
+        for i, shape in enumerate(shapes)
+    }
+    base = make_checkpoint(tmp_path / "base", model)
+    store = ds.VersionStore(str(tmp_path / "store"))
+    pub = ds.DeltaPublisher(store, base, workers=2, stage_host_tensors=True)
+    pub.seed()
+    for step in range(1, 4):
+        for t in model.values():
+            t.view(-1)[step::97] += 1.0
+        pub.publish(model)
+        assert pub.last_staging is not None and pub.last_staging.copied == len(model)
+        local = tmp_path / f"local{step}"
+        ds.pull_weights(local, store, step, base_dir=base)
+        got = checkpoint_bytes(local)
+        assert all(got[n] == raw_bytes(t) for n, t in model.items())
