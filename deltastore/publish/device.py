@@ -56,7 +56,9 @@ class StagerStats:
 @dataclass(eq=False)
 class Staged:
     """One tensor's host bytes, valid until :meth:`release`; ``source`` keeps a device tensor
-    alive until its non-blocking copy (``event``) has landed."""
+    alive until its non-blocking copy (``event``) has landed. A tensor staged in a group
+    (:meth:`HostStager.stage_group`) holds ``shared``, the group's own :class:`Staged`, whose
+    buffer returns to the pool when the last of its ``users`` is released."""
 
     stager: HostStager
     view: ByteArray
@@ -64,26 +66,34 @@ class Staged:
     buffer: Any = None
     event: Any = None
     source: Any = None
+    shared: Staged | None = None
+    users: int = 1
 
     def wait(self) -> ByteArray:
         """The host bytes, once any pending device copy has completed."""
-        if self.event is not None:
+        owner = self.shared or self
+        event = owner.event  # read once: another member may clear it meanwhile
+        if event is not None:
             started = time.perf_counter()
-            self.event.synchronize()
-            self.stager._add_copy_wait(time.perf_counter() - started)
-            self.event = None
-            self.source = None
+            event.synchronize()
+            owner.stager._add_copy_wait(time.perf_counter() - started)
+            owner.event = None
+            owner.source = None
         return self.view
 
     def release(self) -> None:
         """Return the buffer to the pool and the bytes to the budget (idempotent)."""
         if self.charge < 0:
             return
-        if self.event is not None:
+        charge, self.charge = self.charge, -1
+        if self.shared is not None:
+            self.stager._release_member(self.shared)
+            return
+        event = self.event
+        if event is not None:
             # Never hand a buffer back while a copy may still be writing into it.
-            self.event.synchronize()
-        self.stager._release(self.charge, self.buffer)
-        self.charge = -1
+            event.synchronize()
+        self.stager._release(charge, self.buffer)
         self.buffer = None
         self.source = None
 
@@ -128,6 +138,14 @@ class HostStager:
                 self._idle.append(buffer)
             self._cond.notify_all()
 
+    def _release_member(self, group: Staged) -> None:
+        """One tensor of a group released: the group's buffer goes back with its last."""
+        with self._cond:
+            group.users -= 1
+            last = group.users == 0
+        if last:
+            group.release()
+
     def _add_copy_wait(self, seconds: float) -> None:
         with self._cond:  # encode workers add theirs at once
             self.stats.copy_wait_s += seconds
@@ -170,7 +188,7 @@ class HostStager:
         self.stats.buffer_bytes_allocated += size
         return buffer
 
-    def _pooled(self, tensor: Any) -> bool:
+    def pooled(self, tensor: Any) -> bool:
         """Whether :meth:`stage` copies ``tensor`` through a pool buffer: a CUDA tensor, or a
         host one with ``stage_host_tensors`` (everything else is viewed or copied plainly)."""
         kind = getattr(getattr(tensor, "device", None), "type", None)  # numpy's device: a str
@@ -178,14 +196,14 @@ class HostStager:
 
     def charge_for(self, tensor: Any, nbytes: int) -> int:
         """Budget bytes :meth:`stage` will hold for ``tensor``: a view's bytes, a copy's buffer."""
-        return _round_up(nbytes) if self._pooled(tensor) else nbytes
+        return _round_up(nbytes) if self.pooled(tensor) else nbytes
 
     def stage(self, name: str, tensor: Any) -> Staged:
         """Host bytes of ``tensor`` (blocks while the budget is spent); :class:`PublishError`
         for objects that are neither torch tensors nor numpy arrays."""
         self.stats.staged += 1
         view = None if self.stage_host_tensors else plain_host_view(tensor)
-        if view is None and not self._pooled(tensor):
+        if view is None and not self.pooled(tensor):
             view = host_bytes(name, tensor)  # other accelerators: a plain synchronous copy
         if view is not None:
             self._acquire(view.size)
@@ -215,6 +233,51 @@ class HostStager:
             raise
         self.stats.copied += 1
         return Staged(self, target.numpy(), size, buffer, event, flat if event else None)
+
+    def group_charge(self, nbytes: int) -> int:
+        """Budget bytes :meth:`stage_group` holds for tensors of ``nbytes`` in all."""
+        return _round_up(nbytes)
+
+    def stage_group(self, tensors: list[tuple[str, Any]]) -> list[Staged]:
+        """Stage small torch tensors that :meth:`stage` would copy through the pool, into one
+        pool buffer: one concatenation on their device, one copy and one event for all. Each
+        torch call the producer makes releases and retakes the GIL, which under a busy encode
+        pool costs it far more than a small copy; per tensor that was most of a publish of
+        thousands of small tensors. The buffer returns when the last of them is released."""
+        import torch
+
+        flats = [_flat_bytes(torch, tensor) for _, tensor in tensors]
+        if len({flat.device for flat in flats}) > 1:  # one concatenation needs one device
+            return [self.stage(name, tensor) for name, tensor in tensors]
+        sizes = [int(flat.numel()) for flat in flats]
+        total = sum(sizes)
+        size = _round_up(total)
+        self.stats.staged += len(tensors)
+        self._acquire(size)
+        try:
+            buffer = self._take_buffer(size)
+            target = buffer[:total]
+            event = joined = None
+            if flats[0].device.type == "cpu":
+                torch.cat(flats, out=target)
+            else:
+                joined = torch.cat(flats)
+                pinned = buffer.is_pinned()
+                target.copy_(joined, non_blocking=pinned)
+                if pinned:
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(joined.device))
+        except BaseException:
+            self._release(size, None)
+            raise
+        self.stats.copied += len(tensors)
+        group = Staged(self, target.numpy(), size, buffer, event, joined if event else None)
+        group.users = len(tensors)
+        ends = np.cumsum(sizes).tolist()
+        return [
+            Staged(self, group.view[end - n : end], 0, shared=group)
+            for n, end in zip(sizes, ends, strict=True)
+        ]
 
     def close(self) -> None:
         """Drop the idle buffers (buffers still staged are dropped on release)."""
@@ -297,11 +360,10 @@ DIGEST_CHUNK = 1024**2
 
 
 GROUP_TENSOR_BYTES = 1 << 20
-"""Tensors smaller than this are diffed on their device in groups (:meth:`DeviceSnapshot.
-changes_of_group`): a handful of device ops and two waits for a group instead of for each
-tensor, which a model of tens of thousands of small tensors (MoE experts) would pay per tensor."""
-GROUP_BYTES = 16 << 20  # a group's tensor bytes at most (its positions take up to 8 per element)
-GROUP_TENSORS = 1024  # a group's tensors at most
+"""Torch tensors smaller than this that would take device calls of their own (diffed on their
+device, or copied through the pool) are handled in groups of up to a pool task's batch: a
+handful of calls, and of waits for the device, for a group instead of for each tensor, which
+a model of tens of thousands of small tensors (MoE experts) would pay per tensor."""
 
 
 class DeviceSnapshot:

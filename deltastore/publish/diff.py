@@ -21,8 +21,7 @@ from deltastore.errors import PublishError
 from deltastore.progress import ProgressCallback, ProgressMeter
 from deltastore.publish.config import Settings
 from deltastore.publish.device import (
-    GROUP_BYTES,
-    GROUP_TENSORS,
+    GROUP_TENSOR_BYTES,
     HostStager,
     Staged,
     StagerStats,
@@ -144,38 +143,80 @@ class _Diff:
         self.group_bytes = 0
 
     def take(self, name: str, tensor: Any) -> None:
-        """Check and load one tensor, diff it on its device or stage it, into the open batch
-        (a small one diffed on its device waits in the device group, kept in order)."""
+        """Check and load one tensor, diff it on its device or stage it, into the open batch;
+        a small one that would take torch calls of its own waits in the group (kept in
+        order), diffed or staged with the others in a few calls."""
         nbytes, itemsize = self._check(name, tensor)
         begun = time.perf_counter()
         old = self.held.old_bytes(name, self.stream)
         loaded = time.perf_counter()
         self.metrics["load_s"] += loaded - begun
         device = self.held.device
-        if device is not None and device.groupable(tensor, nbytes):
+        if self._groupable(tensor, nbytes):
+            if self.group and self.group_bytes + nbytes > self.batch_limit:
+                self._flush_group()
             self.group.append((name, tensor, old, itemsize))
             self.group_bytes += nbytes
-            if self.group_bytes >= GROUP_BYTES or len(self.group) >= GROUP_TENSORS:
-                self._diff_group()
+            if len(self.group) >= BATCH_TENSORS:
+                self._flush_group()
             return
-        self._diff_group()  # the group's tensors go first, as passed
+        self._flush_group()  # the group's tensors go first, as passed
         changes = None
         if device is not None:
             changes = device.changes(name, tensor, old, itemsize, self.stager.stats)
             self.metrics["copy_s"] += time.perf_counter() - loaded  # the diff on the device
         self._queue(name, tensor, nbytes, old, itemsize, changes)
 
-    def _diff_group(self) -> None:
-        """Diff the device group in one go and queue its tensors."""
+    def _groupable(self, tensor: Any, nbytes: int) -> bool:
+        """A small torch tensor diffed on its device, or else copied through the pool."""
+        if self.held.device is not None:
+            return self.held.device.groupable(tensor, nbytes)
+        return 0 < nbytes < GROUP_TENSOR_BYTES and self.stager.pooled(tensor)
+
+    def _flush_group(self) -> None:
+        """Diff the group on its device (``device_snapshot``) and stage what must be staged
+        in one pool buffer, then queue its tensors in one batch."""
         if not self.group:
             return
-        assert self.held.device is not None
         group, self.group, self.group_bytes = self.group, [], 0
-        begun = time.perf_counter()
-        found = self.held.device.changes_of_group(group, self.stager.stats)
-        self.metrics["copy_s"] += time.perf_counter() - begun
-        for (name, tensor, old, itemsize), changes in zip(group, found, strict=True):
-            self._queue(name, tensor, old.size, old, itemsize, changes)
+        stats = self.stager.stats
+        found: list[XorChanges | None] = [None] * len(group)
+        if self.held.device is not None:
+            begun = time.perf_counter()
+            found = self.held.device.changes_of_group(group, stats)
+            self.metrics["copy_s"] += time.perf_counter() - begun
+        pooled = [
+            i for i, (_, t, _, _) in enumerate(group) if found[i] is None and self.stager.pooled(t)
+        ]
+        charge = sum(changes.nbytes for changes in found if changes is not None)
+        if pooled:
+            charge += self.stager.group_charge(sum(group[i][2].size for i in pooled))
+        # The open batch holds budget nobody releases: it must leave room for the group's,
+        # or staging it would wait forever.
+        if self.batch and (
+            self.batch_bytes + charge > self.batch_limit
+            or len(self.batch) + len(group) > BATCH_TENSORS
+        ):
+            self.submit()
+        staged: dict[int, Staged] = {}
+        if pooled:
+            waited, staging = stats.budget_wait_s, time.perf_counter()
+            copies = self.stager.stage_group([group[i][:2] for i in pooled])
+            waited = stats.budget_wait_s - waited
+            self.metrics["copy_s"] += time.perf_counter() - staging - waited
+            staged = dict(zip(pooled, copies, strict=True))
+        alone = []  # neither diffed nor pooled: viewed in place, each as ever
+        for i, (name, _, old, itemsize) in enumerate(group):
+            if found[i] is None and i not in staged:
+                alone.append(i)
+                continue
+            self.batch.append(_Item(name, old, staged.get(i), itemsize, found[i]))
+        self.batch_bytes += charge
+        if self.batch_bytes >= self.batch_limit or len(self.batch) >= BATCH_TENSORS:
+            self.submit()
+        for i in alone:
+            name, tensor, old, itemsize = group[i]
+            self._queue(name, tensor, old.size, old, itemsize, None)
 
     def _queue(
         self,
@@ -275,8 +316,8 @@ class _Diff:
             self._take_oldest()
 
     def finish(self) -> DiffResult:
-        """Diff the device group, submit the open batch and wait for every result."""
-        self._diff_group()
+        """Flush the group, submit the open batch and wait for every result."""
+        self._flush_group()
         if self.batch:
             self.submit()
         while self.pending:

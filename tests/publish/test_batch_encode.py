@@ -80,10 +80,13 @@ def test_compiled_and_numpy_publishes_pull_to_the_same_bytes(
     assert checkpoint_bytes(host) == checkpoint_bytes(numpy_host)
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["viewed", "pooled"])
 def test_a_pool_task_encodes_its_tensors_in_one_call(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pooled: bool
 ):
-    """Small tensors go to the encoding as batches, not one ``encode`` call each."""
+    """Small tensors go to the encoding as batches, not one ``encode`` call each; also when
+    they are copied through the buffer pool, as from a GPU (each took a whole 1 MiB buffer of
+    the batch's bytes there, so a batch held four)."""
     model = many_small(0)
     base = make_checkpoint(tmp_path / "base", model)
     batches: list[int] = []
@@ -96,7 +99,9 @@ def test_a_pool_task_encodes_its_tensors_in_one_call(
     monkeypatch.setattr(Encoding, "encode_framed", counting)
     for cls in (CompactSparseEncoding, AutoEncoding):  # both override it
         monkeypatch.setattr(cls, "encode_framed", counting)
-    publisher = ds.DeltaPublisher(ds.VersionStore(tmp_path / "s"), base, encoding="auto")
+    publisher = ds.DeltaPublisher(
+        ds.VersionStore(tmp_path / "s"), base, encoding="auto", stage_host_tensors=pooled
+    )
     publisher.seed()
     batches.clear()  # (seed() warms the compiled kernels up with a few calls of its own)
     publisher.publish(step(model, 1).items())

@@ -67,11 +67,16 @@ def _steps(base: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def _publish(
-    tmp_path: Path, label: str, base_dir: Path, encoding: str, on_device: bool
+    tmp_path: Path, label: str, base_dir: Path, encoding: str, on_device: bool, pooled: bool
 ) -> tuple[ds.VersionStore, dict[int, dict[str, torch.Tensor]], list[StagerStats]]:
     store = ds.VersionStore(tmp_path / label)
     publisher = ds.DeltaPublisher(
-        store, base_dir, encoding=encoding, device_snapshot=on_device, workers=2
+        store,
+        base_dir,
+        encoding=encoding,
+        device_snapshot=on_device,
+        workers=2,
+        stage_host_tensors=pooled,  # what is staged goes through the pool, as from a GPU
     )
     publisher.seed()
     models, stats = {}, []
@@ -95,23 +100,24 @@ def _files(store: ds.VersionStore, version: int) -> dict[str, bytes]:
 
 GROUPING = {
     "grouped": {},  # every tensor here is small: all in one group
-    "groups-of-3": {"GROUP_TENSORS": 3},  # a group closed by its count, mid-model
+    "groups-of-3": {"BATCH_TENSORS": 3},  # a group closed by its count, mid-model
     "one-by-one": {"GROUP_TENSOR_BYTES": 0},  # none grouped: each diffed alone
 }
 
 
 @pytest.mark.filterwarnings("ignore:weight_v000002 changed")
+@pytest.mark.parametrize("pooled", [False, True], ids=["viewed", "pooled"])
 @pytest.mark.parametrize("grouping", sorted(GROUPING))
 @pytest.mark.parametrize("encoding", ["xor", "overwrite", "sparse-v2", "auto"])
 def test_versions_are_those_of_the_staged_path(
-    tmp_path: Path, encoding: str, grouping: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, encoding: str, grouping: str, pooled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for constant, value in GROUPING[grouping].items():
-        monkeypatch.setattr(device, constant, value)
+        monkeypatch.setattr(device, constant, value, raising=False)
         monkeypatch.setattr(diff, constant, value, raising=False)
     base_dir = make_checkpoint(tmp_path / "base", _model())
-    staged, models, _ = _publish(tmp_path, "staged", base_dir, encoding, on_device=False)
-    on_device, device_models, stats = _publish(tmp_path, "device", base_dir, encoding, True)
+    staged, models, _ = _publish(tmp_path, "staged", base_dir, encoding, False, pooled)
+    on_device, device_models, stats = _publish(tmp_path, "device", base_dir, encoding, True, pooled)
     assert staged.versions() == on_device.versions() == [1, 2, 3, 4, 5]
     for version in staged.versions():
         assert _files(on_device, version) == _files(staged, version), version

@@ -195,3 +195,27 @@ def test_a_model_of_mixed_tensor_sizes_publishes_through_the_buffer_pool(tmp_pat
         ds.pull_weights(local, store, step, base_dir=base)
         got = checkpoint_bytes(local)
         assert all(got[n] == raw_bytes(t) for n, t in model.items())
+
+
+def test_a_group_is_staged_in_one_buffer_returned_with_its_last_tensor() -> None:
+    stager = HostStager(64 * MIB, stage_host_tensors=True)
+    g = torch.Generator().manual_seed(9)
+    tensors = [
+        ("a", torch.randn(100, generator=g).to(torch.bfloat16)),
+        ("b", torch.randn(7, 3, generator=g).t()),  # not contiguous: its logical bytes
+        ("c", torch.randint(0, 255, (33,), generator=g, dtype=torch.uint8)),
+    ]
+    staged = stager.stage_group(tensors)
+    for (name, tensor), one in zip(tensors, staged, strict=True):
+        assert one.wait().tobytes() == raw_bytes(tensor.contiguous()), name
+    assert (stager.stats.staged, stager.stats.copied, stager.stats.buffers_allocated) == (3, 3, 1)
+    assert stager.in_flight_bytes == MIB  # one buffer for the three
+    staged[0].release()
+    staged[0].release()  # idempotent: the buffer is not returned early
+    staged[2].release()
+    assert stager.in_flight_bytes == MIB
+    staged[1].release()
+    assert stager.in_flight_bytes == 0
+    again = stager.stage_group(tensors[:1])
+    assert stager.stats.buffers_allocated == 1  # the group's buffer, reused
+    again[0].release()
