@@ -239,16 +239,17 @@ class HostStager:
         return _round_up(nbytes)
 
     def stage_group(self, tensors: list[tuple[str, Any]]) -> list[Staged]:
-        """Stage small torch tensors that :meth:`stage` would copy through the pool, into one
-        pool buffer: one concatenation on their device, one copy and one event for all. Each
-        torch call the producer makes releases and retakes the GIL, which under a busy encode
-        pool costs it far more than a small copy; per tensor that was most of a publish of
-        thousands of small tensors. The buffer returns when the last of them is released."""
+        """Stage small torch tensors of one device that :meth:`stage` would copy through the
+        pool, into one pool buffer: one concatenation on their device, one copy and one event
+        for all. Each torch call the producer makes releases and retakes the GIL, which under a
+        busy encode pool costs it far more than a small copy; per tensor that was most of a
+        publish of thousands of small tensors. The buffer returns when the last of them is
+        released."""
         import torch
 
         flats = [_flat_bytes(torch, tensor) for _, tensor in tensors]
-        if len({flat.device for flat in flats}) > 1:  # one concatenation needs one device
-            return [self.stage(name, tensor) for name, tensor in tensors]
+        if len({flat.device for flat in flats}) > 1:
+            raise PublishError("a staged group must hold tensors of one device")
         sizes = [int(flat.numel()) for flat in flats]
         total = sum(sizes)
         size = _round_up(total)

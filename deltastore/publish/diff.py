@@ -153,7 +153,10 @@ class _Diff:
         self.metrics["load_s"] += loaded - begun
         device = self.held.device
         if self._groupable(tensor, nbytes):
-            if self.group and self.group_bytes + nbytes > self.batch_limit:
+            if self.group and (
+                self.group_bytes + nbytes > self.batch_limit
+                or tensor.device != self.group[0][1].device  # one group, one device
+            ):
                 self._flush_group()
             self.group.append((name, tensor, old, itemsize))
             self.group_bytes += nbytes
