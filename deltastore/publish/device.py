@@ -424,34 +424,20 @@ class DeviceSnapshot:
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(tensor, torch.Tensor):
             return None
-        size = element_size(old.size, itemsize)
-        stats.device_diffed += 1
         if not old.size:  # nothing to change (and torch will not view an empty one as ints)
+            stats.device_diffed += 1
+            size = element_size(old.size, itemsize)
             return XorChanges(np.zeros(0, np.int64), np.zeros(0, f"<u{size}"))
-        flat = _flat_bytes(torch, tensor)
-        kind = getattr(torch, DEVICE_INTS[size])
-        before = self._copy_for(name, flat, old, stats).view(kind)
-        after = flat.view(kind)
-        differs = before != after
-        count = int(torch.count_nonzero(differs))
-        if count * (8 + size) > old.size:
-            return None
-        positions = differs.nonzero().reshape(-1)
-        held_values = before[positions]
-        values = held_values ^ after[positions]
-        unsigned = np.dtype(f"<u{size}")
-        changed = XorChanges(positions.cpu().numpy(), values.cpu().numpy().view(unsigned))
-        stats.device_bytes_to_host += changed.nbytes + held_values.numel() * size
-        return self._checked(name, old, changed, held_values.cpu().numpy().view(unsigned))
+        return self.changes_of_group([(name, tensor, old, itemsize)], stats)[0]
 
     def changes_of_group(
         self, tensors: list[tuple[str, Any, ByteArray, int]], stats: StagerStats
     ) -> list[XorChanges | None]:
-        """:meth:`changes` of several small torch tensors (name, tensor, ``old``, item size),
-        in input order: per element size and device, the copies and the tensors are
-        concatenated there and diffed in one pass, and one transfer brings the changes of all.
-        A group whose changes would take more bytes than its tensors goes tensor by tensor,
-        so a dense step sends no more than :meth:`changes` would."""
+        """:meth:`changes` of non-empty torch tensors (name, tensor, ``old``, item size), in
+        input order: per element size and device, several are concatenated there and diffed
+        in one pass, and one transfer brings the changes of all. A group whose changes would
+        take more bytes than its tensors goes tensor by tensor, so a dense step sends no more
+        than each tensor alone would."""
         import torch
 
         found: list[XorChanges | None] = [None] * len(tensors)
@@ -462,38 +448,58 @@ class DeviceSnapshot:
                 (index, flat)
             )
         for (size, _), flats in members.items():
-            kind = getattr(torch, DEVICE_INTS[size])
-            copies = [
-                self._copy_for(tensors[i][0], flat, tensors[i][2], stats) for i, flat in flats
-            ]
+            if not self._diff_together(tensors, flats, size, found, stats):
+                for one in flats:
+                    self._diff_together(tensors, [one], size, found, stats)
+        return found
+
+    def _diff_together(
+        self,
+        tensors: list[tuple[str, Any, ByteArray, int]],
+        flats: list[tuple[int, Any]],
+        size: int,
+        found: list[XorChanges | None],
+        stats: StagerStats,
+    ) -> bool:
+        """Diff ``flats`` (an index into ``tensors`` and the tensor's bytes, all on one device)
+        in one pass into ``found``: a count, a ``nonzero`` and one transfer, the device's only
+        waits. False, with nothing sent, where several would send more than their bytes."""
+        import torch
+
+        kind = getattr(torch, DEVICE_INTS[size])
+        copies = [self._copy_for(tensors[i][0], flat, tensors[i][2], stats) for i, flat in flats]
+        if len(flats) == 1:  # no concatenation: a large tensor is diffed where it lies
+            before, after = copies[0].view(kind), flats[0][1].view(kind)
+        else:
             before = self._concatenated("copies", copies).view(kind)
             after = self._concatenated("tensors", [flat for _, flat in flats]).view(kind)
-            differs = before != after
-            if int(torch.count_nonzero(differs)) * (8 + size) > before.numel() * size:
-                for i, _ in flats:
-                    found[i] = self.changes(*tensors[i], stats)
-                continue
-            stats.device_diffed += len(flats)
-            positions = differs.nonzero().reshape(-1)
-            held_values = before[positions]
-            values = held_values ^ after[positions]
-            sent = torch.cat([t.view(torch.uint8) for t in (positions, values, held_values)])
-            host = sent.cpu().numpy()
-            stats.device_bytes_to_host += host.size
-            count, unsigned = positions.numel(), np.dtype(f"<u{size}")
-            at = host[: 8 * count].view(np.int64)
-            xors = host[8 * count : (8 + size) * count].view(unsigned)
-            helds = host[(8 + size) * count :].view(unsigned)
-            starts = np.cumsum([0] + [flat.numel() // size for _, flat in flats])
-            bounds = np.searchsorted(at, starts)
-            for k, (i, _) in enumerate(flats):
-                name, _, old, _ = tensors[i]
-                lo, hi = bounds[k], bounds[k + 1]
-                if (hi - lo) * (8 + size) > old.size:
-                    continue  # dense: staged whole
-                changed = XorChanges(at[lo:hi] - starts[k], xors[lo:hi])
-                found[i] = self._checked(name, old, changed, helds[lo:hi])
-        return found
+        differs = before != after
+        if int(torch.count_nonzero(differs)) * (8 + size) > before.numel() * size:
+            if len(flats) > 1:
+                return False
+            stats.device_diffed += 1
+            return True  # dense: staged whole
+        stats.device_diffed += len(flats)
+        positions = differs.nonzero().reshape(-1)
+        held_values = before[positions]
+        values = held_values ^ after[positions]
+        sent = torch.cat([t.view(torch.uint8) for t in (positions, values, held_values)])
+        host = sent.cpu().numpy()
+        stats.device_bytes_to_host += host.size
+        count, unsigned = positions.numel(), np.dtype(f"<u{size}")
+        at = host[: 8 * count].view(np.int64)
+        xors = host[8 * count : (8 + size) * count].view(unsigned)
+        helds = host[(8 + size) * count :].view(unsigned)
+        starts = np.cumsum([0] + [flat.numel() // size for _, flat in flats])
+        bounds = np.searchsorted(at, starts)
+        for k, (i, _) in enumerate(flats):
+            name, _, old, _ = tensors[i]
+            lo, hi = bounds[k], bounds[k + 1]
+            if (hi - lo) * (8 + size) > old.size:
+                continue  # dense: staged whole
+            changed = XorChanges(at[lo:hi] - starts[k], xors[lo:hi])
+            found[i] = self._checked(name, old, changed, helds[lo:hi])
+        return True
 
     def _checked(
         self, name: str, old: ByteArray, changed: XorChanges, held_values: np.ndarray

@@ -386,3 +386,12 @@ def test_a_group_waits_for_its_device_a_fixed_number_of_times(
     assert transfers == {"cpu": 2, "to": 2}  # the commit's changes: one transfer per kind
     again = held.changes_of_group(tensors, stats)
     assert all(f is not None and not f.positions.size for f in again)  # the copies moved
+    # A tensor diffed alone (a large one) waits as often as a group: one transfer, not three.
+    name, tensor, old, itemsize = tensors[0]
+    tensor[5] += 1.0
+    assert transfers == {"cpu": 4, "to": 2}
+    with _CountedOps() as ops:
+        alone = held.changes(name, tensor, old, itemsize, stats)
+    assert alone is not None and alone.positions.tolist() == [5]
+    assert (ops.counts["_local_scalar_dense"], ops.counts["nonzero"]) == (1, 1)
+    assert transfers == {"cpu": 5, "to": 2}
