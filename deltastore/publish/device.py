@@ -396,11 +396,9 @@ class DeviceSnapshot:
         """Whether ``tensor`` is diffed in a group: a non-empty torch tensor under
         :data:`GROUP_TENSOR_BYTES`."""
         torch = sys.modules.get("torch")
-        return (
-            torch is not None
-            and isinstance(tensor, torch.Tensor)
-            and 0 < nbytes < (GROUP_TENSOR_BYTES)
-        )
+        if torch is None or not isinstance(tensor, torch.Tensor):
+            return False
+        return 0 < nbytes < GROUP_TENSOR_BYTES
 
     def _copy_for(self, name: str, flat: Any, old: ByteArray, stats: StagerStats) -> Any:
         """The tensor's device copy, made from the host snapshot ``old`` where it has none on
@@ -543,8 +541,8 @@ class DeviceSnapshot:
         for (device, size), pairs in by_kind.items():
             counts = [int(changes.positions.size) for _, changes in pairs]
             packed = np.concatenate(
-                [changes.positions.view(np.uint8) for _, changes in pairs]
-                + [changes.values.view(np.uint8) for _, changes in pairs]
+                [np.ascontiguousarray(c.positions, np.int64).view(np.uint8) for _, c in pairs]
+                + [np.ascontiguousarray(c.values).view(np.uint8) for _, c in pairs]
             )
             sent = torch.from_numpy(packed).to(device)
             total = sum(counts)
