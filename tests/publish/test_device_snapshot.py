@@ -395,3 +395,18 @@ def test_a_group_waits_for_its_device_a_fixed_number_of_times(
     assert alone is not None and alone.positions.tolist() == [5]
     assert (ops.counts["_local_scalar_dense"], ops.counts["nonzero"]) == (1, 1)
     assert transfers == {"cpu": 5, "to": 2}
+
+
+def test_the_copies_advance_from_changes_of_any_index_type() -> None:
+    """Changes reach the commit from several places (the device diff, the encoder, a word
+    compare): int32 positions or strided values move the copy as int64 contiguous ones do."""
+    held, stats = DeviceSnapshot(), StagerStats()
+    old = np.arange(32, dtype=np.uint8)
+    tensor = torch.from_numpy(old.copy())
+    held.changes("t", tensor, old, 2, stats)  # the copy is made
+    values = np.array([[9, 0], [5, 0]], np.uint16)[:, 0]  # strided
+    held.advance_all([("t", XorChanges(np.array([1, 4], np.int32), values))])
+    moved = old.copy()
+    moved.view(np.uint16)[[1, 4]] ^= np.array([9, 5], np.uint16)
+    found = held.changes("t", torch.from_numpy(moved), old, 2, stats)
+    assert found is not None and found.positions.size == 0  # the copy is at the moved state
