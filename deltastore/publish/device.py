@@ -212,27 +212,33 @@ class HostStager:
 
         if not isinstance(tensor, torch.Tensor):
             raise not_a_tensor(name, tensor)
-        flat = _flat_bytes(torch, tensor)
-        nbytes = flat.numel()
-        size = _round_up(nbytes)
+        staged = self._pool_copy(torch, [_flat_bytes(torch, tensor)])
+        self.stats.copied += 1
+        return staged
+
+    def _pool_copy(self, torch: Any, flats: list[Any]) -> Staged:
+        """``flats`` (1-D ``uint8``, on one device) end to end in one pool buffer, copied
+        without blocking from a device (the :class:`Staged` waits on the copy's event)."""
+        total = sum(int(flat.numel()) for flat in flats)
+        size = _round_up(total)
         self._acquire(size)
         try:
             buffer = self._take_buffer(size)
-            target = buffer[:nbytes]
-            event = None
-            if flat.device.type == "cpu":
-                target.copy_(flat)
+            target = buffer[:total]
+            event = joined = None
+            if flats[0].device.type == "cpu":
+                torch.cat(flats, out=target)
             else:
+                joined = flats[0] if len(flats) == 1 else torch.cat(flats)
                 pinned = buffer.is_pinned()
-                target.copy_(flat, non_blocking=pinned)
+                target.copy_(joined, non_blocking=pinned)
                 if pinned:
                     event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(flat.device))
+                    event.record(torch.cuda.current_stream(joined.device))
         except BaseException:
             self._release(size, None)
             raise
-        self.stats.copied += 1
-        return Staged(self, target.numpy(), size, buffer, event, flat if event else None)
+        return Staged(self, target.numpy(), size, buffer, event, joined if event else None)
 
     def group_charge(self, nbytes: int) -> int:
         """Budget bytes :meth:`stage_group` holds for tensors of ``nbytes`` in all."""
@@ -250,30 +256,11 @@ class HostStager:
         flats = [_flat_bytes(torch, tensor) for _, tensor in tensors]
         if len({flat.device for flat in flats}) > 1:
             raise PublishError("a staged group must hold tensors of one device")
-        sizes = [int(flat.numel()) for flat in flats]
-        total = sum(sizes)
-        size = _round_up(total)
         self.stats.staged += len(tensors)
-        self._acquire(size)
-        try:
-            buffer = self._take_buffer(size)
-            target = buffer[:total]
-            event = joined = None
-            if flats[0].device.type == "cpu":
-                torch.cat(flats, out=target)
-            else:
-                joined = torch.cat(flats)
-                pinned = buffer.is_pinned()
-                target.copy_(joined, non_blocking=pinned)
-                if pinned:
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(joined.device))
-        except BaseException:
-            self._release(size, None)
-            raise
+        group = self._pool_copy(torch, flats)
         self.stats.copied += len(tensors)
-        group = Staged(self, target.numpy(), size, buffer, event, joined if event else None)
         group.users = len(tensors)
+        sizes = [int(flat.numel()) for flat in flats]
         ends = np.cumsum(sizes).tolist()
         return [
             Staged(self, group.view[end - n : end], 0, shared=group)
