@@ -212,7 +212,7 @@ class HostStager:
 
         if not isinstance(tensor, torch.Tensor):
             raise not_a_tensor(name, tensor)
-        staged = self._pool_copy(torch, [_flat_bytes(torch, tensor)])
+        staged = self._pool_copy(torch, [flat_bytes(torch, tensor)])
         self.stats.copied += 1
         return staged
 
@@ -244,22 +244,20 @@ class HostStager:
         """Budget bytes :meth:`stage_group` holds for tensors of ``nbytes`` in all."""
         return _round_up(nbytes)
 
-    def stage_group(self, tensors: list[tuple[str, Any]]) -> list[Staged]:
-        """Stage small torch tensors of one device that :meth:`stage` would copy through the
-        pool, into one pool buffer: one concatenation on their device, one copy and one event
-        for all. Each torch call the producer makes releases and retakes the GIL, which under a
-        busy encode pool costs it far more than a small copy; per tensor that was most of a
-        publish of thousands of small tensors. The buffer returns when the last of them is
-        released."""
+    def stage_group(self, flats: list[Any]) -> list[Staged]:
+        """Stage the bytes of several small tensors (1-D ``uint8``, on one device) that
+        :meth:`stage` would copy through the pool one by one, into one pool buffer: one
+        concatenation on their device, one copy and one event for all. Each torch call the
+        producer makes releases and retakes the GIL, which under a busy encode pool costs it
+        far more than a small copy. The buffer returns when the last of them is released."""
         import torch
 
-        flats = [_flat_bytes(torch, tensor) for _, tensor in tensors]
         if len({flat.device for flat in flats}) > 1:
             raise PublishError("a staged group must hold tensors of one device")
-        self.stats.staged += len(tensors)
+        self.stats.staged += len(flats)
         group = self._pool_copy(torch, flats)
-        self.stats.copied += len(tensors)
-        group.users = len(tensors)
+        self.stats.copied += len(flats)
+        group.users = len(flats)
         sizes = [int(flat.numel()) for flat in flats]
         ends = np.cumsum(sizes).tolist()
         return [
@@ -315,11 +313,11 @@ def host_bytes(name: str, tensor: Any) -> ByteArray:
     import torch
 
     if isinstance(tensor, torch.Tensor):
-        return _flat_bytes(torch, tensor).cpu().numpy()
+        return flat_bytes(torch, tensor).cpu().numpy()
     raise not_a_tensor(name, tensor)
 
 
-def _flat_bytes(torch: Any, tensor: Any) -> Any:
+def flat_bytes(torch: Any, tensor: Any) -> Any:
     """A torch tensor's logical row-major bytes as a 1-D ``uint8`` tensor on its device: a
     lazily conjugated or negated view resolved (its memory is not its value), a non-contiguous
     one made contiguous, and a 0- or 1-element view with stride != 1 (torch calls it contiguous
@@ -416,19 +414,24 @@ class DeviceSnapshot:
         return self.changes_of_group([(name, tensor, old, itemsize)], stats)[0]
 
     def changes_of_group(
-        self, tensors: list[tuple[str, Any, ByteArray, int]], stats: StagerStats
+        self,
+        tensors: list[tuple[str, Any, ByteArray, int]],
+        stats: StagerStats,
+        *,
+        as_bytes: bool = False,
     ) -> list[XorChanges | None]:
         """:meth:`changes` of non-empty torch tensors (name, tensor, ``old``, item size), in
-        input order: per element size and device, several are concatenated there and diffed
-        in one pass, and one transfer brings the changes of all. A group whose changes would
-        take more bytes than its tensors goes tensor by tensor, so a dense step sends no more
-        than each tensor alone would."""
+        input order (``as_bytes``: each tensor given as its bytes, 1-D ``uint8``): per element
+        size and device, several are concatenated there and diffed in one pass, and one
+        transfer brings the changes of all. A group whose changes would take more bytes than
+        its tensors goes tensor by tensor, so a dense step sends no more than each tensor
+        alone would."""
         import torch
 
         found: list[XorChanges | None] = [None] * len(tensors)
         members: dict[tuple[int, Any], list[tuple[int, Any]]] = {}
         for index, (_, tensor, old, itemsize) in enumerate(tensors):
-            flat = _flat_bytes(torch, tensor)
+            flat = tensor if as_bytes else flat_bytes(torch, tensor)
             members.setdefault((element_size(old.size, itemsize), flat.device), []).append(
                 (index, flat)
             )

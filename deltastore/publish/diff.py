@@ -25,6 +25,7 @@ from deltastore.publish.device import (
     HostStager,
     Staged,
     StagerStats,
+    flat_bytes,
     hexdigest_after,
 )
 from deltastore.publish.messages import (
@@ -99,6 +100,17 @@ class _Item:
     """The change found on the tensor's device (``device_snapshot``; then nothing is staged)."""
 
 
+@dataclass
+class _Member:
+    """A small tensor in the open group, its bytes already copied (``piece``)."""
+
+    name: str
+    tensor: Any
+    old: ByteArray
+    itemsize: int
+    piece: Any
+
+
 BATCH_BYTES = 4 * 1024**2
 """Tensors smaller than this are encoded several per pool task, up to this many bytes a task:
 a task's fixed cost (a future, a queue hand-off, a lock) then spreads over many small tensors."""
@@ -139,13 +151,15 @@ class _Diff:
         self.batch: list[_Item] = []
         self.batch_bytes = 0
         self.seen: set[str] = set()
-        self.group: list[tuple[str, Any, ByteArray, int]] = []
+        self.group: list[_Member] = []
         self.group_bytes = 0
+        self.group_end = 0  # where the next piece may start in the device's buffer
+        self.gathered: dict[Any, Any] = {}  # device -> the group's bytes, copied as taken
 
     def take(self, name: str, tensor: Any) -> None:
         """Check and load one tensor, diff it on its device or stage it, into the open batch;
-        a small one that would take torch calls of its own waits in the group (kept in
-        order), diffed or staged with the others in a few calls."""
+        a small one that would take device calls of its own joins the group (kept in order),
+        diffed or staged with the others in a few calls."""
         nbytes, itemsize = self._check(name, tensor)
         begun = time.perf_counter()
         old = self.held.old_bytes(name, self.stream)
@@ -155,11 +169,12 @@ class _Diff:
         if self._groupable(tensor, nbytes):
             if self.group and (
                 self.group_bytes + nbytes > self.batch_limit
-                or tensor.device != self.group[0][1].device  # one group, one device
+                or tensor.device != self.group[0].tensor.device  # one group, one device
             ):
                 self._flush_group()
-            self.group.append((name, tensor, old, itemsize))
+            self.group.append(_Member(name, tensor, old, itemsize, self._gather(tensor, nbytes)))
             self.group_bytes += nbytes
+            self.metrics["copy_s"] += time.perf_counter() - loaded
             if len(self.group) >= BATCH_TENSORS:
                 self._flush_group()
             return
@@ -176,24 +191,42 @@ class _Diff:
             return self.held.device.groupable(tensor, nbytes)
         return 0 < nbytes < GROUP_TENSOR_BYTES and self.stager.pooled(tensor)
 
+    def _gather(self, tensor: Any, nbytes: int) -> Any:
+        """The tensor's bytes copied now, after the group's, into a buffer on its device: the
+        caller may reuse a tensor's memory once the next is asked for (a bucketed gather), and
+        a copy queued now runs before that on the device's stream."""
+        import torch
+
+        scratch = self.gathered.get(tensor.device)
+        if scratch is None:
+            size = max(self.batch_limit, GROUP_TENSOR_BYTES) + 8 * BATCH_TENSORS
+            scratch = torch.empty(size, dtype=torch.uint8, device=tensor.device)
+            self.gathered[tensor.device] = scratch
+        start = -(-self.group_end // 8) * 8  # 8-aligned: the bytes are viewed as elements
+        self.group_end = start + nbytes
+        piece = scratch[start : self.group_end]
+        piece.copy_(flat_bytes(torch, tensor))
+        return piece
+
     def _flush_group(self) -> None:
         """Diff the group on its device (``device_snapshot``) and stage what must be staged
         in one pool buffer, then queue its tensors in one batch."""
         if not self.group:
             return
-        group, self.group, self.group_bytes = self.group, [], 0
+        group, self.group, self.group_bytes, self.group_end = self.group, [], 0, 0
         stats = self.stager.stats
+        begun = time.perf_counter()
         found: list[XorChanges | None] = [None] * len(group)
         if self.held.device is not None:
-            begun = time.perf_counter()
-            found = self.held.device.changes_of_group(group, stats)
-            self.metrics["copy_s"] += time.perf_counter() - begun
+            found = self.held.device.changes_of_group(
+                [(m.name, m.piece, m.old, m.itemsize) for m in group], stats, as_bytes=True
+            )
         pooled = [
-            i for i, (_, t, _, _) in enumerate(group) if found[i] is None and self.stager.pooled(t)
+            i for i, m in enumerate(group) if found[i] is None and self.stager.pooled(m.tensor)
         ]
         charge = sum(changes.nbytes for changes in found if changes is not None)
         if pooled:
-            charge += self.stager.group_charge(sum(group[i][2].size for i in pooled))
+            charge += self.stager.group_charge(sum(group[i].old.size for i in pooled))
         # The open batch holds budget nobody releases: it must leave room for the group's,
         # or staging it would wait forever.
         if self.batch and (
@@ -203,23 +236,22 @@ class _Diff:
             self.submit()
         staged: dict[int, Staged] = {}
         if pooled:
-            waited, staging = stats.budget_wait_s, time.perf_counter()
-            copies = self.stager.stage_group([group[i][:2] for i in pooled])
-            waited = stats.budget_wait_s - waited
-            self.metrics["copy_s"] += time.perf_counter() - staging - waited
+            waited = stats.budget_wait_s
+            copies = self.stager.stage_group([group[i].piece for i in pooled])
+            begun += stats.budget_wait_s - waited  # the encoders' time, not the copy's
             staged = dict(zip(pooled, copies, strict=True))
+        self.metrics["copy_s"] += time.perf_counter() - begun
         alone = []  # neither diffed nor pooled: viewed in place, each as ever
-        for i, (name, _, old, itemsize) in enumerate(group):
+        for i, m in enumerate(group):
             if found[i] is None and i not in staged:
-                alone.append(i)
+                alone.append(m)
                 continue
-            self.batch.append(_Item(name, old, staged.get(i), itemsize, found[i]))
+            self.batch.append(_Item(m.name, m.old, staged.get(i), m.itemsize, found[i]))
         self.batch_bytes += charge
         if self.batch_bytes >= self.batch_limit or len(self.batch) >= BATCH_TENSORS:
             self.submit()
-        for i in alone:
-            name, tensor, old, itemsize = group[i]
-            self._queue(name, tensor, old.size, old, itemsize, None)
+        for m in alone:
+            self._queue(m.name, m.tensor, m.old.size, m.old, m.itemsize, None)
 
     def _queue(
         self,

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 import deltastore as ds
-from deltastore.publish.device import HostStager
+from deltastore.publish.device import HostStager, flat_bytes
 from tests.conftest import checkpoint_bytes, make_checkpoint, raw_bytes
 
 MIB = 1 << 20
@@ -205,7 +207,7 @@ def test_a_group_is_staged_in_one_buffer_returned_with_its_last_tensor() -> None
         ("b", torch.randn(7, 3, generator=g).t()),  # not contiguous: its logical bytes
         ("c", torch.randint(0, 255, (33,), generator=g, dtype=torch.uint8)),
     ]
-    staged = stager.stage_group(tensors)
+    staged = stager.stage_group([flat_bytes(torch, t) for _, t in tensors])
     for (name, tensor), one in zip(tensors, staged, strict=True):
         assert one.wait().tobytes() == raw_bytes(tensor.contiguous()), name
     assert (stager.stats.staged, stager.stats.copied, stager.stats.buffers_allocated) == (3, 3, 1)
@@ -216,6 +218,45 @@ def test_a_group_is_staged_in_one_buffer_returned_with_its_last_tensor() -> None
     assert stager.in_flight_bytes == MIB
     staged[1].release()
     assert stager.in_flight_bytes == 0
-    again = stager.stage_group(tensors[:1])
+    again = stager.stage_group([flat_bytes(torch, tensors[0][1])])
     assert stager.stats.buffers_allocated == 1  # the group's buffer, reused
     again[0].release()
+
+
+@pytest.mark.parametrize("device_snapshot", [False, True], ids=["staged", "device-snapshot"])
+def test_a_generator_may_reuse_one_buffer_for_every_tensor_it_yields(
+    tmp_path: Path, device_snapshot: bool
+) -> None:
+    """A bucketed gather yields each tensor in a buffer it fills again for the next: what
+    goes through the pool (a CUDA tensor, here ``stage_host_tensors``) is read as it is
+    taken, grouped or not, so each version holds the bytes each tensor had when yielded."""
+    g = torch.Generator().manual_seed(10)
+    model = {f"e{i:02d}": torch.randn(64, 64, generator=g).to(torch.bfloat16) for i in range(40)}
+    model["norm"] = torch.randn(256, generator=g)
+    model["big"] = torch.randn(1024, 1024, generator=g).to(torch.bfloat16)  # not grouped
+    base = make_checkpoint(tmp_path / "base", model)
+    store = ds.VersionStore(str(tmp_path / "store"))
+    pub = ds.DeltaPublisher(
+        store, base, workers=2, stage_host_tensors=True, device_snapshot=device_snapshot
+    )
+    pub.seed()
+
+    def bucketed() -> Iterator[tuple[str, torch.Tensor]]:
+        buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        for name, tensor in model.items():
+            buffer = buffers.setdefault((tensor.shape, tensor.dtype), torch.empty_like(tensor))
+            buffer.copy_(tensor)  # the gather, into the one buffer of this shape
+            yield name, buffer
+
+    for step in range(1, 3):
+        for i, tensor in enumerate(model.values()):
+            if step == 2 and i == 3:
+                tensor.add_(1.0)  # a dense change: staged whole
+            else:
+                tensor.view(-1)[(step + i) :: 61] += 1.0
+        pub.publish(bucketed())
+        local = tmp_path / f"local{step}"
+        ds.pull_weights(local, store, step, base_dir=base)
+        got = checkpoint_bytes(local)
+        wrong = [n for n, t in model.items() if got[n] != raw_bytes(t)]
+        assert not wrong, (step, wrong[:5])
