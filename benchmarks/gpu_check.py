@@ -2,9 +2,11 @@
 
 Exercises what CPU tests cannot: pinned host buffers, non-blocking device-to-host copies
 waited on by CUDA events inside the encode pool, non-contiguous device tensors, the pageable
-fallback (``pin_memory=False``), a full version from device tensors, and a 2-rank collective
-publish of device tensors (gloo coordination, spawned ranks sharing the GPU). Exits non-zero
-on any mismatch.
+fallback (``pin_memory=False``), the diff on the device (``device_snapshot``), tensors of
+mixed sizes (small ones grouped), a generator that refills one buffer for every tensor it
+yields (each tensor must be read before the next is asked for), a full version from device
+tensors, and a 2-rank collective publish of device tensors (gloo coordination, spawned ranks
+sharing the GPU). Exits non-zero on any mismatch.
 
     python benchmarks/gpu_check.py                 # on a machine with CUDA
     python benchmarks/gpu_check.py --device cpu    # same logic on CPU (host tensors staged)
@@ -18,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -72,6 +75,19 @@ def check_local(local: Path, expected: dict[str, Any]) -> None:
         raise SystemExit(f"FAIL: pulled tensors differ from the device tensors: {wrong[:5]}")
 
 
+def refilled(tensors: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Each tensor yielded in the one buffer of its shape and dtype, refilled for the next
+    (on the device's current stream, as a gather would): what a publish reads late is wrong."""
+    import torch
+
+    buffers: dict[tuple[Any, ...], Any] = {}
+    for name, tensor in tensors.items():
+        key = (tensor.shape, tensor.stride(), tensor.dtype)
+        buffer = buffers.setdefault(key, torch.empty_like(tensor))
+        buffer.copy_(tensor)
+        yield name, buffer
+
+
 def single_process(args: argparse.Namespace, tmp: Path, base: Path) -> None:
     import deltastore as ds
 
@@ -80,6 +96,9 @@ def single_process(args: argparse.Namespace, tmp: Path, base: Path) -> None:
         ("pinned", None, False),
         ("pageable", False, False),
         ("device-snapshot", None, True),  # the diff on the device, only changes to the host
+        # A bucketed gather: a generator refilling one buffer for each tensor it yields.
+        ("reused-buffer", None, False),
+        ("reused-buffer-device-snapshot", None, True),
     ):
         store = ds.VersionStore(str(tmp / f"store-{label}"))
         pub = ds.DeltaPublisher(
@@ -100,7 +119,8 @@ def single_process(args: argparse.Namespace, tmp: Path, base: Path) -> None:
             tensors[name0] = tensors[name0].t().contiguous().t()
             full = step == args.steps
             started = time.perf_counter()
-            result = pub.publish(tensors.items(), full=full)
+            passed = refilled(tensors) if label.startswith("reused") else tensors.items()
+            result = pub.publish(passed, full=full)
             seconds = time.perf_counter() - started
             metrics = pub.pop_metrics()
             staging = pub.last_staging
