@@ -172,9 +172,11 @@ class _Diff:
                 or tensor.device != self.group[0].tensor.device  # one group, one device
             ):
                 self._flush_group()
-            self.group.append(_Member(name, tensor, old, itemsize, self._gather(tensor, nbytes)))
+            gathering = time.perf_counter()
+            piece = self._gather(tensor, nbytes)
+            self.metrics["copy_s"] += time.perf_counter() - gathering
+            self.group.append(_Member(name, tensor, old, itemsize, piece))
             self.group_bytes += nbytes
-            self.metrics["copy_s"] += time.perf_counter() - loaded
             if len(self.group) >= BATCH_TENSORS:
                 self._flush_group()
             return
@@ -215,12 +217,13 @@ class _Diff:
             return
         group, self.group, self.group_bytes, self.group_end = self.group, [], 0, 0
         stats = self.stager.stats
-        begun = time.perf_counter()
         found: list[XorChanges | None] = [None] * len(group)
         if self.held.device is not None:
+            begun = time.perf_counter()
             found = self.held.device.changes_of_group(
                 [(m.name, m.piece, m.old, m.itemsize) for m in group], stats, as_bytes=True
             )
+            self.metrics["copy_s"] += time.perf_counter() - begun  # the diff on the device
         pooled = [
             i for i, m in enumerate(group) if found[i] is None and self.stager.pooled(m.tensor)
         ]
@@ -236,11 +239,12 @@ class _Diff:
             self.submit()
         staged: dict[int, Staged] = {}
         if pooled:
-            waited = stats.budget_wait_s
+            waited, staging = stats.budget_wait_s, time.perf_counter()
             copies = self.stager.stage_group([group[i].piece for i in pooled])
-            begun += stats.budget_wait_s - waited  # the encoders' time, not the copy's
+            # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
+            waited = stats.budget_wait_s - waited
+            self.metrics["copy_s"] += time.perf_counter() - staging - waited
             staged = dict(zip(pooled, copies, strict=True))
-        self.metrics["copy_s"] += time.perf_counter() - begun
         alone = []  # neither diffed nor pooled: viewed in place, each as ever
         for i, m in enumerate(group):
             if found[i] is None and i not in staged:

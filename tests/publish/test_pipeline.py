@@ -317,9 +317,11 @@ class _SlowXor(XorEncoding):
 
 
 @pytest.mark.filterwarnings("ignore:weight_v000001 changed")
-def test_copy_time_leaves_out_the_wait_for_a_busy_pool(tmp_path: Path) -> None:
-    """``copy_s`` is the staging of tensors (here views, no copy): the producer's wait for the
-    encode pool when the window of pending batches is full is the encoders' time, not it."""
+@pytest.mark.parametrize("pooled", [False, True], ids=["viewed", "pooled"])
+def test_copy_time_leaves_out_the_wait_for_a_busy_pool(tmp_path: Path, pooled: bool) -> None:
+    """``copy_s`` is the staging of tensors (views, or copies through the pool in groups, as
+    for CUDA tensors): the producer's wait for the encode pool when the window of pending
+    batches is full is the encoders' time, not it."""
     # 160 KB each against a batch limit of 256 KB: each next tensor submits the batch before
     # it is staged, and that submit waits while two batches are pending.
     model = {f"t{i}": torch.randn(40 * 1024) for i in range(16)}
@@ -332,6 +334,7 @@ def test_copy_time_leaves_out_the_wait_for_a_busy_pool(tmp_path: Path) -> None:
             encoding=_SlowXor.name,
             workers=1,
             max_inflight_bytes=512 * 1024,
+            stage_host_tensors=pooled,
         )
         publisher.seed()
         publisher.publish({name: tensor + 1 for name, tensor in model.items()})
@@ -339,4 +342,6 @@ def test_copy_time_leaves_out_the_wait_for_a_busy_pool(tmp_path: Path) -> None:
     finally:
         del ENCODINGS[_SlowXor.name]
     assert metrics["encode_s"] >= 16 * 0.04
-    assert metrics["copy_s"] < 0.1, metrics
+    # The producer waited for most of the encoders' 0.64 s; the copies themselves (2.6 MB
+    # through the pool when pooled) take a fraction of that.
+    assert metrics["copy_s"] < (0.3 if pooled else 0.1), metrics
