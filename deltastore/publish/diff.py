@@ -10,9 +10,9 @@ import concurrent.futures as cf
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,8 @@ from deltastore.publish.rank_state import RankSnapshot
 from deltastore.publish.snapshot import check_layout, nbytes_of
 from deltastore.publish.spool import Encoded, PayloadSpool
 from deltastore.storage.writer import VersionWriter
+
+T = TypeVar("T")
 
 NamedTensors = Iterable[tuple[str, Any]] | Mapping[str, Any]
 """What ``publish()`` takes: a mapping name → tensor (a state dict) or (name, tensor) pairs."""
@@ -163,8 +165,7 @@ class _Diff:
         nbytes, itemsize = self._check(name, tensor)
         begun = time.perf_counter()
         old = self.held.old_bytes(name, self.stream)
-        loaded = time.perf_counter()
-        self.metrics["load_s"] += loaded - begun
+        self.metrics["load_s"] += time.perf_counter() - begun
         device = self.held.device
         if self._groupable(tensor, nbytes):
             if self.group and (
@@ -172,9 +173,7 @@ class _Diff:
                 or tensor.device != self.group[0].tensor.device  # one group, one device
             ):
                 self._flush_group()
-            gathering = time.perf_counter()
-            piece = self._gather(tensor, nbytes)
-            self.metrics["copy_s"] += time.perf_counter() - gathering
+            piece = self._timed_copy(lambda: self._gather(tensor, nbytes))
             self.group.append(_Member(name, tensor, old, itemsize, piece))
             self.group_bytes += nbytes
             if len(self.group) >= BATCH_TENSORS:
@@ -182,9 +181,9 @@ class _Diff:
             return
         self._flush_group()  # the group's tensors go first, as passed
         changes = None
-        if device is not None:
-            changes = device.changes(name, tensor, old, itemsize, self.stager.stats)
-            self.metrics["copy_s"] += time.perf_counter() - loaded  # the diff on the device
+        if device is not None:  # the diff on the device counts as the copy
+            stats = self.stager.stats
+            changes = self._timed_copy(lambda: device.changes(name, tensor, old, itemsize, stats))
         self._queue(name, tensor, nbytes, old, itemsize, changes)
 
     def _groupable(self, tensor: Any, nbytes: int) -> bool:
@@ -218,42 +217,30 @@ class _Diff:
         group, self.group, self.group_bytes, self.group_end = self.group, [], 0, 0
         stats = self.stager.stats
         found: list[XorChanges | None] = [None] * len(group)
-        if self.held.device is not None:
-            begun = time.perf_counter()
-            found = self.held.device.changes_of_group(
-                [(m.name, m.piece, m.old, m.itemsize) for m in group], stats, as_bytes=True
-            )
-            self.metrics["copy_s"] += time.perf_counter() - begun  # the diff on the device
+        device = self.held.device
+        if device is not None:  # the diff on the device counts as the copy
+            members = [(m.name, m.piece, m.old, m.itemsize) for m in group]
+            found = self._timed_copy(lambda: device.changes_of_group(members, stats, as_bytes=True))
         pooled = [
             i for i, m in enumerate(group) if found[i] is None and self.stager.pooled(m.tensor)
         ]
         charge = sum(changes.nbytes for changes in found if changes is not None)
         if pooled:
             charge += self.stager.group_charge(sum(group[i].old.size for i in pooled))
-        # The open batch holds budget nobody releases: it must leave room for the group's,
-        # or staging it would wait forever.
-        if self.batch and (
-            self.batch_bytes + charge > self.batch_limit
-            or len(self.batch) + len(group) > BATCH_TENSORS
-        ):
-            self.submit()
+        self._make_room(charge, len(group))
         staged: dict[int, Staged] = {}
         if pooled:
-            waited, staging = stats.budget_wait_s, time.perf_counter()
-            copies = self.stager.stage_group([group[i].piece for i in pooled])
-            # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
-            waited = stats.budget_wait_s - waited
-            self.metrics["copy_s"] += time.perf_counter() - staging - waited
+            pieces = [group[i].piece for i in pooled]
+            copies = self._timed_copy(lambda: self.stager.stage_group(pieces))
             staged = dict(zip(pooled, copies, strict=True))
         alone = []  # neither diffed nor pooled: viewed in place, each as ever
+        items = []
         for i, m in enumerate(group):
             if found[i] is None and i not in staged:
                 alone.append(m)
                 continue
-            self.batch.append(_Item(m.name, m.old, staged.get(i), m.itemsize, found[i]))
-        self.batch_bytes += charge
-        if self.batch_bytes >= self.batch_limit or len(self.batch) >= BATCH_TENSORS:
-            self.submit()
+            items.append(_Item(m.name, m.old, staged.get(i), m.itemsize, found[i]))
+        self._add(items, charge)
         for m in alone:
             self._queue(m.name, m.tensor, m.old.size, m.old, m.itemsize, None)
 
@@ -267,23 +254,38 @@ class _Diff:
         changes: XorChanges | None,
     ) -> None:
         """Put a tensor into the open batch: its changes, or else its bytes staged."""
-        stats = self.stager.stats
         charge = self.stager.charge_for(tensor, nbytes) if changes is None else changes.nbytes
-        # The open batch holds budget nobody releases: it must leave room for this tensor, or
-        # staging it would wait forever.
-        if self.batch and self.batch_bytes + charge > self.batch_limit:
-            self.submit()
+        self._make_room(charge, 1)
         staged = None
         if changes is None:
-            waited, staging = stats.budget_wait_s, time.perf_counter()
-            staged = self.stager.stage(name, tensor)
-            # Time spent waiting for the in-flight budget is the encoders' time, not the copy's.
-            waited = stats.budget_wait_s - waited
-            self.metrics["copy_s"] += time.perf_counter() - staging - waited
-        self.batch.append(_Item(name, old, staged, itemsize, changes))
+            staged = self._timed_copy(lambda: self.stager.stage(name, tensor))
+        self._add([_Item(name, old, staged, itemsize, changes)], charge)
+
+    def _make_room(self, charge: int, count: int) -> None:
+        """Submit the open batch where ``count`` more tensors holding ``charge`` budget bytes
+        would not fit in it: it holds budget nobody releases, so staging them into it could
+        wait forever."""
+        if self.batch and (
+            self.batch_bytes + charge > self.batch_limit or len(self.batch) + count > BATCH_TENSORS
+        ):
+            self.submit()
+
+    def _add(self, items: list[_Item], charge: int) -> None:
+        """Items into the open batch, submitted once full."""
+        self.batch += items
         self.batch_bytes += charge
         if self.batch_bytes >= self.batch_limit or len(self.batch) >= BATCH_TENSORS:
             self.submit()
+
+    def _timed_copy(self, stage: Callable[[], T]) -> T:
+        """``stage()``, its time counted in ``copy_s`` less its wait for the in-flight budget
+        (the encoders' time, not the copy's)."""
+        stats = self.stager.stats
+        waited, begun = stats.budget_wait_s, time.perf_counter()
+        staged = stage()
+        waited = stats.budget_wait_s - waited
+        self.metrics["copy_s"] += time.perf_counter() - begun - waited
+        return staged
 
     def _check(self, name: str, tensor: Any) -> tuple[int, int]:
         """Refuse a tensor passed twice, unknown to the base or of another layout; else its size

@@ -345,3 +345,47 @@ def test_copy_time_leaves_out_the_wait_for_a_busy_pool(tmp_path: Path, pooled: b
     # The producer waited for most of the encoders' 0.64 s; the copies themselves (2.6 MB
     # through the pool when pooled) take a fraction of that.
     assert metrics["copy_s"] < (0.3 if pooled else 0.1), metrics
+
+
+class _SlowerXor(_SlowXor):
+    """As :class:`_SlowXor`, 100 ms an encode call in all: waits that dwarf a diff on a busy
+    machine."""
+
+    name = "test-slower-xor"
+
+    def encode_framed(self, olds: Any, news: Any, itemsizes: Any) -> Any:
+        time.sleep(0.06)
+        return super().encode_framed(olds, news, itemsizes)
+
+
+@pytest.mark.filterwarnings("ignore:weight_v000001 changed")
+def test_copy_time_of_a_device_diff_leaves_out_the_group_flushed_before_it(
+    tmp_path: Path,
+) -> None:
+    """With ``device_snapshot``, a large tensor's diff is timed alone: the small tensors'
+    group flushed just before it (whose batches wait for a busy pool) is not counted again."""
+    # Small (160 KB, grouped) and large (1.25 MB, diffed alone) tensors alternate: each large
+    # one flushes the group, and the flush's batches wait while two are pending.
+    model = {}
+    for i in range(6):
+        model[f"s{i}"] = torch.randn(40 * 1024)
+        model[f"l{i}"] = torch.randn(320 * 1024)
+    base_dir = make_checkpoint(tmp_path / "base", model)
+    ENCODINGS[_SlowerXor.name] = _SlowerXor()
+    try:
+        publisher = ds.DeltaPublisher(
+            tmp_path / "store",
+            base_dir,
+            encoding=_SlowerXor.name,
+            workers=1,
+            max_inflight_bytes=512 * 1024,
+            device_snapshot=True,
+        )
+        publisher.seed()
+        publisher.publish({name: tensor + 1 for name, tensor in model.items()})
+        metrics = publisher.pop_metrics()
+    finally:
+        del ENCODINGS[_SlowerXor.name]
+    assert metrics["encode_s"] >= 12 * 0.1
+    # The diffs take a few hundredths of a second; counting the flushes' waits, about 0.5 s.
+    assert metrics["copy_s"] < 0.25, metrics
